@@ -1,0 +1,30 @@
+"""Checkpoint: what every reader returns, config plus tensors named as transformers names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SmolConfig
+from ..errors import SmolError
+
+
+@dataclass
+class Checkpoint:
+    config: SmolConfig
+    tensors: dict[str, torch.Tensor]
+    files: dict[str, str] = field(default_factory=dict)  # tensor name -> where it came from, for errors
+    source: str = ""
+
+    def check(self, expected: dict[str, torch.Size]) -> None:
+        """Every tensor the model needs is here with the right shape, and nothing else is."""
+        for name in sorted(expected.keys() - self.tensors.keys()):
+            raise SmolError(f"{self.source}: missing tensor {name}")
+        for name in sorted(self.tensors.keys() - expected.keys()):
+            raise SmolError(f"{self.files.get(name, self.source)}: unexpected tensor {name}")
+        for name, shape in expected.items():
+            got = self.tensors[name].shape
+            if got != shape:
+                raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} has shape {tuple(got)} "
+                                f"but the config needs {tuple(shape)}")

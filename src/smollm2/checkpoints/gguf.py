@@ -1,0 +1,124 @@
+"""GGUF files (llama architecture): metadata -> config, tensors dequantized with the gguf library.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj so that each head's rotary pairs sit side by
+side (its interleaved RoPE); the model here uses the rotate-half layout of transformers, so it is undone.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from ..config import SmolConfig
+from ..errors import SmolError
+from .checkpoint import Checkpoint
+
+TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+            "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Parsing the metadata takes seconds (49k tokens); the model and the tokenizer share one reading."""
+    stat = Path(path).stat()
+    return _open_gguf(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
+
+
+def metadata(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_name(name: str, path: Path) -> str:
+    if name in TOP_LEVEL:
+        return TOP_LEVEL[name]
+    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in IN_BLOCK:
+        return f"model.layers.{parts[1]}.{IN_BLOCK[parts[2]]}.{parts[3]}"
+    raise SmolError(f"{path}: unexpected tensor {name}")
+
+
+def _float32(value) -> float:
+    # GGUF stores float32; 7 significant digits give back the decimal the config had (1e-5, not 9.99e-6).
+    return float(f"{float(value):.7g}")
+
+
+def gguf_config(reader: GGUFReader, path: Path) -> SmolConfig:
+    arch = metadata(reader, "general.architecture")
+    if arch != "llama":
+        raise SmolError(f"{path}: unsupported architecture {arch!r}; only 'llama' GGUF files are supported")
+    names = {t.name for t in reader.tensors}
+
+    def need(key):
+        value = metadata(reader, f"llama.{key}")
+        if value is None:
+            raise SmolError(f"{path}: missing metadata llama.{key}")
+        return value
+
+    if metadata(reader, "llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
+        raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
+    n_heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    return SmolConfig(
+        vocab_size=int(metadata(reader, "llama.vocab_size", len(tokens) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(metadata(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=int(metadata(reader, "llama.attention.key_length", hidden // n_heads)),
+        max_position_embeddings=int(need("context_length")),
+        rope_theta=_float32(metadata(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon")),
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation: per head, rows (pair, half) -> (half, pair)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> Checkpoint:
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    tensors, files = {}, {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
+        name = hf_name(t.name, path)
+        try:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            values = dequantize(t.data, qtype)
+            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute(w, config.num_attention_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute(w, config.num_key_value_heads)
+        tensors[name], files[name] = w, f"{path} ({t.name})"
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(config, tensors, files, str(path))

@@ -1,0 +1,74 @@
+"""HF model directories: config.json + model.safetensors (or a sharded index), read and written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..config import SmolConfig
+from ..errors import SmolError
+from .checkpoint import Checkpoint
+
+INDEX = "model.safetensors.index.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SmolError(f"{path}: cannot read JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SmolError(f"{path}: expected a JSON object")
+    return data
+
+
+def _shards(directory: Path) -> list[Path]:
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    if (directory / INDEX).is_file():
+        weight_map = _read_json(directory / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SmolError(f"{directory / INDEX}: no weight_map")
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    for name in PICKLES:
+        if (directory / name).exists():
+            raise SmolError(f"{directory / name}: refusing to load a pickle checkpoint, which can run "
+                            "arbitrary code; convert it to safetensors")
+    raise SmolError(f"{directory}: no model.safetensors or {INDEX}")
+
+
+def sanitize(config: SmolConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop what some checkpoints carry but the model computes: rotary tables and a tied lm_head copy."""
+    return {k: v for k, v in tensors.items()
+            if not k.endswith("rotary_emb.inv_freq") and not (config.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def read_hf(directory: Path) -> Checkpoint:
+    if not (directory / "config.json").is_file():
+        raise SmolError(f"{directory}: no config.json")
+    config = SmolConfig.from_json(directory / "config.json")
+    tensors, files = {}, {}
+    for shard in _shards(directory):
+        if not shard.is_file():
+            raise SmolError(f"{shard}: listed in {INDEX} but missing")
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name], files[name] = f.get_tensor(name), str(shard)
+        except (SafetensorError, OSError) as e:
+            raise SmolError(f"{shard}: truncated or corrupt safetensors file ({e})") from None
+    return Checkpoint(config, sanitize(config, tensors), files, str(directory))
+
+
+def save_hf(config: SmolConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps({**config.to_hf(), "torch_dtype": dtype}, indent=2) + "\n")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

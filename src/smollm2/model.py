@@ -1,0 +1,230 @@
+"""SmolLM2: a LLaMA-architecture decoder-only transformer, read top to bottom.
+
+    tokens -> embed -> N x [RMSNorm -> attention (RoPE, grouped-query, KV cache) -> +residual
+                            RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> tied lm_head -> logits
+
+Module and parameter names are exactly transformers' LlamaForCausalLM's, so a HF state dict loads as is.
+Numerics follow transformers: norms and softmax accumulate in float32; RoPE angles come from integer
+positions in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import SmolConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Accumulate in float32: bf16 squares lose most of their digits.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, (max_position_embeddings, head_dim), float32.
+
+    Positions are integers turned into float32 (exact up to 2**24); bf16 cannot count past 256.
+    """
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    positions = torch.arange(config.max_position_embeddings, device=device).float()
+    angles = torch.outer(positions, inv_freq)  # (P, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (P, hd): non-interleaved halves, as HF
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, heads, hd); cos, sin: (B, T, 1, hd). Rotate-half layout: pairs are (i, i + hd/2).
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """A static cache, (B, n_kv, max_len, hd) per layer, written in place at each token's position.
+
+    Nothing is re-copied per token; slot s of row b holds position s of that row's sequence.
+    """
+
+    def __init__(self, config: SmolConfig, batch_size: int, max_len: int, device=None, dtype=None):
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.batch_index = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]); returns the whole (B, n_kv, S, hd).
+        self.k[layer][self.batch_index, :, input_pos] = k
+        self.v[layer][self.batch_index, :, input_pos] = v
+        return self.k[layer], self.v[layer]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: SmolConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv = layer, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, config.hidden_size, bias=bias)
+
+    def forward(self, x, rope, mask, cache: KVCache | None, input_pos):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
+        else:
+            k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
+        # enable_gqa shares each K/V head with its group of query heads without copying them.
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv != self.n_heads)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: SmolConfig):
+        super().__init__()
+        c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(c, i, bias=bias)
+        self.up_proj = nn.Linear(c, i, bias=bias)
+        self.down_proj = nn.Linear(i, c, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config: SmolConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, mask, cache, input_pos):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SmolLM2(nn.Module):
+    def __init__(self, config: SmolConfig):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+            layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
+            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+        ))
+        # Tied embeddings: the output projection is the embedding matrix itself, not a copy.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        # As transformers: normal(0, initializer_range) for every matrix, zero biases, unit norms.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def hidden_states(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
+        """The final normed hidden states, (B, T, C).
+
+        input_ids: (B, T). input_pos: (T,) or (B, T) positions of these tokens, which are also their cache
+        slots; default 0..T-1. attention_mask: (B, S) with 0 at padding, over every slot so far (as HF);
+        positions then count real tokens only, so left-padded rows get the positions they would alone.
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        if input_pos is None:
+            if T > self.config.max_position_embeddings:
+                raise ValueError(f"{T} tokens exceed max_position_embeddings={self.config.max_position_embeddings}")
+            input_pos = torch.arange(T, device=device)
+        input_pos = input_pos.expand(B, T)
+        positions = input_pos
+        if attention_mask is not None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).gather(1, input_pos)
+
+        mask = None  # None: plain causal over these T tokens, the fast path for training
+        if cache is not None or attention_mask is not None:
+            key_slot = torch.arange(cache.max_len if cache is not None else T, device=device)  # (S,)
+            mask = key_slot <= input_pos[..., None]  # (B, T, S) causal over slots, any cached length
+            if attention_mask is not None:
+                valid = F.pad(attention_mask.bool(), (0, key_slot.numel() - attention_mask.shape[1]))
+                # A padding query still sees itself, so no row is fully masked (that would give NaN).
+                mask = mask & (valid[:, None, :] | (key_slot == input_pos[..., None]))
+            mask = mask[:, None]  # (B, 1, T, S)
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
+                self.rope_sin[positions][:, :, None].to(x.dtype))
+        for block in self.model.layers:
+            x = block(x, rope, mask, cache, input_pos)
+        return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)  # (B, T, vocab)
+
+    def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
+        return self.logits(self.hidden_states(input_ids, input_pos, cache, attention_mask))
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        return KVCache(self.config, batch_size, max_len, device=p.device, dtype=p.dtype)
+
+    # Loading, saving and generating live in checkpoints/ and generation/; these are the front doors.
+
+    @classmethod
+    def from_pretrained(cls, src: str | Path | None = None, dtype=torch.float32, device="cpu") -> SmolLM2:
+        """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct."""
+        from .checkpoints import load_checkpoint
+
+        ckpt = load_checkpoint(src)
+        with torch.device("meta"):
+            model = cls(ckpt.config)
+        ckpt.check({k: v.shape for k, v in model.state_dict().items()})
+        model.load_state_dict({k: t.to(dtype) for k, t in ckpt.tensors.items()}, strict=True, assign=True)
+        model.rope_cos, model.rope_sin = rope_tables(ckpt.config)
+        return model.to(device).eval()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write config.json + model.safetensors that transformers' from_pretrained loads."""
+        from .checkpoints import save_hf
+
+        save_hf(self.config, self.state_dict(), path)
+
+    def generate(self, input_ids, max_new_tokens: int = 128, **kwargs):
+        """See smollm2.generation.generate."""
+        from .generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def stream(self, input_ids, max_new_tokens: int = 128, **kwargs):
+        """See smollm2.generation.stream."""
+        from .generation import stream
+
+        return stream(self, input_ids, max_new_tokens, **kwargs)
