@@ -1,0 +1,69 @@
+"""Shared fixtures: the embedded SmolLM2-135M-Instruct (ours and transformers'), and tiny random configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from smollm2 import PRESETS, SmolConfig, SmolLM2
+from smollm2.checkpoints import default_model_path
+
+DATA = Path(__file__).parent / "data"
+
+# Tiny LLaMA variants that exercise every branch of the architecture.
+TINY = {
+    "gqa": PRESETS["tiny"],
+    "mqa": dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1),
+    "mha": dataclasses.replace(PRESETS["tiny"], num_key_value_heads=4),
+    "bias": dataclasses.replace(PRESETS["tiny"], attention_bias=True, mlp_bias=True),
+    "untied": dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=False),
+    "head_dim": dataclasses.replace(PRESETS["tiny"], head_dim=24),
+}
+
+
+def tiny_model(config: SmolConfig, seed: int = 0) -> SmolLM2:
+    """A randomly initialised model; biases and norm weights randomised too, so every weight matters."""
+    torch.manual_seed(seed)
+    model = SmolLM2(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+def hf_copy(model: SmolLM2):
+    """transformers' LlamaForCausalLM with the same weights (fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**model.config.to_hf())).eval()
+    hf.load_state_dict(model.state_dict(), strict=False)  # tied lm_head is shared, not stored
+    return hf.float()
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model() -> SmolLM2:
+    """The embedded SmolLM2-135M-Instruct, fp32."""
+    return SmolLM2.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def hf_model(embedded_path):
+    """transformers' own load of the same GGUF file, fp32: the numeric reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(embedded_path.parent), gguf_file=embedded_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def english() -> str:
+    return (DATA / "english.txt").read_text()
