@@ -58,6 +58,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """logits: (B, V); history: (B, S) ids the penalty applies to (-1 for none). Returns (B,) ids."""
+        logits = self.warp(logits, history)
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        noise = torch.stack([torch.empty_like(logits[0]).exponential_(generator=g) for g in self.generators])
+        return (logits.softmax(-1) / noise).argmax(-1)
+
+    def warp(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 logits sampling draws from: penalised, tempered, and -inf outside top-k/top-p/min-p."""
         s = self.sampling
         logits = logits.float()
         if s.repetition_penalty != 1.0 and history is not None:
@@ -68,19 +76,17 @@ class Sampler:
             penalized = torch.where(logits < 0, logits * s.repetition_penalty, logits / s.repetition_penalty)
             logits = torch.where(seen, penalized, logits)
         if s.greedy:
-            return logits.argmax(-1)
+            return logits
         logits = logits / s.temperature
         if s.top_k:
             kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
         if s.top_p is not None and s.top_p < 1:
             sorted_logits, order = logits.sort(dim=-1)  # ascending, as transformers
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cumulative <= 1 - s.top_p
+            drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - s.top_p
             drop[:, -1] = False  # always keep the most likely token
             logits = logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
-        probs = logits.softmax(-1)
         if s.min_p:
-            probs = probs.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), 0.0)
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in self.generators])
-        return (probs / noise).argmax(-1)
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), -math.inf)
+        return logits

@@ -1,0 +1,199 @@
+"""The `smollm2` command: one function per subcommand, each a thin face over the library.
+
+Bad input ends the command with one readable line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import SmolError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load(args):
+    """The model and tokenizer named by --model (default: the embedded SmolLM2-135M-Instruct)."""
+    from .generation import Sampling
+    from .model import SmolLM2
+    from .tokenizer import Tokenizer
+
+    if hasattr(args, "temperature"):
+        Sampling(**sampling(args))  # bad sampling flags fail before the model loads, not after
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SmolError("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    return model, Tokenizer.from_pretrained(args.model)
+
+
+def sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def print_stream(model, tokenizer, ids: list[int], args) -> list[int]:
+    """Generate from one prompt, printing text as it comes; returns the new tokens (EOS excluded)."""
+    from .generation import stream
+
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+    new = []
+    for (token,) in stream(model, [ids], args.max_new_tokens, **sampling(args)):
+        if token is None or token in model.config.eos_token_ids:
+            break
+        new.append(token)
+        print(decoder.step(token), end="", flush=True)
+    print(flush=True)
+    return new
+
+
+def generate(args):
+    model, tokenizer = load(args)
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise SmolError("the prompt is empty")
+    print_stream(model, tokenizer, ids, args)
+
+
+def chat(args):
+    model, tokenizer = load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.prompt] if args.prompt is not None else None
+    if turns is None:
+        print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        if turns is not None:
+            if not turns:
+                return
+            text = turns.pop()
+        else:
+            try:
+                text = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            if text.strip() in ("/exit", "/quit"):
+                return
+            if text.strip() == "/reset":
+                del messages[bool(args.system):]
+                continue
+        if not text.strip():
+            if turns is not None:
+                raise SmolError("the message is empty")
+            continue
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            answer = print_stream(model, tokenizer, ids, args)
+        except SmolError:
+            messages.pop()  # the turn that did not fit is not kept
+            raise
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+
+
+@torch.inference_mode()
+def perplexity(args):
+    """Sliding-window perplexity: each window scores only the tokens the previous one did not."""
+    from tqdm import tqdm
+
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SmolError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise SmolError(f"{path}: {e.strerror}") from None
+    model, tokenizer = load(args)
+    ids = tokenizer.encode(text)
+    if len(ids) < 2:
+        raise SmolError(f"{path}: needs at least 2 tokens to measure perplexity, has {len(ids)}")
+    window = min(args.context, model.config.max_position_embeddings)
+    stride = args.stride or window // 2
+    if not 0 < stride <= window:
+        raise SmolError(f"--stride must be in [1, --context={window}], got {stride}")
+    tokens = torch.tensor(ids, device=args.device)
+    nll, scored, start = 0.0, 1, time.perf_counter()  # tokens[1:scored] are scored; tokens[0] never is
+    with tqdm(total=len(ids) - 1, unit="tok", desc="perplexity", disable=None, file=sys.stderr) as bar:
+        for begin in range(0, len(ids) - 1, stride):
+            end = min(begin + window, len(ids))
+            # Hidden state i of the window predicts tokens[begin + i + 1]; project only the unscored ones.
+            h = model.hidden_states(tokens[None, begin:end - 1])[0, scored - begin - 1:]
+            nll += F.cross_entropy(model.logits(h).float(), tokens[scored:end], reduction="sum").item()
+            bar.update(end - scored)
+            scored = end
+            if end == len(ids):
+                break
+    seconds = time.perf_counter() - start
+    result = dict(file=str(path), tokens=len(ids), perplexity=math.exp(nll / (scored - 1)),
+                  nll=nll / (scored - 1), window=window, stride=stride, tokens_per_s=len(ids) / seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['perplexity']:.4f} over {len(ids)} tokens "
+              f"(window {window}, stride {stride}), {result['tokens_per_s']:.1f} tokens/s")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded "
+                                       "SmolLM2-135M-Instruct)")
+    model.add_argument("--dtype", choices=DTYPES, default="fp32")
+    model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    model.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+
+    sample = argparse.ArgumentParser(add_help=False)
+    sample.add_argument("--max-new-tokens", type=int, default=256)
+    sample.add_argument("--temperature", type=float, default=0.2, help="0 is greedy (default: 0.2)")
+    sample.add_argument("--top-k", type=int)
+    sample.add_argument("--top-p", type=float, default=0.9)
+    sample.add_argument("--min-p", type=float)
+    sample.add_argument("--repetition-penalty", type=float, default=1.0)
+    sample.add_argument("--seed", type=int)
+
+    c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
+    c.add_argument("prompt")
+    c.set_defaults(run=generate)
+
+    c = commands.add_parser("chat", parents=[model, sample], help="chat with the model (chat template)")
+    c.add_argument("-p", "--prompt", help="answer this one message and exit")
+    c.add_argument("--system", help="a system message (default: the template's own)")
+    c.set_defaults(run=chat)
+
+    c = commands.add_parser("perplexity", parents=[model], help="perplexity of a text file")
+    c.add_argument("file")
+    c.add_argument("--context", type=int, default=1024, help="window length in tokens (default: 1024)")
+    c.add_argument("--stride", type=int, help="tokens the window moves by (default: half the window)")
+    c.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    c.set_defaults(run=perplexity)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except SmolError as e:
+        print(f"smollm2 {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Text <-> token ids, and the chat template, for the same sources the model loads from.
+
+Everything runs on Hugging Face's `tokenizers` library; this module only assembles one:
+
+* a HF directory (or hub id) already has a `tokenizer.json`, so it is loaded as it is, with the special
+  tokens and the chat template from `tokenizer_config.json` (or `chat_template.jinja`, transformers 5 style);
+* a GGUF file has no `tokenizer.json`, only llama.cpp's metadata (vocabulary, merges, token types), so the
+  pipeline SmolLM2's `tokenizer.json` describes is rebuilt from it: digits split one by one, then GPT-2's
+  byte-level BPE with no prefix space. Control tokens become special tokens, matched whole in the text.
+
+The chat template is the checkpoint's own Jinja, rendered in a sandbox the way transformers renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+from tokenizers.decoders import DecodeStream
+
+from .checkpoints import resolve
+from .checkpoints.gguf import metadata, open_gguf
+from .errors import SmolError
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+class StreamDecoder:
+    """Decodes one token at a time; a character split across tokens comes out once it is complete."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []  # kept only so that finish() can name what is still held back
+        self._emitted = 0
+
+    def step(self, token_id: int) -> str:
+        self._ids += self._tok._check_ids([token_id])
+        text = self._stream.step(self._tok.backend, self._ids[-1]) or ""
+        self._emitted += len(text)
+        return text
+
+    def finish(self) -> str:
+        """What is still held back: an incomplete character at the end becomes U+FFFD, as in decode()."""
+        return self._tok.decode(self._ids, self._skip)[self._emitted:]
+
+
+class Tokenizer:
+    def __init__(self, backend: Backend, source: str, *, bos: str | None = None, eos: str | None = None,
+                 pad: str | None = None, chat_template: str | None = None):
+        self.backend, self.source, self.chat_template = backend, source, chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.eos_token, self.pad_token = bos, eos, pad
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (self._id_of(t) for t in (bos, eos, pad))
+
+    @classmethod
+    def from_pretrained(cls, src: str | os.PathLike | None = None) -> Tokenizer:
+        """None (the embedded SmolLM2-135M-Instruct), a HF directory, a .gguf file, or a hub id."""
+        path = resolve(src)
+        if path.is_dir():
+            return cls._from_hf_dir(path)
+        if path.suffix == ".gguf":
+            return cls._from_gguf(path)
+        raise SmolError(f"{path}: not a tokenizer source (expected a HF directory with tokenizer.json, "
+                        "or a .gguf file)")
+
+    @classmethod
+    def _from_hf_dir(cls, path: Path) -> Tokenizer:
+        if not (path / "tokenizer.json").is_file():
+            raise SmolError(f"{path}: no tokenizer.json in this directory")
+        try:
+            backend = Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise SmolError(f"{path / 'tokenizer.json'}: not a valid tokenizer file ({e})") from None
+        config = {}
+        if (path / "tokenizer_config.json").is_file():
+            try:
+                config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise SmolError(f"{path / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+            if not isinstance(config, dict):
+                raise SmolError(f"{path / 'tokenizer_config.json'}: expected a JSON object")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # older transformers: named templates; "default" is the chat one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+
+        def token(name):  # a string, or an AddedToken serialised as a dict
+            value = config.get(name)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(backend, str(path), bos=token("bos_token"), eos=token("eos_token"), pad=token("pad_token"),
+                   chat_template=template)
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        reader = open_gguf(path)
+        kind, pre = metadata(reader, "tokenizer.ggml.model"), metadata(reader, "tokenizer.ggml.pre")
+        if kind is None:
+            raise SmolError(f"{path}: no tokenizer in this GGUF (metadata tokenizer.ggml.model is missing)")
+        if kind != "gpt2":
+            raise SmolError(f"{path}: unsupported tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
+        if pre not in ("smollm", "gpt-2"):
+            raise SmolError(f"{path}: unsupported pre-tokenizer {pre!r}; only 'smollm' and 'gpt-2' are supported")
+        tokens, merges = metadata(reader, "tokenizer.ggml.tokens"), metadata(reader, "tokenizer.ggml.merges")
+        if not tokens or not merges:
+            raise SmolError(f"{path}: missing metadata tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        try:
+            backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)},
+                                         [tuple(m.split(" ", 1)) for m in merges]))
+        except Exception as e:
+            raise SmolError(f"{path}: inconsistent vocabulary and merges ({e})") from None
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        # SmolLM2 was trained on digits split one by one; its merges have no multi-digit tokens to find.
+        backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                                 if pre == "smollm" else byte_level)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types) if k == CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+        def token(key):
+            i = metadata(reader, f"tokenizer.ggml.{key}")
+            if i is not None and not 0 <= i < len(tokens):
+                raise SmolError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary of {len(tokens)}")
+            return None if i is None else tokens[i]
+
+        bos, eos = token("bos_token_id"), token("eos_token_id")
+        add_bos = bos is not None and bool(metadata(reader, "tokenizer.ggml.add_bos_token", False))
+        add_eos = eos is not None and bool(metadata(reader, "tokenizer.ggml.add_eos_token", False))
+        if add_bos or add_eos:  # llama.cpp adds them only where the file says so
+            ends = [t for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+            backend.post_processor = processors.TemplateProcessing(
+                single=[bos] * add_bos + ["$A"] + [eos] * add_eos,
+                special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(ends)])
+        return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"),
+                   chat_template=metadata(reader, "tokenizer.chat_template"))
+
+    def _id_of(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise SmolError(f"{self.source}: special token {token!r} is not in the vocabulary")
+        return token_id
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise SmolError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise SmolError(f"encode() takes a string, not {type(text).__name__}")
+        return self.backend.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise SmolError(f"{self.source}: this checkpoint has no chat template")
+        _check_messages(messages)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        # Jinja's own tojson escapes HTML; templates expect plain JSON, as transformers gives them.
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise SmolError(f"{self.source}: chat template failed: {e}") from None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes its own special tokens, so none are added around it.
+        return self.backend.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise SmolError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                        f"not {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise SmolError(f"messages[{i}] must be a dict with 'role' and 'content', not {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise SmolError(f"messages[{i}]: {key!r} must be a string, got {m.get(key)!r}")

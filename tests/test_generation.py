@@ -1,0 +1,172 @@
+"""Generation: greedy equals transformers' generate; batches, streams, stops and sampling behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, hf_copy, tiny_model
+
+import smollm2.generation.engine as engine
+from smollm2 import SmolError, Tokenizer
+from smollm2.generation import Sampling, generate, stream
+from smollm2.generation.sampling import Sampler
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
+         "Name three primary colors."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_pretrained()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(TINY["gqa"])
+
+
+def test_greedy_chat_answers_equal_transformers(model, hf_model, tokenizer):
+    for question in CHATS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        ours = model.generate([ids], 40)
+        theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        assert ours.tolist() == theirs.tolist(), question
+    assert "Paris" in tokenizer.decode(model.generate([tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHATS[0]}])], 20)[0])
+
+
+def test_tiny_greedy_equals_transformers_without_eos(tiny):
+    prompt = torch.randint(0, tiny.config.vocab_size, (2, 7))
+    ours = tiny.generate(prompt, 30, eos_token_id=None)
+    theirs = hf_copy(tiny).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+
+
+def test_batch_rows_equal_rows_alone(model, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("The capital of Italy is", "1, 2, 3,",
+                                             "Once upon a time, in a land far away, there lived a")]
+    for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):
+        batch = model.generate(prompts, 12, eos_token_id=None, **sampling)
+        for b, row in enumerate(prompts):
+            alone = model.generate([row], 12, eos_token_id=None, **sampling)
+            assert batch[b, -12:].tolist() == alone[0, -12:].tolist()
+            assert batch[b, batch.shape[1] - 12 - len(row):-12].tolist() == row  # left-padded prompt
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny, monkeypatch):
+    prompt = torch.randint(0, tiny.config.vocab_size, (1, 50))
+    whole = tiny.generate(prompt, 10, eos_token_id=None)
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 7)
+    assert torch.equal(tiny.generate(prompt, 10, eos_token_id=None), whole)
+
+
+def test_each_row_stops_at_its_own_eos(tiny):
+    prompts = [[5, 6, 7], [9, 10]]
+    sampling = dict(temperature=1.0, seed=0)  # a random tiny model repeats itself when greedy
+    free = tiny.generate(prompts, 8, eos_token_id=None, **sampling)
+    new0 = free[0, 3:].tolist()  # prompts are padded to 3
+    k = next(i for i in range(1, 8) if new0[i] not in new0[:i])  # a token row 0 first makes at step k
+    eos = new0[k]
+    out = tiny.generate(prompts, 8, eos_token_id=eos, **sampling)
+    steps = list(stream(tiny, prompts, 8, eos_token_id=eos, **sampling))
+    assert [step[0] for step in steps[:k + 1]] == new0[:k + 1]
+    assert all(step[0] is None for step in steps[k + 1:])
+    pad = tiny.config.pad_token_id if tiny.config.pad_token_id is not None else tiny.config.eos_token_ids[0]
+    assert out[0, 4 + k:].tolist() == [pad] * (out.shape[1] - 4 - k)
+    new1 = free[1, 3:].tolist()
+    stopped = new1.index(eos) + 1 if eos in new1 else 8
+    assert out[1, 3:3 + stopped].tolist() == new1[:stopped]
+
+
+def test_default_eos_is_the_checkpoints_and_none_disables_it(model, tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    out = model.generate([ids], 30)[0, len(ids):].tolist()
+    assert out[-1] == tokenizer.eos_token_id == model.config.eos_token_ids[0] and len(out) < 30
+    assert len(model.generate([ids], len(out) + 3, eos_token_id=None)[0]) == len(ids) + len(out) + 3
+
+
+def test_stop_strings(model, tokenizer):
+    ids = tokenizer.encode("Count with me: 1, 2, 3, 4,")
+    out = model.generate([ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer)[0, len(ids):]
+    text = tokenizer.decode(out)
+    assert text.endswith(" 7") or text.rstrip(",").endswith(" 7"), text
+    with pytest.raises(SmolError, match="tokenizer"):
+        model.generate([ids], 3, stop=["x"])
+
+
+def test_stream_yields_the_tokens_generate_returns(tiny):
+    prompt = [3, 1, 4, 1, 5]
+    steps = [t for (t,) in stream(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)]
+    assert steps == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tiny):
+    prompt = [1, 2, 3]
+    a = tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=1)
+    assert torch.equal(a, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=1))
+    assert not torch.equal(a, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=2))
+    greedy = tiny.generate(prompt, 20, eos_token_id=None)
+    assert torch.equal(greedy, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, top_k=1, seed=5))
+
+
+def test_warpers_equal_transformers():
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100) * 3
+    history = torch.randint(0, 100, (3, 12))
+    ours = Sampler(Sampling(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.3, seed=0),
+                   3, "cpu").warp(logits, history)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    for warp in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+        theirs = warp(history, theirs)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    torch.testing.assert_close(ours[~ours.isinf()], theirs[~theirs.isinf()])
+
+
+def test_repetition_penalty_ignores_padding_slots():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    history = torch.tensor([[-1, -1, 1, 2]])  # -1: no token there; token 0 was never seen
+    out = Sampler(Sampling(repetition_penalty=2.0), 1, "cpu").warp(logits, history)
+    assert out.tolist() == [[2.0, -4.0, 0.5, 0.5]]
+
+
+def test_sampling_draws_tokens_in_proportion_to_their_probability():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(Sampling(temperature=1.0, seed=0), 1, "cpu")
+    draws = torch.tensor([sampler(probs.log()[None]).item() for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=4) / 4000
+    assert (freq - probs).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"temperature": float("nan")}, "temperature"), ({"seed": 1.5}, "seed"),
+])
+def test_out_of_range_sampling_parameters(tiny, kwargs, message):
+    with pytest.raises(SmolError, match=message):
+        tiny.generate([1, 2], 3, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"), ([[1, 2], []], "prompt 1 is empty"), ([1, 99999], "not a token id"), ([1, -1], "not a token id"),
+    ("hello", "not str"), (torch.zeros(2, 2, 2, dtype=torch.long), "shape"), ([1.5], "not a token id"),
+])
+def test_bad_prompts(tiny, prompt, message):
+    with pytest.raises(SmolError, match=message):
+        tiny.generate(prompt, 3)
+
+
+def test_prompt_longer_than_the_context_window(tiny):
+    context = tiny.config.max_position_embeddings
+    with pytest.raises(SmolError, match="context window"):
+        tiny.generate([1] * (context + 1), 1)
+    with pytest.raises(SmolError, match="context window"):
+        tiny.generate([1] * (context - 5), 10)
+    with pytest.raises(SmolError, match="max_new_tokens"):
+        tiny.generate([1], -1)
+    assert tiny.generate([1] * (context - 5), 5, eos_token_id=None).shape == (1, context)
