@@ -112,6 +112,8 @@ def perplexity(args):
         raise SmolError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise SmolError(f"{path}: {e.strerror}") from None
+    if not text.strip():
+        raise SmolError(f"{path}: the file is empty")
     model, tokenizer = load(args)
     ids = tokenizer.encode(text)
     if len(ids) < 2:

@@ -1,0 +1,121 @@
+"""The smollm2 command: the embedded model answers, and bad input is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import DATA, TINY, tiny_model
+
+from smollm2 import Tokenizer
+from smollm2.cli import main
+
+
+def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "smollm2", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model with the real tokenizer, as a HF directory (context window: 512 tokens)."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(TINY["gqa"]).save_pretrained(path)
+    tokenizer = Tokenizer.from_pretrained()
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
+    return path
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_chat_answers_paris_from_the_embedded_model():
+    result = run("chat", "-p", "What is the capital of France?", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_bad_model_is_one_line_and_exit_1(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    result = run("generate", "--model", str(broken), "hello")
+    assert result.returncode == 1
+    assert str(broken) in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--top-p", "1.5", "hi"], "top_p"),
+    (["generate", "--temperature", "-1", "hi"], "temperature"),
+    (["chat", "--model", "no/such/dir", "-p", "hi"], "no/such/dir"),
+    (["perplexity", "no-such-file.txt"], "no-such-file.txt"),
+])
+def test_bad_flags_fail_before_loading(capsys, args, message):
+    assert main(args) == 1
+    assert message in one_error_line(capsys.readouterr().err)
+
+
+def test_generate_streams_a_completion(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--max-new-tokens", "5", "--temperature", "0", "Hello"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_prompt_longer_than_the_context_window(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "word " * 600]) == 1
+    assert "context window of 512" in one_error_line(capsys.readouterr().err)
+
+
+def test_empty_prompt_and_message(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), ""]) == 1
+    assert "empty" in one_error_line(capsys.readouterr().err)
+    assert main(["chat", "--model", str(tiny_dir), "-p", "  "]) == 1
+    assert "empty" in one_error_line(capsys.readouterr().err)
+
+
+def test_interactive_chat_keeps_history(tiny_dir, monkeypatch, capsys):
+    from smollm2 import cli
+
+    seen = []
+    real = Tokenizer.apply_chat_template
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", lambda self, m, **kw: seen.append(list(m)) or real(self, m))
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("hello\nagain\n/reset\nfresh\n"))
+    assert cli.main(["chat", "--model", str(tiny_dir), "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert [len(m) for m in seen] == [1, 3, 1]
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+
+
+def test_perplexity_json(tiny_dir, capsys):
+    assert main(["perplexity", "--model", str(tiny_dir), str(DATA / "english.txt"), "--context", "128",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] > 500 and result["perplexity"] > 1 and result["stride"] == 64
+
+
+def test_perplexity_equals_one_window_when_the_text_fits(model, english, tmp_path, capsys):
+    import torch
+
+    ids = Tokenizer.from_pretrained().encode(english)[:300]
+    text = tmp_path / "short.txt"
+    text.write_text(Tokenizer.from_pretrained().decode(ids))
+    assert main(["perplexity", str(text), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ids = Tokenizer.from_pretrained().encode(text.read_text())
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0, :-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
+    assert result["nll"] == pytest.approx(nll, rel=1e-5)
+
+
+def test_perplexity_bad_files(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00abc")
+    assert main(["perplexity", str(tmp_path / "binary.txt")]) == 1
+    assert "not UTF-8" in one_error_line(capsys.readouterr().err)
+    assert main(["perplexity", str(tmp_path / "empty.txt")]) == 1
+    assert "empty" in one_error_line(capsys.readouterr().err)
