@@ -8,7 +8,7 @@ from conftest import TINY, hf_copy, tiny_model
 
 import smollm2.generation.engine as engine
 from smollm2 import SmolError, Tokenizer
-from smollm2.generation import Sampling, generate, stream
+from smollm2.generation import Sampling, stream
 from smollm2.generation.sampling import Sampler
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",

@@ -46,8 +46,10 @@ class SmolConfig:
                             f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise SmolError(f"config: head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise SmolError("config: rope_theta and rms_norm_eps must be positive")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise SmolError(f"config: {name} must be a positive number, got {value!r}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -74,8 +76,8 @@ class SmolConfig:
         values.setdefault("tie_word_embeddings", False)  # transformers' LlamaConfig default
         try:
             return cls(**values)
-        except TypeError as e:
-            raise SmolError(f"{source}: {e}") from None
+        except (TypeError, SmolError) as e:  # name the file, not just the field
+            raise SmolError(f"{source}: {str(e).removeprefix('config: ')}") from None
 
     def to_hf(self) -> dict:
         """The config.json transformers reads (4.x keys, which 5.x also accepts)."""

@@ -130,8 +130,9 @@ class SmolLM2(nn.Module):
     def __init__(self, config: SmolConfig):
         super().__init__()
         self.config = config
+        pad = config.pad_token_id if config.pad_token_id in range(config.vocab_size) else None
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad),  # as HF
             layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
             norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
         ))
@@ -144,9 +145,11 @@ class SmolLM2(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        # As transformers: normal(0, initializer_range) for every matrix, zero biases, unit norms.
+        # As transformers: normal(0, initializer_range) for every matrix, zero biases and padding row, unit norms.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            nn.init.zeros_(module.weight[module.padding_idx])
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -76,24 +76,27 @@ def gguf_config(reader: GGUFReader, path: Path) -> SmolConfig:
         raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
     n_heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    return SmolConfig(
-        vocab_size=int(metadata(reader, "llama.vocab_size", len(tokens) if tokens else 0)),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(metadata(reader, "llama.attention.head_count_kv", n_heads)),
-        head_dim=int(metadata(reader, "llama.attention.key_length", hidden // n_heads)),
-        max_position_embeddings=int(need("context_length")),
-        rope_theta=_float32(metadata(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon")),
-        attention_bias="blk.0.attn_q.bias" in names,
-        mlp_bias="blk.0.ffn_gate.bias" in names,
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"),
-    )
+    try:
+        return SmolConfig(
+            vocab_size=int(metadata(reader, "llama.vocab_size", len(tokens) if tokens else 0)),
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=int(need("block_count")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(metadata(reader, "llama.attention.head_count_kv", n_heads)),
+            head_dim=int(metadata(reader, "llama.attention.key_length", hidden // max(n_heads, 1))),
+            max_position_embeddings=int(need("context_length")),
+            rope_theta=_float32(metadata(reader, "llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon")),
+            attention_bias="blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names,
+            tie_word_embeddings="output.weight" not in names,
+            bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
+            pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"),
+        )
+    except SmolError as e:  # name the file, not just the field
+        raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -114,10 +117,9 @@ def read_gguf(path: Path) -> Checkpoint:
             w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
         except (ValueError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute(w, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute(w, config.num_key_value_heads)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+        if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
+            w = unpermute(w, heads)
         tensors[name], files[name] = w, f"{path} ({t.name})"
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -1,0 +1,634 @@
+"""Checkpoints: HF directories, GGUF files (every common tensor type), hub ids, and bad input.
+
+Tiny GGUF files are written here the way llama.cpp's convert_hf_to_gguf.py writes a llama model: its
+metadata keys, its tensor names, q/k rows permuted by its LlamaModel.permute, 1-D tensors in F32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, hf_copy, tiny_model
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from smollm2 import SmolConfig, SmolError, SmolLM2
+from smollm2.checkpoints import load_checkpoint
+from smollm2.checkpoints.gguf import gguf_config, open_gguf
+
+GQA = TINY["gqa"]
+QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize can
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # it cannot: raw blocks are crafted instead
+
+
+def ids_for(config: SmolConfig, B: int = 2, T: int = 24) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(7))
+
+
+@torch.no_grad()
+def logits(model, ids) -> torch.Tensor:
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def hf_load(directory, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing GGUF files as llama.cpp does
+
+
+def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None):
+    """llama.cpp convert_hf_to_gguf.py, LlamaModel.permute, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    _, _, i, *module, kind = name.split(".")
+    return f"blk.{i}.{BLOCK_NAMES['.'.join(module)]}.{kind}"
+
+
+def gguf_metadata(c: SmolConfig) -> dict:
+    """The keys convert_hf_to_gguf.py writes for LlamaModel (tokenizer ids included, vocabulary left out)."""
+    u32, f32 = "u32", "f32"
+    return {
+        "general.name": ("str", "tiny"), "llama.vocab_size": (u32, c.vocab_size),
+        "llama.context_length": (u32, c.max_position_embeddings), "llama.embedding_length": (u32, c.hidden_size),
+        "llama.block_count": (u32, c.num_hidden_layers), "llama.feed_forward_length": (u32, c.intermediate_size),
+        "llama.rope.dimension_count": (u32, c.head_dim), "llama.attention.head_count": (u32, c.num_attention_heads),
+        "llama.attention.head_count_kv": (u32, c.num_key_value_heads), "llama.rope.freq_base": (f32, c.rope_theta),
+        "llama.attention.layer_norm_rms_epsilon": (f32, c.rms_norm_eps),
+        "llama.attention.key_length": (u32, c.head_dim), "llama.attention.value_length": (u32, c.head_dim),
+        "general.file_type": (u32, 0), "tokenizer.ggml.bos_token_id": (u32, 1),
+        "tokenizer.ggml.eos_token_id": (u32, 2),
+    }
+
+
+def gguf_tensors(model: SmolLM2, qtype: Q) -> dict:
+    """GGUF name -> (array, raw dtype): q/k permuted, 2-D tensors quantized, 1-D tensors kept in F32."""
+    c, out = model.config, {}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if ".q_proj." in name:
+            a = permute(a, c.num_attention_heads, c.num_attention_heads)
+        elif ".k_proj." in name:
+            a = permute(a, c.num_attention_heads, c.num_key_value_heads)
+        if a.ndim == 1 or qtype == Q.F32:
+            out[gguf_name(name)] = (a.astype(np.float32), None)
+        elif qtype == Q.F16:
+            out[gguf_name(name)] = (a.astype(np.float16), None)
+        else:
+            out[gguf_name(name)] = (quantize(a, qtype), qtype)
+    return out
+
+
+def write_gguf(path, config: SmolConfig, tensors: dict, arch: str = "llama", **meta) -> None:
+    """meta: metadata overrides, '.' in keys written '__'; None drops a key, (kind, value) adds one."""
+    writer = GGUFWriter(str(path), arch)
+    fields = gguf_metadata(config)
+    for key, value in meta.items():
+        key = key.replace("__", ".")
+        if value is None:
+            fields.pop(key)
+        else:
+            fields[key] = value if isinstance(value, tuple) else (fields[key][0], value)
+    for key, (kind, value) in fields.items():
+        key = key.replace("llama.", f"{arch}.", 1)
+        {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string}[kind](key, value)
+    for name, (array, raw_dtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def expected_from_gguf(tensors: dict, config: SmolConfig) -> dict:
+    """What a loader must produce: each GGUF tensor dequantized by gguf-py, q/k rows un-permuted."""
+    out = {}
+    hf_names = {gguf_name(n): n for n in SmolLM2(config).state_dict()}
+    for name, (array, raw_dtype) in tensors.items():
+        qtype = raw_dtype or (Q.F32 if array.dtype == np.float32 else Q.F16)
+        out[hf_names[name]] = torch.from_numpy(np.array(dequantize(array, qtype), dtype=np.float32))
+    return out
+
+
+def assert_loaded_equals(ckpt_tensors: dict, expected: dict, config: SmolConfig) -> None:
+    """Our (un-permuted) tensors, permuted again llama.cpp's way, are exactly the GGUF's dequantized rows."""
+    assert ckpt_tensors.keys() == expected.keys()
+    for name, w in ckpt_tensors.items():
+        a = w.numpy()
+        if ".q_proj." in name:
+            a = permute(a, config.num_attention_heads, config.num_attention_heads)
+        elif ".k_proj." in name:
+            a = permute(a, config.num_attention_heads, config.num_key_value_heads)
+        assert np.array_equal(a, expected[name].numpy()), name
+
+
+# K-quants: ggml's block layouts, with the fp16 scale fields set to sane values and every other byte random.
+K_LAYOUT = {  # qtype: byte offsets of the fp16 fields in a 256-value block
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
+
+
+def craft_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_LAYOUT[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, (rows, cols // block)).astype(np.float16)
+        raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def scale_min_k4(j: int, q: np.ndarray) -> tuple[int, int]:
+    """ggml-quants.c get_scale_min_k4."""
+    if j < 4:
+        return int(q[j] & 63), int(q[j + 4] & 63)
+    return int((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)), int((q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+
+
+def f16(b: np.ndarray) -> float:
+    return float(np.frombuffer(b.tobytes(), dtype=np.float16)[0])
+
+
+def ggml_dequantize_block(qtype: Q, b: np.ndarray) -> np.ndarray:
+    """A transcription of ggml-quants.c's dequantize_row_* for one block: an independent reference."""
+    y = np.zeros(256 if qtype in K_QUANTS else 32, dtype=np.float64)
+    if qtype == Q.Q8_0:
+        return f16(b[:2]) * b[2:].view(np.int8).astype(np.float64)
+    if qtype == Q.Q4_1:
+        d, m, qs = f16(b[:2]), f16(b[2:4]), b[4:]
+        return np.concatenate([(qs & 0xF) * d + m, (qs >> 4) * d + m])
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        d, dmin, scales = f16(b[:2]), f16(b[2:4]), b[4:16]
+        qh, ql = (b[16:48], b[48:]) if qtype == Q.Q5_K else (np.zeros(32, np.uint8), b[16:])
+        for n, j in enumerate(range(0, 256, 64)):
+            (s1, m1), (s2, m2) = scale_min_k4(2 * n, scales), scale_min_k4(2 * n + 1, scales)
+            q = ql[32 * n:32 * n + 32]
+            hi1, hi2 = (qh >> (2 * n)) & 1, (qh >> (2 * n + 1)) & 1
+            y[j:j + 32] = d * s1 * ((q & 0xF) + 16 * hi1) - dmin * m1
+            y[j + 32:j + 64] = d * s2 * ((q >> 4) + 16 * hi2) - dmin * m2
+        return y
+    if qtype == Q.Q6_K:
+        ql, qh, sc, d = b[:128], b[128:192], b[192:208].view(np.int8), f16(b[208:210])
+        for n in range(2):
+            L, H, S, out = ql[64 * n:], qh[32 * n:], sc[8 * n:], y[128 * n:]
+            for i in range(32):
+                s = i // 16
+                q1 = int((L[i] & 0xF) | (((H[i] >> 0) & 3) << 4)) - 32
+                q2 = int((L[i + 32] & 0xF) | (((H[i] >> 2) & 3) << 4)) - 32
+                q3 = int((L[i] >> 4) | (((H[i] >> 4) & 3) << 4)) - 32
+                q4 = int((L[i + 32] >> 4) | (((H[i] >> 6) & 3) << 4)) - 32
+                out[i], out[i + 32] = d * S[s] * q1, d * S[s + 2] * q2
+                out[i + 64], out[i + 96] = d * S[s + 4] * q3, d * S[s + 6] * q4
+        return y
+    raise NotImplementedError(qtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The embedded SmolLM2-135M-Instruct GGUF (first: its parsed metadata is still cached from the model fixture)
+
+
+def test_embedded_gguf_config_and_types(embedded_path):
+    reader = open_gguf(embedded_path)
+    c = gguf_config(reader, embedded_path)
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (49152, 576, 1536, 30)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert c.rms_norm_eps == 1e-5 and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert c.tie_word_embeddings and not c.attention_bias and not c.mlp_bias
+    assert (c.bos_token_id, c.eos_token_id) == (1, 2)
+    types = {t.name: Q(t.tensor_type) for t in reader.tensors}
+    assert types["token_embd.weight"] == Q.Q8_0 and types["output_norm.weight"] == Q.F32
+    assert {types[n] for n in types if n.endswith("weight") and "norm" not in n and n != "token_embd.weight"} == {
+        Q.Q4_1}
+
+
+def test_embedded_gguf_dequantized_as_ggml_does(model, embedded_path):
+    """The real file's Q8_0 embedding and Q4_1 q_proj, decoded by a transcription of ggml's C code."""
+    reader = open_gguf(embedded_path)
+    t = {t.name: t for t in reader.tensors}
+    emb = t["token_embd.weight"].data  # (49152, 576/32 * 34) bytes
+    for row in (0, 1, 2, 1000, 49151):
+        ref = np.concatenate([ggml_dequantize_block(Q.Q8_0, b) for b in emb[row].reshape(-1, 34)])
+        np.testing.assert_allclose(model.model.embed_tokens.weight[row].detach().numpy(), ref, rtol=1e-6, atol=0)
+    q = t["blk.0.attn_q.weight"].data  # rows permuted by llama.cpp
+    ours = permute(model.model.layers[0].self_attn.q_proj.weight.detach().numpy(), 9, 9)
+    for row in (0, 1, 63, 64, 575):
+        ref = np.concatenate([ggml_dequantize_block(Q.Q4_1, b) for b in q[row].reshape(-1, 20)])
+        np.testing.assert_allclose(ours[row], ref, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HF directories
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "bias", "untied", "head_dim"])
+def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, record_property):
+    model = tiny_model(TINY[name])
+    model.save_pretrained(tmp_path)
+    ids = ids_for(model.config)
+    ours = logits(model, ids)
+    theirs = logits(hf_load(tmp_path), ids)
+    record_property("max_abs_diff", (ours - theirs).abs().max().item())
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    back = SmolLM2.from_pretrained(tmp_path)
+    assert back.config == model.config
+    assert back.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(logits(back, ids), ours)
+
+
+def test_transformers_save_pretrained_loads(tmp_path):
+    """What transformers itself writes (5.x config, its tensor names) loads here; tied lm_head dropped."""
+    for name in ("gqa", "untied"):
+        model = tiny_model(TINY[name])
+        hf_copy(model).save_pretrained(tmp_path / name)
+        back = SmolLM2.from_pretrained(tmp_path / name)
+        assert back.config.tie_word_embeddings == model.config.tie_word_embeddings
+        ids = ids_for(model.config)
+        assert torch.equal(logits(back, ids), logits(model, ids))
+
+
+def test_sharded_directory(tmp_path):
+    model = tiny_model(GQA)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.numel() * 4 for v in sd.values())},
+             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    ids = ids_for(model.config)
+    back = SmolLM2.from_pretrained(tmp_path)
+    assert torch.equal(logits(back, ids), logits(model, ids))
+    torch.testing.assert_close(logits(hf_load(tmp_path), ids), logits(model, ids), atol=1e-5, rtol=0)
+    # A shard listed in the index but absent is named.
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SmolError, match="model-00002-of-00002.safetensors"):
+        SmolLM2.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("style", ["4.x", "5.x"])
+def test_config_styles(tmp_path, style):
+    model = tiny_model(dataclasses.replace(GQA, rope_theta=5000.0))  # not the default: it must be read
+    model.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["rope_theta"] == 5000.0  # save_pretrained writes 4.x keys
+    if style == "5.x":
+        hf.pop("rope_theta")
+        hf["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+    back = SmolLM2.from_pretrained(tmp_path)
+    assert back.config.rope_theta == 5000.0 and back.config == model.config
+    ids = ids_for(model.config)
+    assert torch.equal(logits(back, ids), logits(model, ids))
+    torch.testing.assert_close(logits(hf_load(tmp_path), ids), logits(back, ids), atol=1e-5, rtol=0)
+
+
+def test_config_defaults_as_transformers():
+    """Keys a config.json may omit take transformers' LlamaConfig defaults."""
+    c = SmolConfig.from_hf({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                            "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100})
+    assert c.num_key_value_heads == 4 and c.head_dim == 16 and c.tie_word_embeddings is False
+    with pytest.raises(SmolError, match="rope"):
+        SmolConfig.from_hf({**GQA.to_hf(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
+def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, record_property):
+    model = tiny_model(GQA)
+    tensors = gguf_tensors(model, qtype)
+    if qtype != Q.F32:  # as the real file: embedding in Q8_0, the rest in qtype
+        a = model.state_dict()["model.embed_tokens.weight"].numpy()
+        tensors["token_embd.weight"] = (quantize(a, Q.Q8_0), Q.Q8_0)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, model.config, tensors)
+
+    ckpt = load_checkpoint(path)  # GGUF has no initializer_range; every other field round-trips
+    assert dataclasses.replace(ckpt.config, initializer_range=model.config.initializer_range) == model.config
+    assert_loaded_equals(ckpt.tensors, expected_from_gguf(tensors, model.config), model.config)
+
+    ours = SmolLM2.from_pretrained(path)
+    ids = ids_for(model.config)
+    theirs = hf_load(tmp_path, gguf_file=path.name)
+    diff = (logits(ours, ids) - logits(theirs, ids)).abs().max().item()
+    record_property("max_abs_diff_vs_transformers", diff)
+    torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-5, rtol=0)
+    if qtype == Q.F32:  # the same weights as a HF directory: the very same logits
+        model.save_pretrained(tmp_path / "hf")
+        assert torch.equal(logits(ours, ids), logits(SmolLM2.from_pretrained(tmp_path / "hf"), ids))
+        assert torch.equal(logits(ours, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("name", ["mqa", "mha", "bias", "untied", "head_dim"])
+def test_gguf_every_architecture_branch(tmp_path, name):
+    """F32 GGUF of each tiny variant gives exactly the original model (permutation undone, biases too)."""
+    model = tiny_model(TINY[name])
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model.config, gguf_tensors(model, Q.F32))
+    ours = SmolLM2.from_pretrained(path)
+    assert ours.config.tie_word_embeddings == model.config.tie_word_embeddings
+    assert (ours.config.attention_bias, ours.config.mlp_bias) == (model.config.attention_bias,
+                                                                    model.config.mlp_bias)
+    assert ours.config.head_dim == model.config.head_dim
+    ids = ids_for(model.config)
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(logits(ours, ids), logits(model, ids))
+    if name != "bias":  # transformers' GGUF loader knows no llama biases
+        torch.testing.assert_close(logits(hf_load(tmp_path, gguf_file=path.name), ids), logits(ours, ids),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype):
+    """gguf-py cannot quantize K-quants, so raw blocks are crafted; the loader must dequantize them as
+    gguf-py does (and, for Q4_K/Q5_K/Q6_K, as a transcription of ggml's C code does), and as transformers."""
+    config = dataclasses.replace(GQA, hidden_size=256, intermediate_size=256, num_hidden_layers=1, head_dim=None,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    model = tiny_model(config)
+    rng = np.random.default_rng(0)
+    tensors = gguf_tensors(model, Q.F32)
+    for name, (a, _) in tensors.items():
+        if a.ndim == 2:
+            tensors[name] = (craft_blocks(*a.shape, qtype, rng), qtype)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, config, tensors)
+
+    ckpt = load_checkpoint(path)
+    expected = expected_from_gguf(tensors, config)
+    assert all(torch.isfinite(w).all() for w in expected.values())
+    assert_loaded_equals(ckpt.tensors, expected, config)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        raw, _ = tensors["blk.0.ffn_down.weight"]
+        for row in (0, 7, 255):
+            ref = ggml_dequantize_block(qtype, raw[row])
+            np.testing.assert_allclose(ckpt.tensors["model.layers.0.mlp.down_proj.weight"][row].numpy(), ref,
+                                       rtol=1e-6, atol=1e-6)
+    ours = SmolLM2.from_pretrained(path)
+    ids = ids_for(config)
+    torch.testing.assert_close(logits(ours, ids), logits(hf_load(tmp_path, gguf_file=path.name), ids),
+                               atol=1e-5, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hub ids, from a local cache only
+
+
+def test_hub_id_from_local_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--org--tiny-llama" / "snapshots" / commit
+    model = tiny_model(GQA)
+    model.save_pretrained(snapshot)
+    (cache / "models--org--tiny-llama" / "refs").mkdir()
+    (cache / "models--org--tiny-llama" / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+
+    back = SmolLM2.from_pretrained("org/tiny-llama")
+    ids = ids_for(model.config)
+    assert torch.equal(logits(back, ids), logits(model, ids))
+    with pytest.raises(SmolError, match="org/missing-model"):
+        SmolLM2.from_pretrained("org/missing-model")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one SmolError each, naming the file and the tensor or field
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    model = tiny_model(GQA)
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.fixture
+def gguf_parts():
+    model = tiny_model(GQA)
+    return model.config, gguf_tensors(model, Q.F32)
+
+
+def edit_config(directory, **changes):
+    hf = json.loads((directory / "config.json").read_text())
+    hf.update(changes)
+    (directory / "config.json").write_text(json.dumps(hf))
+
+
+def raises(src, *fragments):
+    with pytest.raises(SmolError) as info:
+        SmolLM2.from_pretrained(src)
+    message = str(info.value)
+    for fragment in fragments:
+        assert str(fragment) in message, (fragment, message)
+    return message
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.01, 0.3, 0.999])
+def test_truncated_gguf(tmp_path, gguf_parts, keep):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, *gguf_parts)
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    raises(path, path.name, "truncated or corrupt GGUF")
+
+
+def test_corrupt_gguf(tmp_path, gguf_parts):
+    rng = np.random.default_rng(0)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    raises(garbage, "garbage.gguf", "corrupt GGUF")
+    # A valid header followed by garbage.
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, *gguf_parts)
+    data = bytearray(path.read_bytes())
+    data[24:4096] = rng.integers(0, 256, 4096 - 24, dtype=np.uint8).tobytes()
+    bad = tmp_path / "bad-kv.gguf"
+    bad.write_bytes(bytes(data))
+    raises(bad, "bad-kv.gguf")
+
+
+def test_truncated_and_corrupt_safetensors(hf_dir):
+    st = hf_dir / "model.safetensors"
+    data = st.read_bytes()
+    for keep in (0.999, 0.5, 0.0001):
+        st.write_bytes(data[:int(len(data) * keep)])
+        raises(hf_dir, "model.safetensors", "truncated or corrupt safetensors")
+    st.write_bytes(struct.pack("<Q", 40) + b"{not json" + bytes(100))
+    raises(hf_dir, "model.safetensors", "corrupt")
+
+
+def test_config_shapes_disagree_with_weights(hf_dir):
+    edit_config(hf_dir, intermediate_size=128)
+    raises(hf_dir, "model.safetensors", "model.layers.0.mlp.gate_proj.weight", "(256, 64)", "(128, 64)")
+
+
+def test_gguf_metadata_disagrees_with_weights(tmp_path, gguf_parts):
+    path = tmp_path / "ffn.gguf"
+    write_gguf(path, *gguf_parts, llama__feed_forward_length=128)
+    raises(path, "ffn.gguf", "blk.0.ffn_gate.weight", "(256, 64)", "(128, 64)")
+    # A head count the q rows cannot be split into: named, not a reshape crash.
+    path = tmp_path / "heads.gguf"
+    write_gguf(path, *gguf_parts, llama__attention__head_count=6, llama__attention__head_count_kv=2,
+               llama__attention__key_length=None, llama__attention__value_length=None,
+               llama__rope__dimension_count=None)
+    raises(path, "heads.gguf", "q_proj.weight", "(64, 64)", "(60, 64)")
+
+
+def test_missing_tensor(hf_dir, tmp_path, gguf_parts):
+    sd = load_file(hf_dir / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(hf_dir / "model.safetensors"))
+    raises(hf_dir, str(hf_dir), "missing tensor model.layers.1.mlp.up_proj.weight")
+    config, tensors = gguf_parts
+    del tensors["blk.1.ffn_up.weight"]
+    write_gguf(tmp_path / "missing.gguf", config, tensors)
+    raises(tmp_path / "missing.gguf", "missing.gguf", "missing tensor model.layers.1.mlp.up_proj.weight")
+
+
+def test_extra_tensor(hf_dir, tmp_path, gguf_parts):
+    sd = load_file(hf_dir / "model.safetensors")
+    sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(sd, str(hf_dir / "model.safetensors"))
+    raises(hf_dir, "model.safetensors", "unexpected tensor model.layers.0.self_attn.q_norm.weight")
+    config, tensors = gguf_parts
+    tensors["blk.0.attn_q_norm.weight"] = (np.ones(16, np.float32), None)
+    write_gguf(tmp_path / "extra.gguf", config, tensors)
+    raises(tmp_path / "extra.gguf", "extra.gguf", "unexpected tensor blk.0.attn_q_norm.weight")
+    config, tensors = gguf_parts
+    del tensors["blk.0.attn_q_norm.weight"]
+    tensors["blk.2.attn_norm.weight"] = (np.ones(64, np.float32), None)  # a layer beyond block_count
+    write_gguf(tmp_path / "extra2.gguf", config, tensors)
+    raises(tmp_path / "extra2.gguf", "extra2.gguf", "model.layers.2.input_layernorm.weight")
+
+
+@pytest.mark.parametrize("changes", [{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+                                     {"architectures": ["GPT2LMHeadModel"]}, {"model_type": "mistral"},
+                                     {"hidden_act": "gelu"}])
+def test_unknown_architecture(hf_dir, changes):
+    edit_config(hf_dir, **changes)
+    raises(hf_dir, "config.json", "unsupported")
+
+
+def test_non_llama_gguf(tmp_path, gguf_parts):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, *gguf_parts, arch="gpt2")
+    raises(path, "gpt2.gguf", "unsupported architecture 'gpt2'")
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, *gguf_parts, llama__rope__scaling__type=("str", "linear"),
+               llama__rope__scaling__factor=("f32", 4.0))
+    raises(path, "scaled.gguf", "rope scaling")
+    config, tensors = gguf_parts
+    tensors["rope_freqs.weight"] = (np.ones(8, np.float32), None)  # llama 3's frequency factors
+    write_gguf(tmp_path / "freqs.gguf", config, tensors)
+    raises(tmp_path / "freqs.gguf", "freqs.gguf", "rope scaling")
+
+
+class _CreatesFileWhenUnpickled:
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return open, (self.target, "w")
+
+
+def test_pickle_checkpoints_refused_never_unpickled(tmp_path, monkeypatch):
+    # The payload does what it says when unpickled (checked on another path).
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_CreatesFileWhenUnpickled(probe))).close()
+    assert probe.exists()
+
+    marker = tmp_path / "pwned"
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(GQA.to_hf()))
+    (directory / "pytorch_model.bin").write_bytes(pickle.dumps(_CreatesFileWhenUnpickled(marker)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was loaded")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    raises(directory, "pytorch_model.bin", "pickle")
+    raises(directory / "pytorch_model.bin", "pytorch_model.bin", "pickle")
+    shutil.copy(directory / "pytorch_model.bin", tmp_path / "weights.pt")
+    raises(tmp_path / "weights.pt", "weights.pt", "pickle")
+    assert not marker.exists()
+
+
+def test_nonexistent_path(tmp_path):
+    raises(tmp_path / "nowhere", "nowhere", "no such file")
+    raises(tmp_path / "nowhere.gguf", "nowhere.gguf", "no such file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    raises(empty, "empty", "config.json")
+    not_ckpt = tmp_path / "notes.txt"
+    not_ckpt.write_text("hello")
+    raises(not_ckpt, "notes.txt", "not a checkpoint")
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", -64), ("num_hidden_layers", 0),
+                                          ("vocab_size", "512"), ("num_key_value_heads", 3),
+                                          ("head_dim", 15), ("rms_norm_eps", 0), ("rope_theta", None),
+                                          ("intermediate_size", 1.5)])
+def test_invalid_config_values(hf_dir, field, value):
+    edit_config(hf_dir, **{field: value})
+    raises(hf_dir, "config.json", field)
+    with pytest.raises(SmolError, match=field):
+        SmolConfig(**{**dataclasses.asdict(GQA), field: value})
+
+
+def test_invalid_gguf_metadata(tmp_path, gguf_parts):
+    for key, value, field in [("llama__attention__head_count", 0, "num_attention_heads"),
+                              ("llama__attention__head_count_kv", 3, "num_key_value_heads"),
+                              ("llama__attention__layer_norm_rms_epsilon", -1.0, "rms_norm_eps"),
+                              ("llama__block_count", None, "llama.block_count")]:
+        path = tmp_path / f"{field}.gguf"
+        write_gguf(path, *gguf_parts, **{key: value})
+        raises(path, path.name, field)
+
+
+def test_unreadable_config_json(hf_dir):
+    (hf_dir / "config.json").write_text("{not json")
+    raises(hf_dir, "config.json")
+    (hf_dir / "config.json").write_text("[1, 2]")
+    raises(hf_dir, "config.json")
