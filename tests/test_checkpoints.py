@@ -21,7 +21,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from smollm2 import SmolConfig, SmolError, SmolLM2
+from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer
 from smollm2.checkpoints import load_checkpoint
 from smollm2.checkpoints.gguf import gguf_config, open_gguf
 
@@ -263,6 +263,18 @@ def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, r
     assert back.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
     assert torch.equal(logits(back, ids), ours)
+
+
+@torch.no_grad()
+def test_real_weights_as_hf_directory_equal_the_gguf(model, english, tmp_path, record_property):
+    """The embedded 135M saved as a HF directory: our load and transformers' give the GGUF's logits."""
+    model.save_pretrained(tmp_path)
+    ids = torch.tensor([Tokenizer.from_pretrained().encode(english)[:256]])
+    expected = model(ids)
+    assert torch.equal(SmolLM2.from_pretrained(tmp_path)(ids), expected)
+    diff = (hf_load(tmp_path)(ids).logits - expected).abs().max().item()
+    record_property("max_abs_diff", diff)
+    assert diff <= 1e-4
 
 
 def test_transformers_save_pretrained_loads(tmp_path):
