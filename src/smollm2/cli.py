@@ -20,11 +20,11 @@ from .errors import SmolError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load(args):
-    """The model and tokenizer named by --model (default: the embedded SmolLM2-135M-Instruct)."""
+def load_model(args):
+    """The model named by --model (default: the embedded SmolLM2-135M-Instruct), as --dtype/--quantize say."""
     from .generation import Sampling
+    from .generation.quantize import quantize_int8
     from .model import SmolLM2
-    from .tokenizer import Tokenizer
 
     if hasattr(args, "temperature"):
         Sampling(**sampling(args))  # bad sampling flags fail before the model loads, not after
@@ -33,7 +33,13 @@ def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    return model, Tokenizer.from_pretrained(args.model)
+    return quantize_int8(model) if args.quantize == "int8" else model
+
+
+def load(args):
+    from .tokenizer import Tokenizer
+
+    return load_model(args), Tokenizer.from_pretrained(args.model)
 
 
 def sampling(args) -> dict:
@@ -47,7 +53,7 @@ def print_stream(model, tokenizer, ids: list[int], args) -> list[int]:
 
     decoder = tokenizer.stream_decoder(skip_special_tokens=True)
     new = []
-    for (token,) in stream(model, [ids], args.max_new_tokens, **sampling(args)):
+    for (token,) in stream(model, [ids], args.max_new_tokens, compile=args.compile, **sampling(args)):
         if token is None or token in model.config.eos_token_ids:
             break
         new.append(token)
@@ -144,6 +150,31 @@ def perplexity(args):
               f"(window {window}, stride {stride}), {result['tokens_per_s']:.1f} tokens/s")
 
 
+def bench(args):
+    from . import bench
+    from .model import SmolLM2
+
+    for flag in ("batch_size", "prompt_tokens", "new_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise SmolError(f"--{flag.replace('_', '-')} must be at least 1")
+    model = load_model(args)
+    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
+    rows = [bench.bench_ours(model, prompt, args.new_tokens, args.repeats, compile=args.compile)]
+    if args.compare == "transformers":
+        if args.quantize:  # transformers gets the same checkpoint unquantized
+            del model
+            model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
+        rows.append(bench.bench_transformers(model, prompt, args.new_tokens, args.repeats))
+    setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
+                 compile=args.compile, device=args.device, threads=torch.get_num_threads(),
+                 batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    if args.json:
+        print(json.dumps({**setup, "results": bench.as_dict(rows)}))
+    else:
+        print(", ".join(f"{k}={v}" for k, v in setup.items()))
+        print(bench.table(rows))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -154,6 +185,9 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", choices=DTYPES, default="fp32")
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     model.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    model.add_argument("--quantize", choices=("int8",), help="int8 weight-only linear layers")
+    model.add_argument("--compile", action="store_true",
+                       help="torch.compile the decoding step (slow to start; pays off on long runs and CUDA)")
 
     sample = argparse.ArgumentParser(add_help=False)
     sample.add_argument("--max-new-tokens", type=int, default=256)
@@ -179,6 +213,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--stride", type=int, help="tokens the window moves by (default: half the window)")
     c.add_argument("--json", action="store_true", help="print the result as one JSON object")
     c.set_defaults(run=perplexity)
+
+    c = commands.add_parser("bench", parents=[model], help="prefill and decode speed, optionally beside transformers")
+    c.add_argument("--prompt-tokens", type=int, default=512)
+    c.add_argument("--new-tokens", type=int, default=128)
+    c.add_argument("--batch-size", type=int, default=1)
+    c.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up; the best counts")
+    c.add_argument("--compare", choices=("transformers",), help="time transformers on the same weights too")
+    c.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    c.set_defaults(run=bench)
     return p
 
 

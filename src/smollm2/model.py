@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import SmolConfig
+from .errors import SmolError
 
 
 class RMSNorm(nn.Module):
@@ -189,8 +190,9 @@ class SmolLM2(nn.Module):
         return self.model.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)  # (B, T, vocab)
+        if self.lm_head is None:
+            return F.linear(h, self.model.embed_tokens.weight)  # (B, T, vocab)
+        return self.lm_head(h)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, input_pos, cache, attention_mask))
@@ -218,7 +220,10 @@ class SmolLM2(nn.Module):
         """Write config.json + model.safetensors that transformers' from_pretrained loads."""
         from .checkpoints import save_hf
 
-        save_hf(self.config, self.state_dict(), path)
+        state = self.state_dict()
+        if not all(t.is_floating_point() for t in state.values()):
+            raise SmolError("a quantized model cannot be saved as a HF checkpoint; save it before quantizing")
+        save_hf(self.config, state, path)
 
     def generate(self, input_ids, max_new_tokens: int = 128, **kwargs):
         """See smollm2.generation.generate."""

@@ -114,7 +114,8 @@ def read_gguf(path: Path) -> Checkpoint:
             qtype = GGMLQuantizationType(t.tensor_type)
             values = dequantize(t.data, qtype)
             shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
-            w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
+            # Quantized types decode into a new array; plain F32 is a view of the read-only file: copy that one.
+            w = torch.from_numpy(np.require(values, np.float32, ["W"])).reshape(shape)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])

@@ -1,0 +1,77 @@
+"""Every fast path gives the plain path's tokens: compiled decoding, bf16, int8 weights, batches."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import TINY, tiny_model
+
+from smollm2 import SmolError, Tokenizer
+from smollm2.generation import generate
+from smollm2.generation.quantize import Int8Linear, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def tokens(english):
+    return Tokenizer.from_pretrained().encode(english)[:512]
+
+
+def test_compiled_decoding_gives_the_eager_tokens():
+    model = tiny_model(TINY["gqa"])
+    prompts = [[5, 6, 7, 8], [9, 10]]  # padded: the masked path
+    for rows in (prompts[:1], prompts):
+        eager = generate(model, rows, 12, eos_token_id=None)
+        assert torch.equal(generate(model, rows, 12, eos_token_id=None, compile=True), eager)
+
+
+@torch.no_grad()
+def test_int8_keeps_top1_and_perplexity(model, tokens, record_property):
+    quantized = quantize_int8(copy.deepcopy(model))
+    assert sum(isinstance(m, Int8Linear) for m in quantized.modules()) == 30 * 7
+    ids = torch.tensor([tokens])
+    full, small = model(ids)[0, :-1], quantized(ids)[0, :-1]
+    agree = (full.argmax(-1) == small.argmax(-1)).float().mean().item()
+    targets = ids[0, 1:]
+    ppl_full = math.exp(torch.nn.functional.cross_entropy(full, targets).item())
+    ppl_small = math.exp(torch.nn.functional.cross_entropy(small.float(), targets).item())
+    record_property("int8_top1_agreement", agree)
+    record_property("int8_perplexity_ratio", ppl_small / ppl_full)
+    print(f"int8: top-1 agreement {agree:.3f}, perplexity {ppl_small:.3f} vs fp32 {ppl_full:.3f}")
+    assert agree >= 0.95
+    assert abs(ppl_small / ppl_full - 1) <= 0.02
+
+
+def test_int8_linear_is_close_to_the_float_one():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    x = torch.randn(3, 5, 64)
+    q = Int8Linear(linear.weight, linear.bias)
+    assert q.weight.dtype == torch.int8 and q.scale.shape == (48,)
+    torch.testing.assert_close(q(x), linear(x), atol=0.03, rtol=0.03)
+
+
+def test_quantized_model_cannot_be_saved(tmp_path):
+    with pytest.raises(SmolError, match="quantized"):
+        quantize_int8(tiny_model(TINY["gqa"])).save_pretrained(tmp_path)
+
+
+@torch.no_grad()
+def test_bf16_logits_follow_transformers_bf16(model, hf_model, tokens):
+    ids = torch.tensor([tokens[:128]])
+    ours = copy.deepcopy(model).to(torch.bfloat16)(ids).float()
+    theirs = copy.deepcopy(hf_model).to(torch.bfloat16)(ids).logits.float()
+    reference = model(ids)
+    # bf16 against bf16: as close as transformers' own bf16 is to fp32.
+    assert (ours - theirs).abs().max() <= (theirs - reference).abs().max()
+    top1 = reference.argmax(-1)
+    assert (ours.argmax(-1) == top1).float().mean() >= (theirs.argmax(-1) == top1).float().mean() - 0.02
+
+
+def test_bf16_generation_runs_batched():
+    model = tiny_model(TINY["gqa"]).to(torch.bfloat16)
+    out = generate(model, [[1, 2, 3], [4, 5]], 6, eos_token_id=None)
+    assert out.shape == (2, 9)
+    assert out[1, 3:].tolist() == generate(model, [[4, 5]], 6, eos_token_id=None)[0, 2:].tolist()
