@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_t
 from tokenizers.decoders import DecodeStream
 
 from .checkpoints import resolve
-from .checkpoints.gguf import metadata, open_gguf
+from .checkpoints.gguf import open_gguf
 from .errors import SmolError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
@@ -101,17 +101,17 @@ class Tokenizer:
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
         reader = open_gguf(path)
-        kind, pre = metadata(reader, "tokenizer.ggml.model"), metadata(reader, "tokenizer.ggml.pre")
+        kind, pre = reader.metadata.get("tokenizer.ggml.model"), reader.metadata.get("tokenizer.ggml.pre")
         if kind is None:
             raise SmolError(f"{path}: no tokenizer in this GGUF (metadata tokenizer.ggml.model is missing)")
         if kind != "gpt2":
             raise SmolError(f"{path}: unsupported tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
         if pre not in ("smollm", "gpt-2"):
             raise SmolError(f"{path}: unsupported pre-tokenizer {pre!r}; only 'smollm' and 'gpt-2' are supported")
-        tokens, merges = metadata(reader, "tokenizer.ggml.tokens"), metadata(reader, "tokenizer.ggml.merges")
+        tokens, merges = reader.metadata.get("tokenizer.ggml.tokens"), reader.metadata.get("tokenizer.ggml.merges")
         if not tokens or not merges:
             raise SmolError(f"{path}: missing metadata tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = reader.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         try:
             backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)},
                                          [tuple(m.split(" ", 1)) for m in merges]))
@@ -128,21 +128,21 @@ class Tokenizer:
                             for t, k in zip(tokens, types) if k == USER_DEFINED])
 
         def token(key):
-            i = metadata(reader, f"tokenizer.ggml.{key}")
+            i = reader.metadata.get(f"tokenizer.ggml.{key}")
             if i is not None and not 0 <= i < len(tokens):
                 raise SmolError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary of {len(tokens)}")
             return None if i is None else tokens[i]
 
         bos, eos = token("bos_token_id"), token("eos_token_id")
-        add_bos = bos is not None and bool(metadata(reader, "tokenizer.ggml.add_bos_token", False))
-        add_eos = eos is not None and bool(metadata(reader, "tokenizer.ggml.add_eos_token", False))
+        add_bos = bos is not None and bool(reader.metadata.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = eos is not None and bool(reader.metadata.get("tokenizer.ggml.add_eos_token", False))
         if add_bos or add_eos:  # llama.cpp adds them only where the file says so
             ends = [t for t, on in ((bos, add_bos), (eos, add_eos)) if on]
             backend.post_processor = processors.TemplateProcessing(
                 single=[bos] * add_bos + ["$A"] + [eos] * add_eos,
                 special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(ends)])
         return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"),
-                   chat_template=metadata(reader, "tokenizer.chat_template"))
+                   chat_template=reader.metadata.get("tokenizer.chat_template"))
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:

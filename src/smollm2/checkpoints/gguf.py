@@ -7,11 +7,12 @@ side (its interleaved RoPE); the model here uses the rotate-half layout of trans
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -27,23 +28,28 @@ IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernor
             "ffn_down": "mlp.down_proj"}
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Parsing the metadata takes seconds (49k tokens); the model and the tokenizer share one reading."""
+@dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict  # key -> value, as the gguf library decodes it
+    tensors: list[ReaderTensor]  # their data are views of the file, mapped in memory
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Parsing the metadata takes seconds (49k tokens); the model and the tokenizer share one reading.
+
+    Only the decoded values are kept: the reader's own per-field arrays would hold ~160 MB for good.
+    """
     stat = Path(path).stat()
     return _open_gguf(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
+        return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, list(reader.tensors))
     except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
-
-
-def metadata(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def hf_name(name: str, path: Path) -> str:
@@ -60,40 +66,40 @@ def _float32(value) -> float:
     return float(f"{float(value):.7g}")
 
 
-def gguf_config(reader: GGUFReader, path: Path) -> SmolConfig:
-    arch = metadata(reader, "general.architecture")
+def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
+    arch = reader.metadata.get("general.architecture")
     if arch != "llama":
         raise SmolError(f"{path}: unsupported architecture {arch!r}; only 'llama' GGUF files are supported")
     names = {t.name for t in reader.tensors}
 
     def need(key):
-        value = metadata(reader, f"llama.{key}")
+        value = reader.metadata.get(f"llama.{key}")
         if value is None:
             raise SmolError(f"{path}: missing metadata llama.{key}")
         return value
 
-    if metadata(reader, "llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
+    if reader.metadata.get("llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
         raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
     n_heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
-    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
     try:
         return SmolConfig(
-            vocab_size=int(metadata(reader, "llama.vocab_size", len(tokens) if tokens else 0)),
+            vocab_size=int(reader.metadata.get("llama.vocab_size", len(tokens) if tokens else 0)),
             hidden_size=hidden,
             intermediate_size=int(need("feed_forward_length")),
             num_hidden_layers=int(need("block_count")),
             num_attention_heads=n_heads,
-            num_key_value_heads=int(metadata(reader, "llama.attention.head_count_kv", n_heads)),
-            head_dim=int(metadata(reader, "llama.attention.key_length", hidden // max(n_heads, 1))),
+            num_key_value_heads=int(reader.metadata.get("llama.attention.head_count_kv", n_heads)),
+            head_dim=int(reader.metadata.get("llama.attention.key_length", hidden // max(n_heads, 1))),
             max_position_embeddings=int(need("context_length")),
-            rope_theta=_float32(metadata(reader, "llama.rope.freq_base", 10000.0)),
+            rope_theta=_float32(reader.metadata.get("llama.rope.freq_base", 10000.0)),
             rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon")),
             attention_bias="blk.0.attn_q.bias" in names,
             mlp_bias="blk.0.ffn_gate.bias" in names,
             tie_word_embeddings="output.weight" not in names,
-            bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"),
+            bos_token_id=reader.metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=reader.metadata.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=reader.metadata.get("tokenizer.ggml.padding_token_id"),
         )
     except SmolError as e:  # name the file, not just the field
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
