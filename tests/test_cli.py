@@ -119,3 +119,13 @@ def test_perplexity_bad_files(tmp_path, capsys):
     assert "not UTF-8" in one_error_line(capsys.readouterr().err)
     assert main(["perplexity", str(tmp_path / "empty.txt")]) == 1
     assert "empty" in one_error_line(capsys.readouterr().err)
+
+
+def test_bench_beside_transformers(tiny_dir, capsys):
+    assert main(["bench", "--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1",
+                 "--compare", "transformers", "--quantize", "int8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["system"] for r in result["results"]] == ["smollm2", "transformers"]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in result["results"])
+    assert main(["bench", "--batch-size", "0"]) == 1
+    assert "--batch-size" in one_error_line(capsys.readouterr().err)
