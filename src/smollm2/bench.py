@@ -1,13 +1,14 @@
 """Speed, measured the way llama-bench does (pp: prompt tokens/s, tg: generated tokens/s), side by side.
 
-Both systems are timed by one protocol on the same weights and the same random prompt: t1, the time to
-generate 1 token (the prefill), and tN, the time to generate N; prefill tok/s = B*T / t1 and decode tok/s =
-B*(N-1) / (tN - t1). Each figure is the best of a few runs after a warm-up: these machines are noisy, so
-compare ratios from one run, not figures across runs.
+Every system is timed by one protocol on the same weights and the same random prompt: one generation of
+N tokens that marks the moment each step's tokens arrive. Prefill is the time to the first token (B*T
+tokens), decode the time from the first token to the last (B*(N-1) tokens). Each figure is the best of a
+few runs after a warm-up: these machines are noisy, so compare ratios from one run, not figures across runs.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import resource
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .generation import generate
+from .generation import stream
 
 
 @dataclass
@@ -25,20 +26,6 @@ class Speed:
     prefill_tok_s: float
     decode_tok_s: float
     peak_memory_mb: float  # the process's peak while generating (RSS on the CPU), the model included
-
-
-def _best_time(run, repeats: int) -> float:
-    run()  # warm-up: allocations, kernel choice, compilation
-    best = float("inf")
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def reset_peak_memory(device: str) -> None:
@@ -57,13 +44,24 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux, bytes on macOS
 
 
-def _speed(system, generate_n, prompt: torch.Tensor, new_tokens: int, repeats: int, device) -> Speed:
-    """Peak memory counts from here: generation's own, not loading's."""
-    B, T = prompt.shape
+def timed(system: str, run, prompt: torch.Tensor, new_tokens: int, repeats: int) -> Speed:
+    """run(mark) generates new_tokens tokens per row, calling mark() as each step's tokens arrive."""
+    (B, T), device = prompt.shape, prompt.device.type
+    prefill = decode = math.inf
     reset_peak_memory(device)
-    t1 = _best_time(lambda: generate_n(1), repeats)
-    tn = _best_time(lambda: generate_n(new_tokens), repeats)
-    return Speed(system, B * T / t1, B * (new_tokens - 1) / max(tn - t1, 1e-9), peak_memory_mb(device))
+    for attempt in range(repeats + 1):  # the first is a warm-up: allocations, kernel choice, compilation
+        marks = []
+
+        def mark():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+
+        start = time.perf_counter()
+        run(mark)
+        if attempt:
+            prefill, decode = min(prefill, marks[0] - start), min(decode, marks[-1] - marks[0])
+    return Speed(system, B * T / prefill, B * (new_tokens - 1) / decode, peak_memory_mb(device))
 
 
 def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torch.Tensor:
@@ -71,29 +69,41 @@ def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torc
 
 
 def bench_ours(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2, compile: bool = False) -> Speed:
-    device = prompt.device.type
+    def run(mark):
+        for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile):
+            mark()
 
-    def generate_n(n):
-        generate(model, prompt, n, eos_token_id=None, compile=compile)
-
-    return _speed("smollm2", generate_n, prompt, new_tokens, repeats, device)
+    return timed("smollm2", run, prompt, new_tokens, repeats)
 
 
 def bench_transformers(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2) -> Speed:
-    """transformers' LlamaForCausalLM (eager attention, as in its default CPU setup) on our model's weights."""
+    """transformers' LlamaForCausalLM (its default attention) on our model's weights, greedy generate."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.generation.streamers import BaseStreamer
 
     dtype = model.model.embed_tokens.weight.dtype
     hf = LlamaForCausalLM(LlamaConfig(**model.config.to_hf())).to(prompt.device, dtype).eval()
     hf.load_state_dict(model.state_dict(), strict=False)  # a tied lm_head follows the embedding
     mask = torch.ones_like(prompt)
 
-    @torch.inference_mode()
-    def generate_n(n):
-        hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0)
+    class Marks(BaseStreamer):  # generate hands a streamer the prompt, then each step's tokens
+        def __init__(self, mark):
+            self.mark, self.prompt_seen = mark, False
 
-    return _speed("transformers", generate_n, prompt, new_tokens, repeats, prompt.device.type)
+        def put(self, value):
+            if self.prompt_seen:
+                self.mark()
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    @torch.inference_mode()
+    def run(mark):
+        hf.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=0, streamer=Marks(mark))
+
+    return timed("transformers", run, prompt, new_tokens, repeats)
 
 
 def table(rows: list[Speed]) -> str:

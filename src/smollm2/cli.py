@@ -154,9 +154,9 @@ def bench(args):
     from . import bench
     from .model import SmolLM2
 
-    for flag in ("batch_size", "prompt_tokens", "new_tokens", "repeats"):
-        if getattr(args, flag) < 1:
-            raise SmolError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag, least in (("batch_size", 1), ("prompt_tokens", 1), ("new_tokens", 2), ("repeats", 1)):
+        if getattr(args, flag) < least:
+            raise SmolError(f"--{flag.replace('_', '-')} must be at least {least}")
     model = load_model(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
     rows = [bench.bench_ours(model, prompt, args.new_tokens, args.repeats, compile=args.compile)]
@@ -173,6 +173,31 @@ def bench(args):
     else:
         print(", ".join(f"{k}={v}" for k, v in setup.items()))
         print(bench.table(rows))
+
+
+def serve(args):
+    """The OpenAI-compatible HTTP server, until Ctrl-C or SIGTERM (in-flight answers finish, for up to 10 s)."""
+    import signal
+
+    import uvicorn
+
+    from .server import create_app
+
+    if args.compile:
+        raise SmolError("--compile is not supported by serve")
+    if args.max_batch_size < 1:
+        raise SmolError("--max-batch-size must be at least 1")
+    model, tokenizer = load(args)
+    name = args.model or "SmolLM2-135M-Instruct"
+    app = create_app(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size,
+                     max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key)
+    # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
+    # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -222,6 +247,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=("transformers",), help="time transformers on the same weights too")
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=bench)
+
+    c = commands.add_parser("serve", parents=[model], help="an OpenAI-compatible HTTP server (continuous batching)")
+    c.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    c.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
+    c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
+                                                    "window); the KV cache holds this many per batch row")
+    c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    c.set_defaults(run=serve)
     return p
 
 

@@ -1,0 +1,197 @@
+"""Prefill and decode speed of smollm2 beside llama.cpp at matched precision, on the CPU, in one process.
+
+The embedded SmolLM2-135M-Instruct (a Q4_1 GGUF) is loaded as fp32 and written back as GGUF files at F32,
+F16 and Q8_0 (metadata copied, llama.cpp's tensor names and q/k row order); each file is loaded back and
+checked against the original's logits. Then each pair runs the same random prompt at batch 1, 2 threads:
+
+    f32:  smollm2 fp32                 vs llama.cpp F32
+    f16:  smollm2 bf16                 vs llama.cpp F16   (both 16-bit; bf16 is what torch's CPU kernels favour)
+    q8_0: smollm2 --quantize int8      vs llama.cpp Q8_0  (ours keeps the tied embedding/output fp32;
+                                                           llama.cpp's converter makes token_embd Q8_0 too)
+
+Both are timed by smollm2.bench's protocol: one generation of N tokens marking each token's arrival;
+prefill tok/s = T / (time to the first token), decode tok/s = (N-1) / (first token to last), best of
+--repeats after a warm-up: llama-bench's pp/tg, except that decoding here continues after the prompt (as in
+real use) instead of from an empty context.
+llama.cpp runs with its defaults otherwise (F16 KV cache, no flash attention).
+
+llama-cpp-python is not a project dependency; install it in a throwaway venv and borrow it:
+    python3.11 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install llama-cpp-python
+    PYTHONPATH=/tmp/llamacpp-venv/lib/python3.11/site-packages .venv/bin/python benchmarks/llamacpp.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import quantize
+
+from smollm2 import SmolLM2, bench
+from smollm2.checkpoints import default_model_path
+from smollm2.checkpoints.gguf import hf_name
+from smollm2.generation.quantize import quantize_int8
+
+THREADS = 2
+CHECK_IDS = [1, 504, 3458, 282, 4760, 314, 216, 1345]  # a few tokens whose logits the written files must give back
+TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0}  # max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
+FILE_TYPES = {"f32": (Q.F32, LlamaFileType.ALL_F32), "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
+              "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)}
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (the inverse of smollm2.checkpoints.gguf.unpermute): (half, pair) -> (pair, half)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: SmolLM2, original: Path, precision: str, path: Path) -> None:
+    """The model's weights at `precision` (1-D norms stay F32, as llama.cpp's converter keeps them)."""
+    qtype, file_type = FILE_TYPES[precision]
+    reader = GGUFReader(original)
+    writer = GGUFWriter(path, arch=reader.fields["general.architecture"].contents())  # it writes the arch itself
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(file_type)
+    state, config = model.state_dict(), model.config
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for t in reader.tensors:  # the original's names and order; tied embeddings: no output.weight there
+        w = state[hf_name(t.name, original)].detach().float()
+        if (n := heads.get(hf_name(t.name, original).split(".")[-2])) is not None:
+            w = permute(w, n)
+        w = w.numpy()
+        if w.ndim == 1 or qtype == Q.F32:
+            writer.add_tensor(t.name, w)
+        else:
+            writer.add_tensor(t.name, quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> str:
+    diff = (got - ref).abs().max().item()
+    if diff > tolerance or not torch.equal(got.argmax(-1), ref.argmax(-1)):
+        raise SystemExit(f"{who}: logits differ from the original's (max |diff| {diff:.4g})")
+    return f"{who}: max |logit diff| {diff:.3g}"
+
+
+@torch.inference_mode()
+def validate(model: SmolLM2, path: Path, precision: str) -> str:
+    """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within rounding."""
+    ids = torch.tensor([CHECK_IDS])
+    return check(f"smollm2 reading {path.name}", SmolLM2.from_pretrained(path)(ids), model(ids), TOLERANCE[precision])
+
+
+def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: int, ref: torch.Tensor,
+                   tolerance: float) -> bench.Speed:
+    """ref: the original model's last logits after CHECK_IDS, to check that llama.cpp reads the file alike."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS,
+                          n_batch=512, verbose=False)
+    ids = prompt[0].tolist()
+
+    def last_logits() -> np.ndarray:  # only the last position's are computed (logits_all=False), as in ours
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+    def greedy() -> int:
+        return int(last_logits().argmax())
+
+    llm.eval(CHECK_IDS)  # its KV cache is F16 (its default): not bit-exact even at F32
+    log(check(f"llama.cpp reading {path.name}", torch.from_numpy(last_logits().copy()), ref, max(tolerance, 0.05)))
+
+    def run(mark) -> None:
+        llm.reset()
+        llm.eval(ids)
+        token = greedy()
+        mark()
+        for _ in range(new_tokens - 1):
+            llm.eval([token])
+            token = greedy()
+            mark()
+
+    try:  # the very protocol bench_ours uses, so the two are timed alike
+        return bench.timed("llama.cpp", run, prompt, new_tokens, repeats)
+    finally:
+        llm.close()
+
+
+def ours(precision: str) -> SmolLM2:
+    if precision == "f16":
+        return SmolLM2.from_pretrained(dtype=torch.bfloat16)
+    model = SmolLM2.from_pretrained()
+    return quantize_int8(model) if precision == "q8_0" else model
+
+
+def speeds(s: bench.Speed) -> dict:  # peak memory is left out: one process holds both systems' models
+    return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precisions", default="f32,f16,q8_0", help="comma-separated subset of f32,f16,q8_0")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args()
+    precisions = args.precisions.split(",")
+    if unknown := set(precisions) - set(FILE_TYPES):
+        p.error(f"unknown precisions {sorted(unknown)}; choose from {list(FILE_TYPES)}")
+    if args.prompt_tokens + args.new_tokens > 1024:
+        p.error("--prompt-tokens + --new-tokens must fit llama.cpp's 1024-token context")
+    torch.set_num_threads(THREADS)
+
+    original = default_model_path()
+    model = SmolLM2.from_pretrained()
+    prompt = bench.random_prompt(model.config.vocab_size, 1, args.prompt_tokens, "cpu")
+    with torch.inference_mode():
+        last_logits = model(torch.tensor([CHECK_IDS]))[0, -1]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in precisions:
+            path = Path(tmp) / f"smollm2-135m-{precision}.gguf"
+            write_gguf(model, original, precision, path)
+            log(validate(model, path, precision))
+            mine = bench.bench_ours(ours(precision), prompt, args.new_tokens, args.repeats)
+            ref = bench_llamacpp(path, prompt, args.new_tokens, args.repeats, last_logits, TOLERANCE[precision])
+            log(f"{precision}: smollm2 {mine.prefill_tok_s:.1f}/{mine.decode_tok_s:.1f}, "
+                f"llama.cpp {ref.prefill_tok_s:.1f}/{ref.decode_tok_s:.1f} tok/s (prefill/decode)")
+            results.append({"precision": precision, "file_mib": round(path.stat().st_size / 2**20, 1),
+                            "smollm2": speeds(mine), "llama_cpp": speeds(ref),
+                            "prefill_ratio": mine.prefill_tok_s / ref.prefill_tok_s,
+                            "decode_ratio": mine.decode_tok_s / ref.decode_tok_s})
+            path.unlink()
+
+    setup = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+             "threads": THREADS, "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__}
+    if args.json:
+        print(json.dumps({**setup, "results": results}, indent=2))
+        return 0
+    print(f"pp{args.prompt_tokens}/tg{args.new_tokens}, batch 1, {THREADS} threads, best of {args.repeats} "
+          f"(torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}); tok/s, ratio = smollm2 / llama.cpp")
+    print(f"{'precision':<10}{'smollm2 pp':>12}{'smollm2 tg':>12}{'llama.cpp pp':>14}{'llama.cpp tg':>14}"
+          f"{'pp ratio':>10}{'tg ratio':>10}")
+    for r in results:
+        s, l = r["smollm2"], r["llama_cpp"]
+        print(f"{r['precision']:<10}{s['prefill_tok_s']:>12.1f}{s['decode_tok_s']:>12.1f}{l['prefill_tok_s']:>14.1f}"
+              f"{l['decode_tok_s']:>14.1f}{r['prefill_ratio']:>9.2f}x{r['decode_ratio']:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
