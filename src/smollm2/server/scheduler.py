@@ -1,0 +1,262 @@
+"""Continuous batching: one thread owns the model and advances every request in flight together.
+
+The KV cache has `max_batch_size` rows, the slots; a request holds one slot from its first token to its last,
+its sequence at positions 0.. of that row. Each step the thread
+  1. retires cancelled requests (their client went away), freeing their slots;
+  2. admits waiting requests into free slots, prefilling each prompt alone into its own row;
+  3. runs ONE decoding step for all slots at once, every row at its own position;
+  4. samples each request's token with its own Sampler and retires the finished ones.
+A finished request frees its slot at once, so a waiting one joins at the next step instead of waiting for
+the whole batch to end, as it would with static batching.
+
+The HTTP side runs an asyncio loop in another thread: requests are handed over through a locked deque,
+and each request's events come back through its own asyncio.Queue, fed with loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SmolError
+from ..generation.engine import PREFILL_CHUNK, decode_step, prompt_rows
+from ..generation.sampling import Sampler, Sampling
+from ..model import KVCache
+
+log = logging.getLogger(__name__)
+
+CACHE_BLOCK = 128  # attention reads the cache up to the next multiple of this past the longest sequence
+
+
+@dataclass
+class Delta:
+    """New text for the client (possibly empty while a stop string might be forming)."""
+    text: str
+
+
+@dataclass
+class Done:
+    """The last event of a request. finish_reason: "stop" (EOS or a stop string) or "length";
+    None with `error` set when the server ended the request (shutting down, or an internal error)."""
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class QueueFull(Exception):
+    """More requests are already waiting than the scheduler accepts."""
+
+
+class CacheView(KVCache):
+    """Some rows and the first `length` positions of a KVCache, as views: writes land in the whole cache.
+
+    Attention then reads only `length` positions instead of the whole context window.
+    """
+
+    def __init__(self, cache: KVCache, rows: slice, length: int):  # no super().__init__: nothing to allocate
+        self.k = [k[rows, :, :length] for k in cache.k]
+        self.v = [v[rows, :, :length] for v in cache.v]
+        self.batch_index = torch.arange(self.k[0].shape[0], device=self.k[0].device)[:, None]
+
+
+class Request:
+    """One generation: its prompt and limits, its sampler and text, and the queue its events go to."""
+
+    def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: Sequence[str],
+                 tokenizer, device, loop: asyncio.AbstractEventLoop):
+        self.prompt, self.max_tokens, self.stop = prompt, max_tokens, tuple(stop)
+        self.sampler = Sampler(sampling, 1, device)  # batch of one: the request's seed alone decides its draws
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self.tokens: list[int] = []  # generated so far, EOS included
+        self.text = ""  # the answer so far
+        self.sent = 0  # characters of text already sent
+        self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
+        self._loop, self._events = loop, asyncio.Queue()
+
+    async def events(self) -> AsyncIterator[Delta | Done]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, Done):
+                return
+
+    def emit(self, event: Delta | Done) -> None:  # scheduler thread
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
+                 max_seq_len: int | None = None):
+        context = model.config.max_position_embeddings
+        if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2):
+            raise SmolError(f"need max_batch_size >= 1, max_waiting >= 0 and max_seq_len >= 2, got "
+                            f"{max_batch_size}, {max_waiting} and {max_seq_len}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_seq_len = min(max_seq_len or context, context)
+        self.max_waiting = max_waiting
+        self.eos = set(model.config.eos_token_ids)
+        self.device = model.model.embed_tokens.weight.device
+        self.cache = model.new_cache(max_batch_size, self.max_seq_len)
+        self.slots: list[Request | None] = [None] * max_batch_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Condition()  # guards waiting and _stopping
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="smollm2-scheduler", daemon=True)
+
+    # The HTTP side (the event loop's thread).
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End every request (their streams get a final Done with an error) and join the thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: Sequence[str] = ()) -> Request:
+        """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting."""
+        (prompt,) = prompt_rows([prompt], self.model.config.vocab_size)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise SmolError(f"max_tokens must be a whole number >= 1, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.max_seq_len:
+            raise SmolError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                            f"context window of {self.max_seq_len} tokens")
+        request = Request(prompt, max_tokens, sampling, stop, self.tokenizer, self.device, asyncio.get_running_loop())
+        with self._wake:
+            if self._stopping:
+                raise SmolError("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting; try again later")
+            self.waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop generating for this request (no-op once it is done); its slot frees at the next step."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    def load(self) -> dict:
+        return dict(active=sum(r is not None for r in self.slots), waiting=len(self.waiting),
+                    slots=len(self.slots))
+
+    # The scheduler thread.
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.waiting and not any(self.slots):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
+                log.exception("scheduler step failed")
+                self._end(self._take_active(), f"internal error: {e}")
+        with self._wake:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        self._end([*waiting, *self._take_active()], "the server is shutting down")
+
+    def _step(self) -> None:
+        for b, request in enumerate(self.slots):
+            if request is not None and request.cancelled:
+                self.slots[b] = None
+        for b in range(len(self.slots)):
+            if self.slots[b] is None:
+                request = self._next_waiting()
+                if request is None:
+                    break
+                self._prefill(b, request)
+        if any(self.slots):
+            self._decode()
+
+    def _next_waiting(self) -> Request | None:
+        with self._wake:
+            while self.waiting:
+                request = self.waiting.popleft()
+                if not request.cancelled:
+                    return request
+        return None
+
+    def _length(self, n: int) -> int:
+        return min(-(-n // CACHE_BLOCK) * CACHE_BLOCK, self.max_seq_len)
+
+    def _prefill(self, slot: int, request: Request) -> None:
+        """Run the prompt alone through its own cache row, in chunks as the engine does, and take its first token."""
+        self.slots[slot] = request  # first: should the prefill fail, the request in its slot is failed too
+        T = len(request.prompt)
+        cache = CacheView(self.cache, slice(slot, slot + 1), self._length(T))
+        ids = torch.tensor([request.prompt], device=self.device)
+        for start in range(0, T, PREFILL_CHUNK):
+            chunk = ids[:, start:start + PREFILL_CHUNK]
+            h = self.model.hidden_states(chunk, torch.arange(start, start + chunk.shape[1], device=self.device), cache)
+        self._accept(slot, request, request.sampler(self.model.logits(h[:, -1]))[0].item())
+
+    def _decode(self) -> None:
+        """One token for every slot at once, each row at its own position."""
+        B = len(self.slots)
+        active = [(b, r) for b, r in enumerate(self.slots) if r is not None]
+        ids, pos = torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long)
+        for b, r in active:
+            ids[b, 0], pos[b, 0] = r.tokens[-1], len(r.prompt) + len(r.tokens) - 1
+        # Free rows compute a throwaway token at position 0; the next prefill of that row overwrites it.
+        # The batch keeps its full size, so a row's arithmetic does not depend on how many others are busy.
+        # No padding mask is needed: every row starts at slot 0, and the causal mask over slots
+        # (slot <= input_pos) already hides what a previous, longer request left past a row's position.
+        cache = CacheView(self.cache, slice(None), self._length(int(pos.max()) + 1))
+        logits = decode_step(self.model, ids.to(self.device), pos.to(self.device), cache, None)  # (B, V)
+        tokens = torch.cat([r.sampler(logits[b:b + 1]) for b, r in active]).tolist()
+        for (b, r), token in zip(active, tokens):
+            self._accept(b, r, token)
+
+    def _accept(self, slot: int, request: Request, token: int) -> None:
+        """Record a new token; send the text that is final; retire the request when it is done."""
+        request.tokens.append(token)
+        if token in self.eos:
+            return self._finish(slot, request, "stop")
+        request.text += request.decoder.step(token)
+        cut = min((i for i in (request.text.find(s) for s in request.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            request.text = request.text[:cut]
+            return self._finish(slot, request, "stop", flush=False)
+        if len(request.tokens) == request.max_tokens:
+            return self._finish(slot, request, "length")
+        # Hold back an end of the text that may yet grow into a stop string: the client must never see one.
+        held = max((k for s in request.stop for k in range(1, len(s)) if request.text.endswith(s[:k])), default=0)
+        end = len(request.text) - held
+        if end > request.sent:
+            request.emit(Delta(request.text[request.sent:end]))
+            request.sent = end
+
+    def _finish(self, slot: int, request: Request, reason: str, flush: bool = True) -> None:
+        if flush:  # a character still incomplete at the end comes out as decode() shows it
+            request.text += request.decoder.finish()
+        if len(request.text) > request.sent:
+            request.emit(Delta(request.text[request.sent:]))
+        request.emit(Done(reason, len(request.prompt), len(request.tokens)))
+        self.slots[slot] = None
+
+    def _take_active(self) -> list[Request]:
+        active = [r for r in self.slots if r is not None]
+        self.slots = [None] * len(self.slots)
+        return active
+
+    @staticmethod
+    def _end(requests: list[Request], error: str) -> None:
+        for request in requests:
+            request.emit(Done(None, len(request.prompt), len(request.tokens), error))

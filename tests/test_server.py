@@ -1,0 +1,324 @@
+"""The HTTP server: OpenAI's API over continuous batching, exact to the engine, and hard to knock over.
+
+Most tests run the tiny random model, in-process (TestClient) or behind a real uvicorn on a free port
+(TestClient buffers whole responses, so streams, disconnects and concurrency need a real server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from conftest import TINY, tiny_model
+from fastapi.testclient import TestClient
+
+from smollm2 import SmolLM2, Tokenizer
+from smollm2.generation import generate
+from smollm2.server import create_app
+
+NAME = "tiny"
+PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far far away, there lived",
+           "1 2 3 4 5 6 7 8", "Write a poem about the sea and the sky and the wind that blows", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model with the real tokenizer, as a HF directory (context window: 512 tokens)."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(TINY["gqa"]).save_pretrained(path)
+    tokenizer = Tokenizer.from_pretrained()
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app):
+    """A real uvicorn serving `app` on 127.0.0.1 in a thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def expected(model, tokenizer, ids: list[int], max_tokens: int, **sampling) -> str:
+    """The engine's answer alone, as `smollm2 generate` / `chat -p` print it: up to EOS, no special tokens."""
+    new = generate(model, [ids], max_tokens, **sampling)[0, len(ids):].tolist()
+    eos = set(model.config.eos_token_ids)
+    new = new[:next((i for i, t in enumerate(new) if t in eos), len(new))]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def events(response) -> list:
+    """The JSON payloads of an SSE response, checking it ends with [DONE]."""
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def completion(client, prompt: str, max_tokens: int, stream: bool = False, **extra) -> str:
+    body = dict(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream, **extra)
+    if not stream:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        return "".join(c["choices"][0]["text"] for c in events(r))
+
+
+def test_models_health_and_greedy_answers_equal_the_engine(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [NAME]
+        for prompt in PROMPTS[:3]:
+            assert completion(client, prompt, 12) == expected(model, tokenizer, tokenizer.encode(prompt), 12)
+
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        r = client.post("/v1/chat/completions", json=dict(model=NAME, messages=messages, max_tokens=9, temperature=0))
+        body = r.json()
+        ids = tokenizer.apply_chat_template(messages)
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+        assert body["choices"][0]["message"]["content"] == expected(model, tokenizer, ids, 9)
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == len(ids) and usage["total_tokens"] == len(ids) + usage["completion_tokens"]
+
+
+def test_seeded_sampling_is_reproducible_and_equals_the_engine(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        body = dict(model=NAME, prompt="Hello there", max_tokens=10, temperature=0.8, top_p=0.9, seed=1234)
+        first, again = (client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2))
+        assert first == again == expected(model, tokenizer, tokenizer.encode("Hello there"), 10,
+                                          temperature=0.8, top_p=0.9, seed=1234)
+
+
+def test_stop_strings_cut_the_answer_streamed_or_not(tiny):
+    model, tokenizer = tiny
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+        full = completion(client, PROMPTS[2], 20)
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        for stream in (False, True):
+            assert completion(client, PROMPTS[2], 20, stream, stop=[stop, "never appears"]) == full[:full.find(stop)]
+
+
+def test_concurrent_greedy_requests_equal_the_same_served_alone(tiny):
+    model, tokenizer = tiny
+    lengths = [5, 40, 17, 60, 1, 33]  # different lengths: requests join and leave the batch at different steps
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=3)  # fewer slots than requests
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        alone = [completion(client, p, n) for p, n in zip(PROMPTS, lengths)]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda i: completion(client, PROMPTS[i], lengths[i], stream=i % 2 == 0),
+                                     range(len(PROMPTS))))
+        assert together == alone
+        assert client.get("/health").json()["active"] == 0
+    assert alone[0] == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), lengths[0])
+
+
+def test_streamed_chat_chunks_follow_openai_format(tiny):
+    model, tokenizer = tiny
+    body = dict(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            chunks = events(r)
+        whole = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+MALFORMED = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", json.dumps({"model": NAME})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": 5})),
+    ("/v1/completions", json.dumps({"model": "gpt-4", "prompt": "hi"})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "max_tokens": -3})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "max_tokens": "ten"})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "temperature": 2.5})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "top_p": 0})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "seed": 1.5})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 2})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": ""})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": []})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "robot", "content": "x"}]})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": "hello"})),
+    ("/v1/nothing", b"{}"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_leave_the_server_healthy(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        before = completion(client, PROMPTS[1], 10)
+        for i in range(100):
+            path, body = MALFORMED[i % len(MALFORMED)]
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        assert client.get("/health").json() == {"status": "ok", "active": 0, "waiting": 0, "slots": 8}
+        assert completion(client, PROMPTS[1], 10) == before
+
+
+def test_limits_context_body_size_and_api_key(tiny):
+    model, tokenizer = tiny
+    app = create_app(model, tokenizer, model_name=NAME, api_key="sesame", max_body_bytes=10_000)
+    auth = {"Authorization": "Bearer sesame"}
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "sesame"}):
+            r = client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert client.get("/v1/models", headers=auth).status_code == 200
+
+        r = client.post("/v1/completions", headers=auth, json=dict(model=NAME, prompt="word " * 400, max_tokens=200))
+        assert r.status_code == 400 and "context window of 512" in r.json()["error"]["message"]
+        r = client.post("/v1/chat/completions", headers=auth,
+                        json=dict(model=NAME, messages=[{"role": "user", "content": "word " * 600}]))
+        assert r.status_code == 400 and "context window of 512" in r.json()["error"]["message"]
+
+        r = client.post("/v1/completions", headers=auth, json=dict(model=NAME, prompt="x" * 20_000))
+        assert r.status_code == 413 and r.json()["error"]["message"]
+        r = client.post("/v1/completions", headers=auth, json=dict(model=NAME, prompt="Hi", max_tokens=3))
+        assert r.status_code == 200
+
+
+def test_full_queue_gets_429(tiny, monkeypatch):
+    model, tokenizer = tiny
+    gate = threading.Event()  # holds the scheduler thread inside the first request's prefill
+    logits = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: (gate.wait(30), logits(h))[1])
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=1, max_waiting=1)
+    body = dict(model=NAME, prompt="Hi", max_tokens=2)
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(2) as pool:
+        def wait_for(**load):
+            deadline = time.time() + 10
+            while {k: client.get("/health").json()[k] for k in load} != load:
+                assert time.time() < deadline, client.get("/health").json()
+                time.sleep(0.02)
+
+        first = pool.submit(client.post, "/v1/completions", json=body)
+        wait_for(active=1)
+        second = pool.submit(client.post, "/v1/completions", json=body)
+        wait_for(waiting=1)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        gate.set()
+        assert first.result().status_code == second.result().status_code == 200
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny, monkeypatch):
+    model, tokenizer = tiny
+    logits = model.logits
+    failures = iter([RuntimeError("boom")])
+
+    def flaky(h):
+        error = next(failures, None)
+        if error:
+            raise error
+        return logits(h)
+
+    monkeypatch.setattr(model, "logits", flaky)
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        r = client.post("/v1/completions", json=dict(model=NAME, prompt="Hi", max_tokens=3))
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert completion(client, "Hi", 3) == expected(model, tokenizer, tokenizer.encode("Hi"), 3)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny):
+    model, tokenizer = tiny
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=1)
+    body = dict(model=NAME, prompt="Hello", max_tokens=500, temperature=0, stream=True)
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.time() + 10
+        while client.get("/health").json()["active"]:
+            assert time.time() < deadline, "the slot was not freed"
+            time.sleep(0.02)
+        assert completion(client, PROMPTS[0], 5) == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), 5)
+
+
+def test_serve_command_exits_cleanly_on_sigterm(tiny_dir):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "smollm2", "serve", "--model", str(tiny_dir), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            deadline = time.time() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get("/health").status_code == 200:
+                        break
+                assert server.poll() is None and time.time() < deadline, server.stdout.read()
+                time.sleep(0.2)
+            body = dict(model=str(tiny_dir), prompt="Hello", max_tokens=300, temperature=0, stream=True)
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                server.send_signal(signal.SIGTERM)
+                assert [line for line in lines if line][-1] == "data: [DONE]"  # the answer in flight finishes
+        assert server.wait(timeout=30) == 0
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_openai_client_against_the_embedded_model(model):
+    """The official client, a real server, the real model: the answer `smollm2 chat -p` gives, streamed or not."""
+    from openai import OpenAI
+
+    tokenizer = Tokenizer.from_pretrained()
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    want = expected(model, tokenizer, tokenizer.apply_chat_template(question), 20, temperature=0)
+    assert "Paris" in want
+    app = create_app(model, tokenizer, model_name="SmolLM2-135M-Instruct", max_batch_size=2, max_seq_len=1024)
+    with running(app) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+        answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
+                                                max_tokens=20)
+        assert answer.choices[0].message.content == want
+        chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
+                                                max_tokens=20, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
