@@ -75,3 +75,13 @@ def test_bf16_generation_runs_batched():
     out = generate(model, [[1, 2, 3], [4, 5]], 6, eos_token_id=None)
     assert out.shape == (2, 9)
     assert out[1, 3:].tolist() == generate(model, [[4, 5]], 6, eos_token_id=None)[0, 2:].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_paths_give_the_cpu_tokens():
+    model = tiny_model(TINY["gqa"])
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    expected = generate(model, prompts, 12, eos_token_id=None)
+    on_gpu = copy.deepcopy(model).cuda()
+    assert torch.equal(generate(on_gpu, prompts, 12, eos_token_id=None).cpu(), expected)
+    assert torch.equal(generate(on_gpu, prompts, 12, eos_token_id=None, compile=True).cpu(), expected)

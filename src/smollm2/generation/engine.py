@@ -107,6 +107,9 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         if attention_mask is not None:
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)
     cache = model.new_cache(B, length)
+    if compile and device.type == "cuda":
+        for t in cache.k + cache.v:  # a CUDA graph may update these in place only if they never move
+            torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
     for start in range(0, T, PREFILL_CHUNK):
         chunk = history[:, start:min(start + PREFILL_CHUNK, T)].clamp(min=0)  # (B, chunk), padding as id 0
