@@ -68,6 +68,15 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
+    def view(self, rows: slice = slice(None), length: int | None = None) -> KVCache:
+        """These rows and the first `length` slots, sharing storage: writes land in this cache, and
+        attention reads only those slots instead of the whole window."""
+        view = object.__new__(KVCache)
+        view.k = [k[rows, :, :length] for k in self.k]
+        view.v = [v[rows, :, :length] for v in self.v]
+        view.batch_index = torch.arange(view.k[0].shape[0], device=view.k[0].device)[:, None]
+        return view
+
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]); returns the whole (B, n_kv, S, hd).
         self.k[layer][self.batch_index, :, input_pos] = k
@@ -172,8 +181,10 @@ class SmolLM2(nn.Module):
         if attention_mask is not None:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).gather(1, input_pos)
 
-        mask = None  # None: plain causal over these T tokens, the fast path for training
-        if cache is not None or attention_mask is not None:
+        # None: plain causal over these T tokens, the fast path, also for a prompt that fills a cache (view)
+        # of exactly T slots, which it can only do at slots 0..T-1.
+        mask = None
+        if attention_mask is not None or (cache is not None and cache.max_len != T):
             key_slot = torch.arange(cache.max_len if cache is not None else T, device=device)  # (S,)
             mask = key_slot <= input_pos[..., None]  # (B, T, S) causal over slots, any cached length
             if attention_mask is not None:

@@ -112,9 +112,11 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
             torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
     for start in range(0, T, PREFILL_CHUNK):
-        chunk = history[:, start:min(start + PREFILL_CHUNK, T)].clamp(min=0)  # (B, chunk), padding as id 0
-        input_pos = torch.arange(start, start + chunk.shape[1], device=device)
-        h = model.hidden_states(chunk, input_pos, cache, attention_mask)
+        end = min(start + PREFILL_CHUNK, T)
+        chunk = history[:, start:end].clamp(min=0)  # (B, chunk), padding as id 0
+        # Attention reads only the slots filled so far (the first chunk of an unpadded prompt: plain causal).
+        h = model.hidden_states(chunk, torch.arange(start, end, device=device), cache.view(length=end),
+                                None if attention_mask is None else attention_mask[:, :end])
     logits = model.logits(h[:, -1])  # (B, V): only the last position is needed
 
     sample = Sampler(sampler_config, B, device)
@@ -138,7 +140,11 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         if all(done) or step == max_new_tokens - 1:
             return
         input_pos = torch.tensor([pos], device=device)
-        logits = step_fn(model, next_ids[:, None], input_pos, cache, attention_mask)
+        if compile:  # one static shape: the whole cache, unfilled slots masked
+            logits = step_fn(model, next_ids[:, None], input_pos, cache, attention_mask)
+        else:  # eager: read only the filled slots
+            logits = step_fn(model, next_ids[:, None], input_pos, cache.view(length=pos + 1),
+                             None if attention_mask is None else attention_mask[:, :pos + 1])
 
 
 def generate(model, input_ids, max_new_tokens: int = 128, **kwargs) -> torch.LongTensor:

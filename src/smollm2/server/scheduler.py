@@ -27,7 +27,6 @@ import torch
 from ..errors import SmolError
 from ..generation.engine import PREFILL_CHUNK, decode_step, prompt_rows
 from ..generation.sampling import Sampler, Sampling
-from ..model import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +51,6 @@ class Done:
 
 class QueueFull(Exception):
     """More requests are already waiting than the scheduler accepts."""
-
-
-class CacheView(KVCache):
-    """Some rows and the first `length` positions of a KVCache, as views: writes land in the whole cache.
-
-    Attention then reads only `length` positions instead of the whole context window.
-    """
-
-    def __init__(self, cache: KVCache, rows: slice, length: int):  # no super().__init__: nothing to allocate
-        self.k = [k[rows, :, :length] for k in cache.k]
-        self.v = [v[rows, :, :length] for v in cache.v]
-        self.batch_index = torch.arange(self.k[0].shape[0], device=self.k[0].device)[:, None]
 
 
 class Request:
@@ -200,7 +187,7 @@ class Scheduler:
         """Run the prompt alone through its own cache row, in chunks as the engine does, and take its first token."""
         self.slots[slot] = request  # first: should the prefill fail, the request in its slot is failed too
         T = len(request.prompt)
-        cache = CacheView(self.cache, slice(slot, slot + 1), self._length(T))
+        cache = self.cache.view(slice(slot, slot + 1), self._length(T))
         ids = torch.tensor([request.prompt], device=self.device)
         for start in range(0, T, PREFILL_CHUNK):
             chunk = ids[:, start:start + PREFILL_CHUNK]
@@ -218,7 +205,7 @@ class Scheduler:
         # The batch keeps its full size, so a row's arithmetic does not depend on how many others are busy.
         # No padding mask is needed: every row starts at slot 0, and the causal mask over slots
         # (slot <= input_pos) already hides what a previous, longer request left past a row's position.
-        cache = CacheView(self.cache, slice(None), self._length(int(pos.max()) + 1))
+        cache = self.cache.view(length=self._length(int(pos.max()) + 1))
         logits = decode_step(self.model, ids.to(self.device), pos.to(self.device), cache, None)  # (B, V)
         tokens = torch.cat([r.sampler(logits[b:b + 1]) for b, r in active]).tolist()
         for (b, r), token in zip(active, tokens):
