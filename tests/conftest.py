@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,20 @@ def hf_model(embedded_path):
 
     return AutoModelForCausalLM.from_pretrained(str(embedded_path.parent), gguf_file=embedded_path.name,
                                                 dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random model with the real tokenizer, as a HF directory (context window: 512 tokens)."""
+    from smollm2 import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(TINY["gqa"]).save_pretrained(path)
+    tokenizer = Tokenizer.from_pretrained()
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DATA, TINY, tiny_model
+from conftest import DATA
 
 from smollm2 import Tokenizer
 from smollm2.cli import main
@@ -16,18 +16,6 @@ from smollm2.cli import main
 def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "smollm2", *args], input=stdin, capture_output=True, text=True,
                           timeout=300)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random model with the real tokenizer, as a HF directory (context window: 512 tokens)."""
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model(TINY["gqa"]).save_pretrained(path)
-    tokenizer = Tokenizer.from_pretrained()
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
-    return path
 
 
 def one_error_line(stderr: str) -> str:

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from conftest import TINY, tiny_model
 from fastapi.testclient import TestClient
 
 from smollm2 import SmolLM2, Tokenizer
@@ -29,18 +28,6 @@ from smollm2.server import create_app
 NAME = "tiny"
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far far away, there lived",
            "1 2 3 4 5 6 7 8", "Write a poem about the sea and the sky and the wind that blows", "Why?"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random model with the real tokenizer, as a HF directory (context window: 512 tokens)."""
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model(TINY["gqa"]).save_pretrained(path)
-    tokenizer = Tokenizer.from_pretrained()
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
-    return path
 
 
 @pytest.fixture(scope="module")
