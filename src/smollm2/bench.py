@@ -41,7 +41,7 @@ def peak_memory_mb(device: str) -> float:
     status = Path("/proc/self/status")
     if status.exists():
         return int(re.search(r"VmHWM:\s+(\d+)", status.read_text()).group(1)) / 2**10
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux, bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # elsewhere: the whole run's peak, KiB
 
 
 def timed(system: str, run, prompt: torch.Tensor, new_tokens: int, repeats: int) -> Speed:

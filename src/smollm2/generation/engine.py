@@ -30,6 +30,13 @@ def decode_step(model, ids, input_pos, cache, attention_mask) -> torch.Tensor:
 def compiled_decode_step(device_type: str):
     # CUDA: CUDA graphs replay the whole step without Python; CPU: inductor fuses the small ops.
     return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+def cache_length(n: int, limit: int, block: int = CACHE_BLOCK) -> int:
+    """n slots rounded up to a whole number of blocks (at most limit): fewer distinct cache shapes."""
+    return min(-(-n // block) * block, limit)
+
+
 CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
 
 
@@ -103,7 +110,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         attention_mask[:, T:] = 1  # slots the generated tokens will fill
 
     if compile:
-        length = min(-(-length // CACHE_BLOCK) * CACHE_BLOCK, context)
+        length = cache_length(length, context)
         if attention_mask is not None:
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)
     cache = model.new_cache(B, length)
@@ -139,12 +146,11 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
                 done[b] = any(s in texts[b] for s in stop)
         if all(done) or step == max_new_tokens - 1:
             return
-        input_pos = torch.tensor([pos], device=device)
-        if compile:  # one static shape: the whole cache, unfilled slots masked
-            logits = step_fn(model, next_ids[:, None], input_pos, cache, attention_mask)
-        else:  # eager: read only the filled slots
-            logits = step_fn(model, next_ids[:, None], input_pos, cache.view(length=pos + 1),
-                             None if attention_mask is None else attention_mask[:, :pos + 1])
+        # Compiled: one static shape, the whole cache with unfilled slots masked; eager: the filled slots only.
+        filled = length if compile else pos + 1
+        logits = step_fn(model, next_ids[:, None], torch.tensor([pos], device=device),
+                         cache if compile else cache.view(length=filled),
+                         None if attention_mask is None else attention_mask[:, :filled])
 
 
 def generate(model, input_ids, max_new_tokens: int = 128, **kwargs) -> torch.LongTensor:

@@ -21,13 +21,14 @@ class Int8Linear(nn.Module):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,) symmetric, per output channel
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(weight.dtype))
+        self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16), persistent=False)  # for the int8 kernel
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         # Under torch.compile, the plain formula: inductor (torch 2.13) fails to lower the int8 kernel on fused inputs.
         if x.device.type == "cpu" and rows.shape[0] <= MATVEC_ROWS and not torch.compiler.is_compiling():
-            y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.scale.to(torch.bfloat16))
+            y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.scale_bf16)
             y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
         else:  # many rows (a prefill) are bound by arithmetic, not by weight reads: widen the weights once
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)

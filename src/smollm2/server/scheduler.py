@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
-from ..generation.engine import PREFILL_CHUNK, decode_step, prompt_rows
+from ..generation.engine import PREFILL_CHUNK, cache_length, decode_step, prompt_rows
 from ..generation.sampling import Sampler, Sampling
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class Scheduler:
         return None
 
     def _length(self, n: int) -> int:
-        return min(-(-n // CACHE_BLOCK) * CACHE_BLOCK, self.max_seq_len)
+        return cache_length(n, self.max_seq_len, CACHE_BLOCK)
 
     def _prefill(self, slot: int, request: Request) -> None:
         """Run the prompt alone through its own cache row, in chunks as the engine does, and take its first token."""
