@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -72,10 +71,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny")
     tiny_model(TINY["gqa"]).save_pretrained(path)
-    tokenizer = Tokenizer.from_pretrained()
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "chat_template": tokenizer.chat_template}))
+    Tokenizer.from_pretrained().save_pretrained(path)
     return path
 
 

@@ -6,6 +6,7 @@ Bad input ends the command with one readable line on stderr and a non-zero exit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -200,6 +201,62 @@ def serve(args):
         signal.signal(signal.SIGTERM, previous)
 
 
+def prepare(args):
+    from .tokenizer import Tokenizer
+    from .training.data import prepare
+
+    manifest = prepare(args.files, args.out, Tokenizer.from_pretrained(args.tokenizer), val_fraction=args.val_fraction)
+    counts = {split: sum(s["tokens"] for s in manifest["shards"] if s["split"] == split) for split in ("train", "val")}
+    print(f"{args.out}: {counts['train']} train and {counts['val']} validation tokens")
+
+
+def training_config(args):
+    from .training import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def train(args):
+    """Pretraining from scratch (HF-style init) on token shards made by `prepare`."""
+    from .config import PRESETS, SmolConfig
+    from .model import SmolLM2
+    from .tokenizer import Tokenizer
+    from .training import train
+    from .training.data import TokenData
+
+    c = training_config(args)
+    config = PRESETS.get(args.config) or SmolConfig.from_json(args.config)
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+    data = TokenData(args.data, "train", c.seq_len, seed=c.seed)
+    if data.vocab_size > config.vocab_size:
+        raise SmolError(f"{args.data}: tokens from a vocabulary of {data.vocab_size}, but the model's has "
+                        f"{config.vocab_size}")
+    torch.manual_seed(c.seed)
+    model = SmolLM2(config)
+    run = dict(kind="pretrain", data=str(Path(args.data).resolve()), model=config.to_hf())
+    final = train(model, tokenizer, data, TokenData(args.data, "val", c.seq_len, seed=c.seed), c, args.out,
+                  device=args.device, resume=args.resume, run=run)
+    print(f"the trained model is in {final}")
+
+
+def finetune(args):
+    """Supervised fine-tuning on chats ({"messages": [...]} per line); loss on the assistant's tokens only."""
+    from .model import SmolLM2
+    from .tokenizer import Tokenizer
+    from .training import train
+    from .training.data import ChatData
+
+    c = training_config(args)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
+    val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
+    model = SmolLM2.from_pretrained(args.model)  # fp32 weights, whatever the checkpoint stores
+    run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
+    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run)
+    print(f"the fine-tuned model is in {final}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -257,6 +314,54 @@ def parser() -> argparse.ArgumentParser:
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     c.set_defaults(run=serve)
+
+    c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")
+    c.add_argument("files", nargs="+", help="text files, or JSONL files of {\"text\": ...} objects")
+    c.add_argument("--out", required=True, help="directory for the shards and manifest.json")
+    c.add_argument("--tokenizer", help="tokenizer source, as --model (default: the embedded model's)")
+    c.add_argument("--val-fraction", type=float, default=0.01, help="share of the text held out for validation")
+    c.set_defaults(run=prepare)
+
+    fit = argparse.ArgumentParser(add_help=False)
+    fit.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoints/, final/")
+    fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    fit.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch on each process")
+    fit.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    fit.add_argument("--seq-len", type=int, default=512, help="tokens per example")
+    fit.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    fit.add_argument("--min-lr", type=float, default=3e-5, help="learning rate at the end of the decay")
+    fit.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
+    fit.add_argument("--schedule", choices=("cosine", "wsd", "constant"), default="cosine",
+                     help="after warmup: cosine decay, warmup-stable-decay, or constant")
+    fit.add_argument("--cooldown", type=float, default=0.2, help="wsd: fraction of steps decaying at the end")
+    fit.add_argument("--weight-decay", type=float, default=0.1)
+    fit.add_argument("--decay-embeddings", action="store_true", help="weight decay on the embeddings too")
+    fit.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    fit.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
+    fit.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    fit.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    fit.add_argument("--keep", type=int, default=2, help="checkpoints kept on disk")
+    fit.add_argument("--log-every", type=int, default=1, help="steps between lines of metrics.jsonl")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    fit.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    fit.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, fp32 weights")
+    fit.add_argument("--compile", action="store_true", help="torch.compile the model")
+    fit.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each block in the backward pass: less memory, ~30%% more compute")
+    fit.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model (FSDP2) instead of DDP")
+
+    c = commands.add_parser("train", parents=[fit], help="pretrain a model from scratch on prepared shards")
+    c.add_argument("--config", required=True, help="135M, 360M, 1.7B, tiny, or a config.json")
+    c.add_argument("--data", required=True, help="a directory made by `smollm2 prepare`")
+    c.add_argument("--tokenizer", help="saved with the model (default: the embedded model's)")
+    c.set_defaults(run=train)
+
+    c = commands.add_parser("finetune", parents=[fit], help="fine-tune on chats (loss on assistant tokens)")
+    c.add_argument("--model", help="starting checkpoint, as elsewhere (default: the embedded model)")
+    c.add_argument("--data", required=True, help="JSONL, one {\"messages\": [...]} chat per line")
+    c.add_argument("--val-data", help="JSONL chats for the validation loss")
+    c.set_defaults(run=finetune, lr=5e-5, min_lr=5e-6, warmup=10, steps=100, batch_size=4)
     return p
 
 

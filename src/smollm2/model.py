@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import SmolConfig
 from .errors import SmolError
@@ -149,6 +150,7 @@ class SmolLM2(nn.Module):
         # Tied embeddings: the output projection is the embedding matrix itself, not a copy.
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
+        self.activation_checkpointing = False  # training: recompute each block in backward, keep only its input
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -197,7 +199,10 @@ class SmolLM2(nn.Module):
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
         for block in self.model.layers:
-            x = block(x, rope, mask, cache, input_pos)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, rope, mask, cache, input_pos, use_reentrant=False)
+            else:
+                x = block(x, rope, mask, cache, input_pos)
         return self.model.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

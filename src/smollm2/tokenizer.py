@@ -144,6 +144,15 @@ class Tokenizer:
         return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"),
                    chat_template=reader.metadata.get("tokenizer.chat_template"))
 
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json + tokenizer_config.json, which from_pretrained and transformers read."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+                  "chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
             return None
