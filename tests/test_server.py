@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.generation import generate
-from smollm2.server import create_app
+from smollm2.server import create_app, scheduler
 
 NAME = "tiny"
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far far away, there lived",
@@ -121,16 +121,24 @@ def test_stop_strings_cut_the_answer_streamed_or_not(tiny):
             assert completion(client, PROMPTS[2], 20, stream, stop=[stop, "never appears"]) == full[:full.find(stop)]
 
 
-def test_concurrent_greedy_requests_equal_the_same_served_alone(tiny):
+def test_concurrent_greedy_requests_equal_the_same_served_alone(tiny, monkeypatch):
     model, tokenizer = tiny
+    rows = []  # the batch size of every decoding step
+    step = scheduler.decode_step
+    monkeypatch.setattr(scheduler, "decode_step", lambda model, ids, *rest: (rows.append(len(ids)),
+                                                                           step(model, ids, *rest))[1])
     lengths = [5, 40, 17, 60, 1, 33]  # different lengths: requests join and leave the batch at different steps
     app = create_app(model, tokenizer, model_name=NAME, max_batch_size=3)  # fewer slots than requests
     with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         alone = [completion(client, p, n) for p, n in zip(PROMPTS, lengths)]
+        assert set(rows) == {1}  # a lone request decodes in a batch of one, not of every slot
+        rows.clear()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(lambda i: completion(client, PROMPTS[i], lengths[i], stream=i % 2 == 0),
                                      range(len(PROMPTS))))
         assert together == alone
+        # The batch grew to every slot and shrank as requests left: rows moved to stay 0..n-1 on the way.
+        assert max(rows) == 3 and rows[-1] == 1
         assert client.get("/health").json()["active"] == 0
     assert alone[0] == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), lengths[0])
 
@@ -263,6 +271,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny):
         while client.get("/health").json()["active"]:
             assert time.time() < deadline, "the slot was not freed"
             time.sleep(0.02)
+        assert completion(client, PROMPTS[0], 5) == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), 5)
+
+
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it(tiny, monkeypatch):
+    model, tokenizer = tiny
+    steps = []
+    logits = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: (steps.append(1), time.sleep(0.01), logits(h))[2])
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=1)
+    body = dict(model=NAME, prompt="Hello", max_tokens=500, temperature=0)  # not streamed
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=body, timeout=0.5)
+        deadline = time.time() + 30
+        while client.get("/health").json()["active"]:
+            assert time.time() < deadline, "the slot was not freed"
+            time.sleep(0.02)
+        assert len(steps) < 500  # it stopped early, not at max_tokens
         assert completion(client, PROMPTS[0], 5) == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), 5)
 
 

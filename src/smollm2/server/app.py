@@ -7,6 +7,7 @@ serving. Answers stream as server-sent events in OpenAI's chunk format, ending w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -15,6 +16,7 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Header
+from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -180,23 +182,23 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "smollm2"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    async def chat_completions(body: ChatBody, connection: Connection):
         check_model(body.model)
         prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True)
-        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, connection: Connection):
         check_model(body.model)
         return await complete(body, tokenizer.encode(body.prompt), body.max_tokens or COMPLETION_MAX_TOKENS,
-                              chat=False)
+                              connection, chat=False)
 
     def check_model(name: str):
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    async def complete(body: Body, prompt: list[int], max_tokens: int | None, chat: bool):
+    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, chat: bool):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:
@@ -208,6 +210,8 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(stream(scheduler, request, reply, usage))
+        # Nothing is sent before the whole answer, so only listening tells that the client went away.
+        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, request))
         text = []
         try:
             async for event in request.events():
@@ -218,6 +222,7 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
                 else:
                     return reply.whole("".join(text), event)
         finally:
+            watcher.cancel()
             scheduler.cancel(request)  # no-op once done; a shutdown mid-answer must not leave it running
 
     return app
@@ -258,6 +263,13 @@ class Reply:
 
     def usage_chunk(self, done) -> dict:  # stream_options.include_usage: one more chunk, with no choices
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(done))
+
+
+async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, request: Request):
+    # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
+    while (await connection.receive())["type"] != "http.disconnect":
+        pass
+    scheduler.cancel(request)
 
 
 def sse(data: dict | str) -> str:

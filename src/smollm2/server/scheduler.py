@@ -1,12 +1,15 @@
 """Continuous batching: one thread owns the model and advances every request in flight together.
 
-The KV cache has `max_batch_size` rows, the slots; a request holds one slot from its first token to its last,
-its sequence at positions 0.. of that row. Each step the thread
-  1. retires cancelled requests (their client went away), freeing their slots;
-  2. admits waiting requests into free slots, prefilling each prompt alone into its own row;
-  3. runs ONE decoding step for all slots at once, every row at its own position;
-  4. samples each request's token with its own Sampler and retires the finished ones.
-A finished request frees its slot at once, so a waiting one joins at the next step instead of waiting for
+The KV cache has `max_batch_size` rows, the slots; a request in flight holds one row, its sequence at
+positions 0.. of that row. The n requests in flight always hold rows 0..n-1, so that a decoding step runs on
+those n rows alone: a lone request costs a batch of one, not a batch of every slot.
+Each step the thread
+  1. retires the finished and cancelled requests (their client went away); the last request moves into
+     each freed row, its cache rows copied, so the rows in use stay 0..n-1;
+  2. admits waiting requests into the free rows, prefilling each prompt alone into its own row;
+  3. runs ONE decoding step for rows 0..n-1 at once, every row at its own position;
+  4. samples each request's token with its own Sampler; a finished request is retired at the next step.
+A finished request frees its row at once, so a waiting one joins at the next step instead of waiting for
 the whole batch to end, as it would with static batching.
 
 The HTTP side runs an asyncio loop in another thread: requests are handed over through a locked deque,
@@ -65,6 +68,7 @@ class Request:
         self.text = ""  # the answer so far
         self.sent = 0  # characters of text already sent
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
+        self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
 
     async def events(self) -> AsyncIterator[Delta | Done]:
@@ -93,8 +97,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.eos = set(model.config.eos_token_ids)
         self.device = model.model.embed_tokens.weight.device
+        self.max_batch_size = max_batch_size
         self.cache = model.new_cache(max_batch_size, self.max_seq_len)
-        self.slots: list[Request | None] = [None] * max_batch_size
+        self.active: list[Request] = []  # the requests in flight; active[b] holds cache row b
         self.waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()  # guards waiting and _stopping
         self._stopping = False
@@ -137,8 +142,8 @@ class Scheduler:
             self._wake.notify()
 
     def load(self) -> dict:
-        return dict(active=sum(r is not None for r in self.slots), waiting=len(self.waiting),
-                    slots=len(self.slots))
+        active = list(self.active)  # a copy: the scheduler thread reorders the list meanwhile
+        return dict(active=sum(not r.done for r in active), waiting=len(self.waiting), slots=self.max_batch_size)
 
     # The scheduler thread.
 
@@ -146,7 +151,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.waiting and not any(self.slots):
+                while not self._stopping and not self.waiting and not self.active:
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -160,17 +165,27 @@ class Scheduler:
         self._end([*waiting, *self._take_active()], "the server is shutting down")
 
     def _step(self) -> None:
-        for b, request in enumerate(self.slots):
-            if request is not None and request.cancelled:
-                self.slots[b] = None
-        for b in range(len(self.slots)):
-            if self.slots[b] is None:
-                request = self._next_waiting()
-                if request is None:
-                    break
-                self._prefill(b, request)
-        if any(self.slots):
+        self._retire()
+        while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
+            self._prefill(request)
+        self._retire()  # a request may end at its first token
+        if self.active:
             self._decode()
+
+    def _retire(self) -> None:
+        """Drop the finished and cancelled requests, moving the last request into each row freed."""
+        rows, b = self.active, 0
+        while b < len(rows):
+            if not (rows[b].done or rows[b].cancelled):
+                b += 1
+                continue
+            last = rows.pop()
+            if b < len(rows) and not (last.done or last.cancelled):
+                # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
+                filled = len(last.prompt) + len(last.tokens) - 1  # every token but the last sampled
+                for t in self.cache.k + self.cache.v:
+                    t[b, :, :filled] = t[len(rows), :, :filled]
+                rows[b] = last
 
     def _next_waiting(self) -> Request | None:
         with self._wake:
@@ -183,46 +198,44 @@ class Scheduler:
     def _length(self, n: int) -> int:
         return cache_length(n, self.max_seq_len, CACHE_BLOCK)
 
-    def _prefill(self, slot: int, request: Request) -> None:
-        """Run the prompt alone through its own cache row, in chunks as the engine does, and take its first token."""
-        self.slots[slot] = request  # first: should the prefill fail, the request in its slot is failed too
+    def _prefill(self, request: Request) -> None:
+        """Run the prompt alone through the next free cache row, in chunks as the engine does, and take its
+        first token."""
+        row = len(self.active)
+        self.active.append(request)  # first: should the prefill fail, the request is failed with the others
         T = len(request.prompt)
-        cache = self.cache.view(slice(slot, slot + 1), self._length(T))
+        cache = self.cache.view(slice(row, row + 1), self._length(T))
         ids = torch.tensor([request.prompt], device=self.device)
         for start in range(0, T, PREFILL_CHUNK):
             chunk = ids[:, start:start + PREFILL_CHUNK]
             h = self.model.hidden_states(chunk, torch.arange(start, start + chunk.shape[1], device=self.device), cache)
-        self._accept(slot, request, request.sampler(self.model.logits(h[:, -1]))[0].item())
+        self._accept(request, request.sampler(self.model.logits(h[:, -1]))[0].item())
 
     def _decode(self) -> None:
-        """One token for every slot at once, each row at its own position."""
-        B = len(self.slots)
-        active = [(b, r) for b, r in enumerate(self.slots) if r is not None]
-        ids, pos = torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long)
-        for b, r in active:
-            ids[b, 0], pos[b, 0] = r.tokens[-1], len(r.prompt) + len(r.tokens) - 1
-        # Free rows compute a throwaway token at position 0; the next prefill of that row overwrites it.
-        # The batch keeps its full size, so a row's arithmetic does not depend on how many others are busy.
+        """One token for every request in flight at once, rows 0..n-1, each row at its own position."""
+        active = self.active
+        ids = torch.tensor([[r.tokens[-1]] for r in active], device=self.device)
+        pos = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in active], device=self.device)
         # No padding mask is needed: every row starts at slot 0, and the causal mask over slots
         # (slot <= input_pos) already hides what a previous, longer request left past a row's position.
-        cache = self.cache.view(length=self._length(int(pos.max()) + 1))
-        logits = decode_step(self.model, ids.to(self.device), pos.to(self.device), cache, None)  # (B, V)
-        tokens = torch.cat([r.sampler(logits[b:b + 1]) for b, r in active]).tolist()
-        for (b, r), token in zip(active, tokens):
-            self._accept(b, r, token)
+        cache = self.cache.view(slice(0, len(active)), self._length(int(pos.max()) + 1))
+        logits = decode_step(self.model, ids, pos, cache, None)  # (n, V)
+        tokens = torch.cat([r.sampler(logits[b:b + 1]) for b, r in enumerate(active)]).tolist()
+        for r, token in zip(active, tokens):
+            self._accept(r, token)
 
-    def _accept(self, slot: int, request: Request, token: int) -> None:
+    def _accept(self, request: Request, token: int) -> None:
         """Record a new token; send the text that is final; retire the request when it is done."""
         request.tokens.append(token)
         if token in self.eos:
-            return self._finish(slot, request, "stop")
+            return self._finish(request, "stop")
         request.text += request.decoder.step(token)
         cut = min((i for i in (request.text.find(s) for s in request.stop) if i >= 0), default=-1)
         if cut >= 0:
             request.text = request.text[:cut]
-            return self._finish(slot, request, "stop", flush=False)
+            return self._finish(request, "stop", flush=False)
         if len(request.tokens) == request.max_tokens:
-            return self._finish(slot, request, "length")
+            return self._finish(request, "length")
         # Hold back an end of the text that may yet grow into a stop string: the client must never see one.
         held = max((k for s in request.stop for k in range(1, len(s)) if request.text.endswith(s[:k])), default=0)
         end = len(request.text) - held
@@ -230,18 +243,17 @@ class Scheduler:
             request.emit(Delta(request.text[request.sent:end]))
             request.sent = end
 
-    def _finish(self, slot: int, request: Request, reason: str, flush: bool = True) -> None:
+    def _finish(self, request: Request, reason: str, flush: bool = True) -> None:
         if flush:  # a character still incomplete at the end comes out as decode() shows it
             request.text += request.decoder.finish()
         if len(request.text) > request.sent:
             request.emit(Delta(request.text[request.sent:]))
+        request.done = True  # first: /health must not count it once its client has the answer
         request.emit(Done(reason, len(request.prompt), len(request.tokens)))
-        self.slots[slot] = None
 
     def _take_active(self) -> list[Request]:
-        active = [r for r in self.slots if r is not None]
-        self.slots = [None] * len(self.slots)
-        return active
+        active, self.active = self.active, []
+        return [r for r in active if not r.done]
 
     @staticmethod
     def _end(requests: list[Request], error: str) -> None:
