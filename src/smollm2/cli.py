@@ -223,7 +223,7 @@ def train(args):
     from .model import SmolLM2
     from .tokenizer import Tokenizer
     from .training import train
-    from .training.data import TokenData
+    from .training.data import TokenData, split_tokens
 
     c = training_config(args)
     config = PRESETS.get(args.config) or SmolConfig.from_json(args.config)
@@ -235,8 +235,10 @@ def train(args):
     torch.manual_seed(c.seed)
     model = SmolLM2(config)
     run = dict(kind="pretrain", data=str(Path(args.data).resolve()), model=config.to_hf())
-    final = train(model, tokenizer, data, TokenData(args.data, "val", c.seq_len, seed=c.seed), c, args.out,
-                  device=args.device, resume=args.resume, run=run)
+    val = TokenData(args.data, "val", c.seq_len, seed=c.seed) if split_tokens(args.data, "val") else None
+    if val is None:
+        print(f"{args.data}: no validation split, so no validation loss", file=sys.stderr)
+    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run)
     print(f"the trained model is in {final}")
 
 

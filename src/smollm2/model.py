@@ -205,10 +205,13 @@ class SmolLM2(nn.Module):
                 x = block(x, rope, mask, cache, input_pos)
         return self.model.norm(x)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection, (vocab, C): the embedding matrix itself when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(h, self.model.embed_tokens.weight)  # (B, T, vocab)
-        return self.lm_head(h)
+        return F.linear(h, self.output_weight)  # (B, T, vocab)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, input_pos, cache, attention_mask))

@@ -21,13 +21,13 @@ from tqdm import tqdm
 
 from ..errors import SmolError
 from ..tokenizer import Tokenizer
+from .loss import IGNORE
 
 SPLITS = ("train", "val")
 PIECE_CHARS = 16 * 1024  # the unit of the train/val split: a piece ends at the first line end past this size
 BATCH_CHARS = 4 << 20  # text per encode_batch call: large enough to keep every core of the tokenizer busy
 SHARD_TOKENS = 1 << 27  # a shard is committed once it holds this many tokens (or the run ends)
 SHARD_NAME = re.compile(r"\d{5}\.(train|val)\.bin(\.tmp)?")
-IGNORE = -100  # the label of a position that is not learned from (cross_entropy's ignore_index)
 
 
 def prepare(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer, *, val_fraction: float = 0.01,
@@ -210,6 +210,11 @@ def _pending(paths: list[Path], manifest: dict, out: Path) -> list[Path]:
         if record and (record["size"], record["mtime_ns"]) != (stat.st_size, stat.st_mtime_ns):
             raise SmolError(f"{path}: changed since it was prepared into {out}; use a new output directory")
     return [p for p in paths if str(p) not in done]
+
+
+def split_tokens(directory: str | Path, split: str) -> int:
+    """How many tokens a prepared directory holds in `split`."""
+    return sum(s["tokens"] for s in _read_manifest(Path(directory))["shards"] if s["split"] == split)
 
 
 class TokenData:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from ..errors import SmolError
 from . import state as checkpoint_state
+from .loss import IGNORE, NextTokenLoss
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast over fp32 master weights
@@ -244,16 +244,16 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     model.to(rt.device).train()
     model.activation_checkpointing = c.activation_checkpointing
 
-    wrapped = model
+    wrapped = objective = NextTokenLoss(model)
     if c.fsdp:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.model.layers:
             fully_shard(block)
-        fully_shard(model)
+        fully_shard(objective)
     elif rt.world > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    forward = torch.compile(wrapped) if c.compile else wrapped
+        wrapped = torch.nn.parallel.DistributedDataParallel(objective)
+    loss_of = torch.compile(wrapped) if c.compile else wrapped
     fused = rt.device.type == "cuda"  # one kernel for all parameters; on CPU the default is as fast
     optimizer = torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -275,9 +275,8 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         with torch.no_grad(), autocast:
             for i in range(0, len(mine), c.batch_size):
                 inputs, labels = (t.to(rt.device) for t in val_data.examples(mine[i:i + c.batch_size]))
-                logits = forward(inputs)
-                total[0] += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-                total[1] += (labels != -100).sum()
+                total[0] += loss_of(inputs, labels)
+                total[1] += (labels != IGNORE).sum()
         loss, count = rt.sum(total).tolist()
         model.train()
         return loss / max(count, 1)
@@ -289,7 +288,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, labels = data.examples(range(step * per_step, (step + 1) * per_step))  # the global batch
-        targets = max(int((labels != -100).sum()), 1)
+        targets = max(int((labels != IGNORE).sum()), 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         for micro in range(c.grad_accum):
             rows = slice((micro * rt.world + rt.rank) * c.batch_size, (micro * rt.world + rt.rank + 1) * c.batch_size)
@@ -298,8 +297,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
             sync = nullcontext() if micro == c.grad_accum - 1 or rt.world == 1 or c.fsdp else wrapped.no_sync()
             with sync:
                 with autocast:
-                    logits = forward(x)  # (b, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+                    loss = loss_of(x, y)  # summed over this micro-batch's targets
                 (loss * (rt.world / targets)).backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip or math.inf)

@@ -1,0 +1,234 @@
+"""Training: the fused loss, schedules, resuming after kill -9, torchrun, fine-tuning and export, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DATA, TINY
+
+from smollm2 import SmolLM2, Tokenizer
+from smollm2.training import TrainConfig, train
+from smollm2.training.data import TokenData, prepare
+from smollm2.training.loop import learning_rate, param_groups
+from smollm2.training.loss import IGNORE, linear_cross_entropy
+
+SMALL = ["--config", "tiny", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2",
+         "--eval-every", "3", "--eval-batches", "2"]
+
+
+def smollm2(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "smollm2", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Three ~25 KB texts (sentences of the English test text, shuffled), prepared into shards."""
+    tmp = tmp_path_factory.mktemp("corpus")
+    sentences = DATA.joinpath("english.txt").read_text().replace("\n", " ").split(". ")
+    files = []
+    for k in range(3):
+        rng = random.Random(k)
+        paragraphs = [". ".join(rng.sample(sentences, 8)) + "." for _ in range(30)]
+        files.append(tmp / f"part{k}.txt")
+        files[-1].write_text("\n\n".join(paragraphs))
+    prepare(files, tmp / "data", Tokenizer.from_pretrained(), val_fraction=0.3, progress=False)
+    return tmp / "data"
+
+
+# The fused output projection + cross-entropy.
+
+@pytest.mark.parametrize("rows", [1, 300, 1000])
+def test_linear_cross_entropy_equals_the_plain_loss_and_gradients(rows, monkeypatch):
+    monkeypatch.setattr("smollm2.training.loss.CHUNK_ELEMENTS", 7 * 5000)  # several chunks, a ragged last one
+    torch.manual_seed(0)
+    h = torch.randn(rows, 48, requires_grad=True)
+    w = (0.1 * torch.randn(5000, 48)).requires_grad_()
+    y = torch.randint(0, 5000, (rows,))
+    y[::3] = IGNORE
+    plain = F.cross_entropy(F.linear(h, w), y, reduction="sum", ignore_index=IGNORE)
+    grads = torch.autograd.grad(plain, (h, w))
+    fused = linear_cross_entropy(h, w, y)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    for ours, reference in zip(torch.autograd.grad(2 * fused, (h, w)), grads):
+        torch.testing.assert_close(ours, 2 * reference, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_cross_entropy_under_bf16_autocast():
+    torch.manual_seed(0)
+    h, w = torch.randn(64, 32), 0.1 * torch.randn(1000, 32)
+    y = torch.randint(0, 1000, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = linear_cross_entropy(h, w, y)
+        plain = F.cross_entropy(F.linear(h, w).float(), y, reduction="sum")
+    torch.testing.assert_close(fused, plain, rtol=1e-2, atol=0)
+
+
+# Schedules and parameter groups.
+
+def test_schedules_warm_up_then_decay_to_min_lr():
+    c = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    assert [learning_rate(c, s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    cosine = [learning_rate(c, s) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(cosine, cosine[1:])) and cosine[-1] == pytest.approx(0.1)
+    wsd = dataclasses.replace(c, schedule="wsd", cooldown=0.2)
+    assert all(learning_rate(wsd, s) == 1.0 for s in range(10, 80))
+    assert learning_rate(wsd, 90) == pytest.approx(0.55, abs=0.05) and learning_rate(wsd, 99) == pytest.approx(0.1)
+    assert learning_rate(dataclasses.replace(c, schedule="constant"), 99) == 1.0
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = SmolLM2(TINY["bias"])
+    decay, no_decay = param_groups(model, TrainConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(n.endswith("proj.weight") for n in map(names.get, map(id, decay["params"])))
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= {names[id(p)] for p in no_decay["params"]}
+    decay, _ = param_groups(model, TrainConfig(decay_embeddings=True))
+    assert any(p is model.model.embed_tokens.weight for p in decay["params"])
+
+
+# The loop.
+
+def run_in_process(corpus: Path, out: Path, **settings) -> list[float]:
+    c = TrainConfig(**{**dict(steps=4, seq_len=32, lr=3e-3, warmup=2, eval_every=2, eval_batches=2), **settings})
+    torch.manual_seed(0)
+    model = SmolLM2(TINY["gqa"])
+    train(model, Tokenizer.from_pretrained(), TokenData(corpus, "train", 32), TokenData(corpus, "val", 32), c, out)
+    return losses(out)
+
+
+def test_gradient_accumulation_equals_one_big_batch(corpus, tmp_path):
+    big = run_in_process(corpus, tmp_path / "big", batch_size=4)
+    accumulated = run_in_process(corpus, tmp_path / "accumulated", batch_size=2, grad_accum=2)
+    assert accumulated == pytest.approx(big, abs=1e-5)
+
+
+def test_metrics_checkpoints_and_final_model(corpus, tmp_path):
+    run_in_process(corpus, tmp_path, batch_size=2, save_every=1, keep=2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"step", "loss", "lr", "tokens_per_s", "mfu"} <= records[0].keys()
+    assert "val_loss" in records[1] and "val_loss" not in records[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000003", "step-0000004"]
+    final = SmolLM2.from_pretrained(tmp_path / "final")
+    last = SmolLM2.from_pretrained(tmp_path / "checkpoints" / "step-0000004")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), last.state_dict().values()))
+    assert Tokenizer.from_pretrained(tmp_path / "final").encode("hello world") == \
+        Tokenizer.from_pretrained().encode("hello world")
+
+
+def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
+    steps = ["--steps", "12", "--save-every", "2", "--data", str(corpus)]
+    whole = smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+
+    out = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "smollm2", "train", *SMALL, *steps, "--out", str(out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (out / "checkpoints" / "step-0000004").exists() and process.poll() is None:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "final").exists(), "killed too late to test anything"
+    for checkpoint in (out / "checkpoints").iterdir():  # whatever the kill interrupted, no half-written checkpoint
+        assert not checkpoint.name.startswith("step-") or SmolLM2.from_pretrained(checkpoint) is not None
+
+    resumed = smollm2("train", *SMALL, *steps, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(out) == pytest.approx(losses(tmp_path / "whole"), abs=1e-5)
+    assert len(losses(out)) == 12
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
+    steps = ["--steps", "4", "--data", str(corpus), "--save-every", "4"]
+    one = smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smollm2",
+                          "train", *SMALL, *steps, "--batch-size", "2", "--out", str(tmp_path / "two"),
+                          *(["--fsdp"] if sharding == "fsdp" else [])],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
+    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+
+
+def test_finetune_exports_a_model_transformers_and_the_cli_read(tiny_dir, tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                                                      {"role": "assistant", "content": f"{a} plus {a} is {2 * a}."}]})
+                             + "\n" for a in range(10)))
+    out = tmp_path / "run"
+    result = smollm2("finetune", "--model", str(tiny_dir), "--data", str(chats), "--val-data", str(chats),
+                     "--out", str(out), "--steps", "3", "--seq-len", "128", "--batch-size", "2", "--eval-every", "3")
+    assert result.returncode == 0, result.stderr
+    assert "val_loss" in json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+
+    ours = SmolLM2.from_pretrained(out / "final")
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    ids = torch.tensor([Tokenizer.from_pretrained(out / "final").apply_chat_template(
+        [{"role": "user", "content": "What is 3 plus 3?"}])])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+    before = SmolLM2.from_pretrained(tiny_dir)
+    assert not torch.equal(before(ids), ours(ids))  # it did learn something
+    answer = smollm2("chat", "--model", str(out / "final"), "-p", "What is 3 plus 3?", "--temperature", "0",
+                     "--max-new-tokens", "4")
+    assert answer.returncode == 0, answer.stderr
+
+
+# Bad input: one readable line, exit status 1.
+
+def error_of(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
+    steps = ["--steps", "1", "--data", str(corpus)]
+    assert smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")).returncode == 0
+    assert "pass --resume" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")))
+    assert "--resume with different train settings" in error_of(
+        smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run"), "--resume", "--lr", "1e-3"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert "not empty" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "other")))
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "1000"], "exceeds the model's context window"),
+    (["--fsdp"], "torchrun"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_training_settings(corpus, tmp_path, flags, message):
+    result = smollm2("train", *SMALL, "--data", str(corpus), "--out", str(tmp_path / "run"), *flags)
+    assert message in error_of(result)
+
+
+def test_bad_chat_data_names_the_line(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                                  "content": "hello"}]})
+                     + "\n" + json.dumps({"text": "no messages"}) + "\n")
+    assert f"{chats}, line 2" in error_of(smollm2("finetune", "--data", str(chats), "--out", str(tmp_path / "o")))
+    chats.write_bytes(b"\xff\xfe not utf-8\n")
+    assert str(chats) in error_of(smollm2("finetune", "--data", str(chats), "--out", str(tmp_path / "o")))
