@@ -203,11 +203,10 @@ def serve(args):
 
 def prepare(args):
     from .tokenizer import Tokenizer
-    from .training.data import prepare
+    from .training.data import prepare, split_tokens
 
-    manifest = prepare(args.files, args.out, Tokenizer.from_pretrained(args.tokenizer), val_fraction=args.val_fraction)
-    counts = {split: sum(s["tokens"] for s in manifest["shards"] if s["split"] == split) for split in ("train", "val")}
-    print(f"{args.out}: {counts['train']} train and {counts['val']} validation tokens")
+    prepare(args.files, args.out, Tokenizer.from_pretrained(args.tokenizer), val_fraction=args.val_fraction)
+    print(f"{args.out}: {split_tokens(args.out, 'train')} train and {split_tokens(args.out, 'val')} validation tokens")
 
 
 def training_config(args):

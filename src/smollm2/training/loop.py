@@ -281,6 +281,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         model.train()
         return loss / max(count, 1)
 
+    model_state = None  # the weights of the newest checkpoint, gathered once and reused for final/
     bar = tqdm(total=c.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
     for step in range(start, c.steps):
         began = time.perf_counter()
@@ -331,18 +332,16 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     bar.close()
 
     final = out / "final"
+    if model_state is None:  # resumed at the last step: nothing trained, nothing gathered yet
+        model_state = get_model_state_dict(model, options=full)  # FSDP: every rank takes part
     if rank0:
-        state = get_model_state_dict(model, options=full)
-
         def write(tmp: Path) -> None:
             from ..checkpoints import save_hf
 
-            save_hf(config, state, tmp)
+            save_hf(config, model_state, tmp)
             tokenizer.save_pretrained(tmp)
 
         checkpoint_state.write_atomically(final, write)
-    else:
-        get_model_state_dict(model, options=full)  # FSDP: every rank takes part in gathering the weights
     if rt.world > 1:
         dist.barrier()
         dist.destroy_process_group()
