@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import kernels
 from .config import SmolConfig
 from .errors import SmolError
 
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable(x, x.numel() // x.shape[-1]) and self.weight.dtype == x.dtype:  # one call, not eight
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Accumulate in float32: bf16 squares lose most of their digits.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,6 +52,8 @@ def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Te
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, heads, hd); cos, sin: (B, T, 1, hd). Rotate-half layout: pairs are (i, i + hd/2).
+    if kernels.usable(x, x.shape[0] * x.shape[1]) and x.is_contiguous():  # one call, in place
+        return kernels.rope_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -79,10 +84,23 @@ class KVCache:
         return view
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]); returns the whole (B, n_kv, S, hd).
-        self.k[layer][self.batch_index, :, input_pos] = k
-        self.v[layer][self.batch_index, :, input_pos] = v
+        # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]), or input_pos[t] for every row when it is
+        # (T,) (one copy, cheaper than scattering); returns the whole (B, n_kv, S, hd).
+        if input_pos.dim() == 1:
+            self.k[layer].index_copy_(2, input_pos, k.transpose(1, 2))
+            self.v[layer].index_copy_(2, input_pos, v.transpose(1, 2))
+        else:
+            self.k[layer][self.batch_index, :, input_pos] = k
+            self.v[layer][self.batch_index, :, input_pos] = v
         return self.k[layer], self.v[layer]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (decoding) run on the weight-streaming CPU kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class Attention(nn.Module):
@@ -91,10 +109,10 @@ class Attention(nn.Module):
         self.layer, self.n_heads, self.n_kv = layer, config.num_attention_heads, config.num_key_value_heads
         self.head_dim = hd = config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * hd, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, self.n_heads * hd, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.n_kv * hd, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.n_kv * hd, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, config.hidden_size, bias=bias)
 
     def forward(self, x, rope, mask, cache: KVCache | None, input_pos):
         B, T, _ = x.shape
@@ -106,19 +124,21 @@ class Attention(nn.Module):
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
-        # enable_gqa shares each K/V head with its group of query heads without copying them.
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv != self.n_heads)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        if cache is not None and kernels.attention_fits(q, k):  # decoding: a few queries against the cache
+            y = kernels.attention(q, k, v, mask)  # (B, T, nh, hd)
+        else:  # enable_gqa shares each K/V head with its group of query heads without copying them.
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, config: SmolConfig):
         super().__init__()
         c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(c, i, bias=bias)
-        self.up_proj = nn.Linear(c, i, bias=bias)
-        self.down_proj = nn.Linear(i, c, bias=bias)
+        self.gate_proj = Linear(c, i, bias=bias)
+        self.up_proj = Linear(c, i, bias=bias)
+        self.down_proj = Linear(i, c, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -178,7 +198,7 @@ class SmolLM2(nn.Module):
             if T > self.config.max_position_embeddings:
                 raise ValueError(f"{T} tokens exceed max_position_embeddings={self.config.max_position_embeddings}")
             input_pos = torch.arange(T, device=device)
-        input_pos = input_pos.expand(B, T)
+        slots, input_pos = input_pos, input_pos.expand(B, T)  # slots: as given, (T,) when rows share them
         positions = input_pos
         if attention_mask is not None:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).gather(1, input_pos)
@@ -200,9 +220,9 @@ class SmolLM2(nn.Module):
                 self.rope_sin[positions][:, :, None].to(x.dtype))
         for block in self.model.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, mask, cache, input_pos, use_reentrant=False)
+                x = checkpoint(block, x, rope, mask, cache, slots, use_reentrant=False)
             else:
-                x = block(x, rope, mask, cache, input_pos)
+                x = block(x, rope, mask, cache, slots)
         return self.model.norm(x)
 
     @property
@@ -211,7 +231,7 @@ class SmolLM2(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.output_weight)  # (B, T, vocab)
+        return kernels.linear(h, self.output_weight)  # (B, T, vocab)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, input_pos, cache, attention_mask))

@@ -1,17 +1,16 @@
 """int8 weight-only quantization: each output channel's weights become int8 with one float scale.
 
 Batch-1 decoding reads every weight once per token, so it runs at the speed memory delivers them; int8
-weights are a quarter of fp32's bytes. On the CPU the matrix product is torch's fused int8 kernel
-(`_weight_int8pack_mm`), fed bf16 activations, its fast path; elsewhere the weights are converted on the fly.
+weights are a quarter of fp32's bytes. Decoding on the CPU multiplies them on the kernel (smollm2.kernels),
+which widens each weight as it streams by; elsewhere, and for many rows, the weights are widened first.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-MATVEC_ROWS = 16  # up to this many rows (decoding steps), the int8 kernel beats widening the weights
+from .. import kernels
 
 
 class Int8Linear(nn.Module):
@@ -21,17 +20,10 @@ class Int8Linear(nn.Module):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,) symmetric, per output channel
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(weight.dtype))
-        self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16), persistent=False)  # for the int8 kernel
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        # Under torch.compile, the plain formula: inductor (torch 2.13) fails to lower the int8 kernel on fused inputs.
-        if x.device.type == "cpu" and rows.shape[0] <= MATVEC_ROWS and not torch.compiler.is_compiling():
-            y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.scale_bf16)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
-        else:  # many rows (a prefill) are bound by arithmetic, not by weight reads: widen the weights once
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        y = kernels.linear(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias
 
 
