@@ -95,12 +95,16 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose few-row products (decoding) run on the weight-streaming CPU kernel."""
+def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
+    """The outputs of linear layers (nn.Linear, or int8 ones with a .scale) of one input x; when decoding
+    on the CPU, their weights stream through one kernel call (q, k and v: one pass, not three)."""
+    ys = kernels.linear(x, [layer.weight for layer in layers], [getattr(layer, "scale", None) for layer in layers])
+    return [y if layer.bias is None else y + layer.bias for y, layer in zip(ys, layers)]
 
+
+class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        return project(x, self)[0]
 
 
 class Attention(nn.Module):
@@ -116,9 +120,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask, cache: KVCache | None, input_pos):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
@@ -141,7 +146,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, c, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        # SwiGLU: down(silu(gate(x)) * up(x)); the kernel streams gate and up together when decoding.
+        g, u = self.gate_proj, self.up_proj
+        if g.bias is None and u.bias is None:
+            return self.down_proj(kernels.swiglu(x, g.weight, u.weight, getattr(g, "scale", None),
+                                                 getattr(u, "scale", None)))
+        gate, up = project(x, g, u)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -231,7 +242,7 @@ class SmolLM2(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(h, self.output_weight)  # (B, T, vocab)
+        return kernels.linear(h, [self.output_weight])[0]  # (B, T, vocab)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, input_pos, cache, attention_mask))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import kernels
+from ..model import project
 
 
 class Int8Linear(nn.Module):
@@ -23,8 +23,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(x, self.weight, self.scale)
-        return y if self.bias is None else y + self.bias
+        return project(x, self)[0]
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:

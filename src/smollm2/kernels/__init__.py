@@ -28,6 +28,7 @@ MAX_ROWS = 16  # beyond this many rows, a product is bound by arithmetic, where 
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 enabled = True  # False: torch's kernels everywhere (the plain path, which tests compare against)
 
 
@@ -66,7 +67,8 @@ def library() -> ctypes.CDLL | None:
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
     n = ctypes.c_long
-    lib.linear.argtypes = [p, i, p, i, p, p, i, n, n, n]
+    lib.linear.argtypes = [p, i, i, p, i, p, p, i, n, p, n]
+    lib.swiglu.argtypes = [p, i, p, p, i, p, p, p, i, n, n, n]
     lib.attention.argtypes = [p, p, p, p, i, n, n, n, n, n, n, n, n, p]
     lib.rms_norm.argtypes = [p, p, p, i, n, n, ctypes.c_float]
     lib.rope.argtypes = [p, p, p, i, n, n, n]
@@ -77,26 +79,64 @@ def usable(x: torch.Tensor, rows: int) -> bool:
     """Whether x, holding `rows` rows (tokens), goes to the kernels: decoding (a few rows) on the CPU.
 
     Many rows (a prompt) stay on torch: its products are faster there, and its results are transformers'
-    to the last bit (the kernels' differ in the last bits: another order of summation)."""
+    to the last bit (the kernels' differ in the last bits: another order of summation). So do gradients."""
     return (enabled and rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
-            and library() is not None)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and library() is not None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T, times scale per output channel (int8 weights), (..., K) -> (..., N) in x's dtype."""
-    N, K = weight.shape
-    rows = x.numel() // K
-    if (K % 16 or N % 4 or not usable(x, rows) or weight.requires_grad and torch.is_grad_enabled()
-            or weight.dtype not in (x.dtype, torch.int8) or not weight.is_contiguous()):
-        y = F.linear(x, weight.to(x.dtype))
-        return y if scale is None else y * scale.to(x.dtype)
+def streamable(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    K = x.shape[-1]
+    return (K % 16 == 0 and usable(x, x.numel() // K)
+            and all(w.dtype == weights[0].dtype and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous()
+                    for w in weights) and weights[0].dtype in (x.dtype, torch.int8))
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Many rows, on torch. Where the CPU has no bf16 arithmetic, torch emulates a bf16 product several
+    times slower than widening both sides to float32 first; a bf16 product sums in float32 anyway, so
+    inference does that (one rounding at the end, as a bf16 product has)."""
+    dtype = x.dtype
+    if dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and not NATIVE_BF16:
+        x = x.float()
+    y = F.linear(x, weight.to(x.dtype))
+    return (y if scale is None else y * scale.to(x.dtype)).to(dtype)
+
+
+def pointers(tensors, kind=ctypes.c_void_p):
+    return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
+    """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
+
+    Several weights of one input (q, k and v) stream in one pass."""
+    scales = scales or [None] * len(weights)
+    if not streamable(x, weights):
+        return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    scale = None if scale is None else scale.float().contiguous()
-    if library().linear(x.data_ptr(), TYPES[x.dtype], weight.data_ptr(), TYPES[weight.dtype],
-                        None if scale is None else scale.data_ptr(), y.data_ptr(), TYPES[x.dtype], rows, N, K):
+    ys = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype) for w in weights]
+    scales = [None if s is None else s.float() for s in scales]
+    if library().linear(x.data_ptr(), TYPES[x.dtype], len(weights), pointers(weights), TYPES[weights[0].dtype],
+                        pointers(scales), pointers(ys), TYPES[x.dtype], x.numel() // x.shape[-1],
+                        (ctypes.c_long * len(weights))(*(w.shape[0] for w in weights)), x.shape[-1]):
         raise MemoryError("out of memory in the linear kernel")
+    return ys
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: torch.Tensor | None = None,
+           up_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), the two products streamed together; scales as in linear."""
+    if not streamable(x, [gate, up]):
+        g, u = linear(x, [gate, up], [gate_scale, up_scale])
+        return F.silu(g) * u
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], gate.shape[0], dtype=x.dtype)
+    gate_scale, up_scale = (None if s is None else s.float() for s in (gate_scale, up_scale))
+    if library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), TYPES[gate.dtype],
+                        None if gate_scale is None else gate_scale.data_ptr(),
+                        None if up_scale is None else up_scale.data_ptr(), y.data_ptr(), TYPES[x.dtype],
+                        x.numel() // x.shape[-1], gate.shape[0], x.shape[-1]):
+        raise MemoryError("out of memory in the swiglu kernel")
     return y
 
 

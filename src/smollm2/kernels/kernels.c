@@ -109,17 +109,16 @@ static inline void store(void *dst, long i, int type, float value) {
     else ((float *)dst)[i] = value;
 }
 
-/* Weight rows n..n+ROWS-1 against activation rows b..b+c-1. Inlined with constant c and w_type, so
- * the accumulators live in registers and the loads are specialized. */
-static inline __attribute__((always_inline)) void dot_block(const float *x, const void *w, const int w_type,
-                                                            const float *scale, void *y, int y_type, long b,
-                                                            const int c, long n, long N, long K) {
+/* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, ROWS). Inlined with
+ * constant c and w_type, so the accumulators live in registers and the loads are specialized. */
+static inline __attribute__((always_inline)) void dot_block(const float *x, const void *w, const int w_type, long b,
+                                                            const int c, long n, long K, float *sums) {
+    const int size = w_type == I8 ? 1 : w_type == BF16 ? 2 : 4;
     f32x16 acc[COLS][ROWS] = {{{0}}};
     for (long k = 0; k < K; k += LANES) {
         f32x16 wv[ROWS];
         for (int j = 0; j < ROWS; j++) {
-            const char *at = (const char *)w + ((n + j) * K + k) * (w_type == I8 ? 1 : w_type == BF16 ? 2 : 4);
-            __builtin_prefetch(at + PREFETCH);
+            __builtin_prefetch((const char *)w + ((n + j) * K + k) * size + PREFETCH);
             wv[j] = load(w, (n + j) * K + k, w_type);
         }
         for (int i = 0; i < c; i++) {
@@ -128,44 +127,86 @@ static inline __attribute__((always_inline)) void dot_block(const float *x, cons
         }
     }
     for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) {
-            float s = sum_lanes(acc[i][j]);
-            store(y, (b + i) * N + n + j, y_type, scale ? s * scale[n + j] : s);
-        }
+        for (int j = 0; j < ROWS; j++) sums[(b + i) * ROWS + j] = sum_lanes(acc[i][j]);
 }
 
-static inline __attribute__((always_inline)) void dot_rows(const float *x, const void *w, const int w_type,
-                                                           const float *scale, void *y, int y_type, long B,
-                                                           long n, long N, long K) {
+static inline __attribute__((always_inline)) void dot_rows_of(const float *x, const void *w, const int w_type, long B,
+                                                              long n, long K, float *sums) {
     long b = 0;
     for (; b + COLS <= B; b += COLS)  /* this block of weights stays in L1 across the batch */
-        dot_block(x, w, w_type, scale, y, y_type, b, COLS, n, N, K);
+        dot_block(x, w, w_type, b, COLS, n, K, sums);
     switch (B - b) {
-    case 1: dot_block(x, w, w_type, scale, y, y_type, b, 1, n, N, K); break;
-    case 2: dot_block(x, w, w_type, scale, y, y_type, b, 2, n, N, K); break;
-    case 3: dot_block(x, w, w_type, scale, y, y_type, b, 3, n, N, K); break;
+    case 1: dot_block(x, w, w_type, b, 1, n, K, sums); break;
+    case 2: dot_block(x, w, w_type, b, 2, n, K, sums); break;
+    case 3: dot_block(x, w, w_type, b, 3, n, K, sums); break;
     }
 }
 
-/* y (B, N) = x (B, K) @ w (N, K)^T, times scale (N,) per output channel when given (int8 weights).
- * x and y are F32 or BF16, w F32, BF16 or I8; K is a multiple of 16, N of ROWS.
- * Returns 0, or -1 out of memory. */
-int linear(const void *x_in, int x_type, const void *w, int w_type, const float *scale, void *y, int y_type,
-           long B, long N, long K) {
-    const float *x = x_in;
-    float *widened = NULL;
-    if (x_type != F32) {
-        if (!(widened = malloc(sizeof(float) * B * K))) return -1;
-        to_f32(x_in, x_type, widened, B * K);
-        x = widened;
+/* sums (B, ROWS): every activation row against weight rows n..n+ROWS-1. */
+static void dot_rows(const float *x, const void *w, int w_type, long B, long n, long K, float *sums) {
+    switch (w_type) {
+    case F32: dot_rows_of(x, w, F32, B, n, K, sums); break;
+    case BF16: dot_rows_of(x, w, BF16, B, n, K, sums); break;
+    case I8: dot_rows_of(x, w, I8, B, n, K, sums); break;
     }
+}
+
+/* x (B, K) as float32: itself, or widened into *widened (freed by the caller). */
+static const float *as_f32(const void *x, int x_type, long n, float **widened) {
+    *widened = NULL;
+    if (x_type == F32) return x;
+    if ((*widened = malloc(sizeof(float) * n))) to_f32(x, x_type, *widened, n);
+    return *widened;
+}
+
+/* y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T, times scale[m] (N[m],) per output channel where given
+ * (int8 weights), for `count` matrices in one pass (q/k/v: one input, three outputs). x and y are F32
+ * or BF16, the weights F32, BF16 or I8; K is a multiple of 16, each N[m] of ROWS.
+ * Returns 0, or -1 out of memory. */
+int linear(const void *x_in, int x_type, int count, const void *const *w, int w_type, const float *const *scale,
+           void *const *y, int y_type, long B, const long *N, long K) {
+    float *widened;
+    const float *x = as_f32(x_in, x_type, B * K, &widened);
+    if (!x) return -1;
+    long total = 0;
+    for (int m = 0; m < count; m++) total += N[m];
+#pragma omp parallel for schedule(static)
+    for (long row = 0; row < total; row += ROWS) {
+        int m = 0;
+        long n = row;
+        while (n >= N[m]) n -= N[m++];
+        float sums[B * ROWS];
+        dot_rows(x, w[m], w_type, B, n, K, sums);
+        for (long b = 0; b < B; b++)
+            for (int j = 0; j < ROWS; j++) {
+                float value = sums[b * ROWS + j];
+                store(y[m], b * N[m] + n + j, y_type, scale[m] ? value * scale[m][n + j] : value);
+            }
+    }
+    free(widened);
+    return 0;
+}
+
+static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
+
+/* The SwiGLU MLP's first half, y (B, N) = silu(x @ gate^T) * (x @ up^T), its two products streamed
+ * together; in bf16 rounded where torch rounds. Types and scales as linear(). */
+int swiglu(const void *x_in, int x_type, const void *gate, const void *up, int w_type, const float *gate_scale,
+           const float *up_scale, void *y, int y_type, long B, long N, long K) {
+    float *widened;
+    const float *x = as_f32(x_in, x_type, B * K, &widened);
+    if (!x) return -1;
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n += ROWS) {
-        switch (w_type) {
-        case F32: dot_rows(x, w, F32, scale, y, y_type, B, n, N, K); break;
-        case BF16: dot_rows(x, w, BF16, scale, y, y_type, B, n, N, K); break;
-        case I8: dot_rows(x, w, I8, scale, y, y_type, B, n, N, K); break;
-        }
+        float g[B * ROWS], u[B * ROWS];
+        dot_rows(x, gate, w_type, B, n, K, g);
+        dot_rows(x, up, w_type, B, n, K, u);
+        for (long b = 0; b < B; b++)
+            for (int j = 0; j < ROWS; j++) {
+                float gv = round_to(y_type, gate_scale ? g[b * ROWS + j] * gate_scale[n + j] : g[b * ROWS + j]);
+                float uv = round_to(y_type, up_scale ? u[b * ROWS + j] * up_scale[n + j] : u[b * ROWS + j]);
+                store(y, b * N + n + j, y_type, round_to(y_type, gv / (1.0f + expf(-gv))) * uv);
+            }
     }
     free(widened);
     return 0;
@@ -229,8 +270,6 @@ int attention(const void *q, const void *k, const void *v, void *out, int type, 
     }
     return failed ? -1 : 0;
 }
-
-static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
 
 static inline float element(const void *p, long i, int type) {
     return type == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
