@@ -92,11 +92,12 @@ def streamable(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Many rows, on torch. Where the CPU has no bf16 arithmetic, torch emulates a bf16 product several
-    times slower than widening both sides to float32 first; a bf16 product sums in float32 anyway, so
-    inference does that (one rounding at the end, as a bf16 product has)."""
+    """x @ weight.T on torch. Where the CPU has no bf16 arithmetic, torch emulates a bf16 product of many
+    rows (a prompt) several times slower than widening both sides to float32 first; a bf16 product sums
+    in float32 anyway, so inference does that (one rounding at the end, as a bf16 product has)."""
     dtype = x.dtype
-    if dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and not NATIVE_BF16:
+    if (dtype == torch.bfloat16 and x.device.type == "cpu" and not NATIVE_BF16 and not torch.is_grad_enabled()
+            and x.numel() > MAX_ROWS * x.shape[-1]):
         x = x.float()
     y = F.linear(x, weight.to(x.dtype))
     return (y if scale is None else y * scale.to(x.dtype)).to(dtype)
