@@ -258,7 +258,7 @@ class SmolLM2(nn.Module):
         """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct."""
         from .checkpoints import load_checkpoint
 
-        ckpt = load_checkpoint(src)
+        ckpt = load_checkpoint(src, gguf_dtype=dtype)
         with torch.device("meta"):
             model = cls(ckpt.config)
         ckpt.check({k: v.shape for k, v in model.state_dict().items()})

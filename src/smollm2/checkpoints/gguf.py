@@ -7,6 +7,7 @@ side (its interleaved RoPE); the model here uses the rotate-half layout of trans
 from __future__ import annotations
 
 import functools
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,13 @@ IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernor
 class GGUFFile:
     metadata: dict  # key -> value, as the gguf library decodes it
     tensors: list[ReaderTensor]  # their data are views of the file, mapped in memory
+    mapping: mmap.mmap | None  # that mapping
+
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's resident memory (the OS keeps them in its
+        page cache): once the weights are decoded into tensors of their own, they would double its size."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -47,7 +55,8 @@ def open_gguf(path: Path) -> GGUFFile:
 def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     try:
         reader = GGUFReader(path)
-        return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, list(reader.tensors))
+        mapping = reader.data.base if isinstance(reader.data.base, mmap.mmap) else None  # np.memmap's own
+        return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, list(reader.tensors), mapping)
     except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
 
@@ -110,7 +119,7 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> Checkpoint:
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tensors, files = {}, {}
@@ -127,7 +136,8 @@ def read_gguf(path: Path) -> Checkpoint:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
-        tensors[name], files[name] = w, f"{path} ({t.name})"
+        tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
+    reader.release_pages()  # every tensor above is a copy
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     return Checkpoint(config, tensors, files, str(path))

@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 from ..errors import SmolError
 from .checkpoint import Checkpoint
 from .gguf import read_gguf
@@ -46,12 +48,13 @@ def resolve(src: str | os.PathLike | None) -> Path:
     raise SmolError(f"{src}: no such file or directory")
 
 
-def load_checkpoint(src: str | os.PathLike | None) -> Checkpoint:
+def load_checkpoint(src: str | os.PathLike | None, gguf_dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """gguf_dtype: what GGUF's quantized tensors decode into, tensor by tensor (never all in float32 at once)."""
     path = resolve(src)
     if path.is_dir():
         return read_hf(path)
     if path.suffix == ".gguf":
-        return read_gguf(path)
+        return read_gguf(path, gguf_dtype)
     if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise SmolError(f"{path}: refusing to load a pickle file, which can run arbitrary code; "
                         "convert it to safetensors")
