@@ -68,7 +68,7 @@ def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torc
     return torch.randint(0, vocab_size, (batch_size, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def bench_ours(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2, compile: bool = False) -> Speed:
+def bench_ours(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2, compile: bool | None = None) -> Speed:
     def run(mark):
         for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile):
             mark()

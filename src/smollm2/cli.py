@@ -269,8 +269,8 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     model.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     model.add_argument("--quantize", choices=("int8",), help="int8 weight-only linear layers")
-    model.add_argument("--compile", action="store_true",
-                       help="torch.compile the decoding step (slow to start; pays off on long runs and CUDA)")
+    model.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                       help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
 
     sample = argparse.ArgumentParser(add_help=False)
     sample.add_argument("--max-new-tokens", type=int, default=256)

@@ -71,15 +71,16 @@ def eos_ids(eos_token_id, config) -> set[int]:
 
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
-           stop: Sequence[str] = (), tokenizer=None, compile: bool = False,
+           stop: Sequence[str] = (), tokenizer=None, compile: bool | None = None,
            **sampling) -> Iterator[list[int | None]]:
     """Yield, each step, the new token of every row (None for a row that has already stopped).
 
     sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
     A row stops after its EOS token (eos_token_id: the checkpoint's by default, None to never stop), or
     once its text contains one of the `stop` strings (which needs `tokenizer`), or after max_new_tokens.
-    compile: run each decoding step through torch.compile (the first call compiles, for a minute on a
-    small CPU; it pays off over thousands of tokens, or on CUDA, where the step becomes a CUDA graph).
+    compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
+    step becomes a CUDA graph, replayed without Python); on the CPU, no: the decoding kernels (smollm2.kernels)
+    already stream the weights, and compiling would take a minute for no gain.
     """
     config = model.config
     rows = prompt_rows(input_ids, config.vocab_size)
@@ -97,6 +98,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         return
     eos = eos_ids(eos_token_id, config)
     device = model.model.embed_tokens.weight.device
+    if compile is None:
+        compile = device.type == "cuda"
     length = T + max_new_tokens
 
     # history: every row's tokens so far, left-aligned to column T; -1 where a row has none.
