@@ -67,7 +67,7 @@ def library() -> ctypes.CDLL | None:
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
     n = ctypes.c_long
-    lib.linear.argtypes = [p, i, i, p, i, p, p, i, n, p, n]
+    lib.linear.argtypes = [p, i, i, p, i, p, p, i, n, p, n]  # as kernels.c
     lib.swiglu.argtypes = [p, i, p, p, i, p, p, p, i, n, n, n]
     lib.attention.argtypes = [p, p, p, p, i, n, n, n, n, n, n, n, n, p]
     lib.rms_norm.argtypes = [p, p, p, i, n, n, ctypes.c_float]
@@ -82,13 +82,6 @@ def usable(x: torch.Tensor, rows: int) -> bool:
     to the last bit (the kernels' differ in the last bits: another order of summation). So do gradients."""
     return (enabled and rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and library() is not None)
-
-
-def streamable(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-    K = x.shape[-1]
-    return (K % 16 == 0 and usable(x, x.numel() // K)
-            and all(w.dtype == weights[0].dtype and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous()
-                    for w in weights) and weights[0].dtype in (x.dtype, torch.int8))
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -107,36 +100,65 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+plans: dict[tuple, tuple] = {}  # the C call's view of a set of weights, by where they are
+
+
+def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> tuple | None:
+    """(weight pointers, scale pointers, sizes, total size, weight type) for a kernel call on x, or None
+    when these weights cannot go to the kernels. Built once per set: a model's weights stay where they are,
+    and the per-call checks and ctypes arrays would cost more than a small product."""
+    key = (x.shape[-1], x.dtype, *((w.data_ptr(), w.shape, w.stride(0), w.dtype, s if s is None else
+                                   (s.data_ptr(), s.dtype)) for w, s in zip(weights, scales)))
+    found = plans.get(key)
+    if found is None:
+        K, w_type = x.shape[-1], weights[0].dtype
+        if (K % 16 or w_type not in (x.dtype, torch.int8) or not all(
+                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights)):
+            found = ()
+        else:
+            scales = [None if s is None else s.float().contiguous() for s in scales]  # kept alive here
+            sizes = [w.shape[0] for w in weights]
+            found = (pointers(weights), pointers(scales), (ctypes.c_long * len(sizes))(*sizes), sizes, TYPES[w_type],
+                     scales)
+        if len(plans) > 4096:  # weights come and go (models loaded, converted): forget old sets now and then
+            plans.clear()
+        plans[key] = found
+    return found or None
+
+
 def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
     """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
 
     Several weights of one input (q, k and v) stream in one pass."""
     scales = scales or [None] * len(weights)
-    if not streamable(x, weights):
+    rows = x.numel() // x.shape[-1]
+    found = plan(x, weights, scales) if usable(x, rows) else None
+    if found is None:
         return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
+    w_ptrs, s_ptrs, n_array, sizes, w_type, _ = found
     x = x.contiguous()
-    ys = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype) for w in weights]
-    scales = [None if s is None else s.float() for s in scales]
-    if library().linear(x.data_ptr(), TYPES[x.dtype], len(weights), pointers(weights), TYPES[weights[0].dtype],
-                        pointers(scales), pointers(ys), TYPES[x.dtype], x.numel() // x.shape[-1],
-                        (ctypes.c_long * len(weights))(*(w.shape[0] for w in weights)), x.shape[-1]):
+    y = torch.empty(rows * sum(sizes), dtype=x.dtype)
+    if library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), w_ptrs, w_type, s_ptrs, y.data_ptr(),
+                        TYPES[x.dtype], rows, n_array, x.shape[-1]):
         raise MemoryError("out of memory in the linear kernel")
-    return ys
+    if len(sizes) == 1:
+        return [y.view(*x.shape[:-1], sizes[0])]
+    return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: torch.Tensor | None = None,
            up_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T), the two products streamed together; scales as in linear."""
-    if not streamable(x, [gate, up]):
+    rows = x.numel() // x.shape[-1]
+    found = plan(x, [gate, up], [gate_scale, up_scale]) if usable(x, rows) else None
+    if found is None:
         g, u = linear(x, [gate, up], [gate_scale, up_scale])
         return F.silu(g) * u
+    _, s_ptrs, _, sizes, w_type, _ = found
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], gate.shape[0], dtype=x.dtype)
-    gate_scale, up_scale = (None if s is None else s.float() for s in (gate_scale, up_scale))
-    if library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), TYPES[gate.dtype],
-                        None if gate_scale is None else gate_scale.data_ptr(),
-                        None if up_scale is None else up_scale.data_ptr(), y.data_ptr(), TYPES[x.dtype],
-                        x.numel() // x.shape[-1], gate.shape[0], x.shape[-1]):
+    y = torch.empty(*x.shape[:-1], sizes[0], dtype=x.dtype)
+    if library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), w_type, s_ptrs[0],
+                        s_ptrs[1], y.data_ptr(), TYPES[x.dtype], rows, sizes[0], x.shape[-1]):
         raise MemoryError("out of memory in the swiglu kernel")
     return y
 

@@ -160,11 +160,11 @@ static const float *as_f32(const void *x, int x_type, long n, float **widened) {
 }
 
 /* y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T, times scale[m] (N[m],) per output channel where given
- * (int8 weights), for `count` matrices in one pass (q/k/v: one input, three outputs). x and y are F32
- * or BF16, the weights F32, BF16 or I8; K is a multiple of 16, each N[m] of ROWS.
- * Returns 0, or -1 out of memory. */
+ * (int8 weights), for `count` matrices in one pass (q/k/v: one input, three outputs), the outputs one
+ * after another from y. x and y are F32 or BF16, the weights F32, BF16 or I8; K is a multiple of 16,
+ * each N[m] of ROWS. Returns 0, or -1 out of memory. */
 int linear(const void *x_in, int x_type, int count, const void *const *w, int w_type, const float *const *scale,
-           void *const *y, int y_type, long B, const long *N, long K) {
+           void *y, int y_type, long B, const long *N, long K) {
     float *widened;
     const float *x = as_f32(x_in, x_type, B * K, &widened);
     if (!x) return -1;
@@ -173,14 +173,14 @@ int linear(const void *x_in, int x_type, int count, const void *const *w, int w_
 #pragma omp parallel for schedule(static)
     for (long row = 0; row < total; row += ROWS) {
         int m = 0;
-        long n = row;
-        while (n >= N[m]) n -= N[m++];
+        long n = row, before = 0;  /* output rows of the matrices before m */
+        while (n >= N[m]) n -= N[m], before += N[m++];
         float sums[B * ROWS];
         dot_rows(x, w[m], w_type, B, n, K, sums);
         for (long b = 0; b < B; b++)
             for (int j = 0; j < ROWS; j++) {
                 float value = sums[b * ROWS + j];
-                store(y[m], b * N[m] + n + j, y_type, scale[m] ? value * scale[m][n + j] : value);
+                store(y, B * before + b * N[m] + n + j, y_type, scale[m] ? value * scale[m][n + j] : value);
             }
     }
     free(widened);
