@@ -129,7 +129,7 @@ class Attention(nn.Module):
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
-        if cache is not None and kernels.attention_fits(q, k):  # decoding: a few queries against the cache
+        if cache is not None and kernels.attention_fits(q, k, v):  # decoding: a few queries against the cache
             y = kernels.attention(q, k, v, mask)  # (B, T, nh, hd)
         else:  # enable_gqa shares each K/V head with its group of query heads without copying them.
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,

@@ -163,11 +163,11 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: to
     return y
 
 
-def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """q: (B, T, H, D) a few new queries; k: (B, KVH, S, D) a cache view, its slots contiguous."""
+def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q: (B, T, H, D) a few new queries; k, v: (B, KVH, S, D) views of a cache, their slots contiguous."""
     B, T, H, D = q.shape
-    return (D % 16 == 0 and D <= MAX_HEAD_DIM and H % k.shape[1] == 0 and k.dtype == q.dtype
-            and k.stride(-1) == 1 and k.stride(-2) == D and usable(q, B * T))
+    return (D % 16 == 0 and D <= MAX_HEAD_DIM and H % k.shape[1] == 0 and k.dtype == v.dtype == q.dtype
+            and k.stride(-1) == 1 and k.stride(-2) == D and k.stride() == v.stride() and usable(q, B * T))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +180,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = torch.empty_like(q)
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
-    assert k.stride() == v.stride()
     if library().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype], B, T, H,
                            k.shape[1], S, D, k.stride(0), k.stride(1), None if mask is None else mask.data_ptr()):
         raise MemoryError("out of memory in the attention kernel")
@@ -197,7 +196,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, heads, hd) contiguous, rotated in place; cos, sin: (B, T, 1, hd) contiguous, in x's dtype."""
+    """x: (B, T, heads, hd) contiguous, rotated in place; cos, sin: (B, T, 1, hd)."""
     B, T, H, D = x.shape
+    cos, sin = (t.to(x.dtype).expand(B, T, 1, D).contiguous() for t in (cos, sin))
     library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), TYPES[x.dtype], B * T, H, D)
     return x
