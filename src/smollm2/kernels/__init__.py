@@ -49,8 +49,8 @@ def library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(),
                                      cpu_signature().encode()])).hexdigest()[:16]
-    path = cache_dir() / f"kernels-{key}.so"
     try:
+        path = cache_dir() / f"kernels-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then renamed: never a half-written file
@@ -59,11 +59,10 @@ def library() -> ctypes.CDLL | None:
                                capture_output=True, timeout=120)
                 built.replace(path)
         lib = ctypes.CDLL(str(path))  # its OpenMP is the runtime torch has loaded: one thread pool
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or str(e).encode()
-        warnings.warn(f"smollm2: CPU decoding kernels unavailable ({compiler}: "
-                      f"{detail.decode(errors='replace').strip().splitlines()[-1:]}); using torch's, slower",
-                      stacklevel=2)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # RuntimeError: no home directory
+        detail = (getattr(e, "stderr", b"") or str(e).encode()).decode(errors="replace").strip().splitlines()
+        warnings.warn(f"smollm2: CPU decoding kernels unavailable ({compiler}: {detail[-1] if detail else e}); "
+                      "using torch's, slower", stacklevel=2)
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
     n = ctypes.c_long
@@ -88,12 +87,12 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     """x @ weight.T on torch. Where the CPU has no bf16 arithmetic, torch emulates a bf16 product of many
     rows (a prompt) several times slower than widening both sides to float32 first; a bf16 product sums
     in float32 anyway, so inference does that (one rounding at the end, as a bf16 product has)."""
-    dtype = x.dtype
-    if (dtype == torch.bfloat16 and x.device.type == "cpu" and not NATIVE_BF16 and not torch.is_grad_enabled()
+    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not NATIVE_BF16 and not torch.is_grad_enabled()
             and x.numel() > MAX_ROWS * x.shape[-1]):
-        x = x.float()
-    y = F.linear(x, weight.to(x.dtype))
-    return (y if scale is None else y * scale.to(x.dtype)).to(dtype)
+        y = F.linear(x.float(), weight.float())
+        return (y if scale is None else y * scale.float()).to(x.dtype)
+    y = F.linear(x, weight.to(x.dtype))  # under autocast, in its dtype
+    return y if scale is None else y * scale.to(y.dtype)
 
 
 def pointers(tensors, kind=ctypes.c_void_p):
