@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler
 
 @pytest.fixture(autouse=True)
 def inference():
+    torch.manual_seed(0)
     with torch.inference_mode():  # the kernels serve inference only: with gradients, torch does the work
         yield
 
