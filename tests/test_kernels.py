@@ -14,7 +14,7 @@ from smollm2.generation.engine import decode_step
 from smollm2.generation.quantize import quantize_int8
 from smollm2.model import apply_rope
 
-pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
 
 
 @pytest.fixture(autouse=True)
@@ -159,11 +159,11 @@ def test_bf16_decoding_is_as_exact_as_the_plain_path(model, english, plain):
 def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    kernels.library.cache_clear()
+    kernels.compiled_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="kernels unavailable"):
-            assert kernels.library() is None
+            assert kernels.compiled_library() is None
         x, (w, _) = torch.randn(1, 64), weights(torch.float32)
         assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
     finally:
-        kernels.library.cache_clear()
+        kernels.compiled_library.cache_clear()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-MAX_ROWS = 16  # beyond this many rows, a product is bound by arithmetic, where BLAS is the faster
+MAX_ROWS = 16  # decoding steps of up to 16 rows; a prompt's many rows are bound by arithmetic: BLAS tiles those
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -45,7 +45,7 @@ def cpu_signature() -> str:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def compiled_library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(),
                                      cpu_signature().encode()])).hexdigest()[:16]
@@ -80,7 +80,7 @@ def usable(x: torch.Tensor, rows: int) -> bool:
     Many rows (a prompt) stay on torch: its products are faster there, and its results are transformers'
     to the last bit (the kernels' differ in the last bits: another order of summation). So do gradients."""
     return (enabled and rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and library() is not None)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled_library() is not None)
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -137,8 +137,8 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     w_ptrs, s_ptrs, n_array, sizes, w_type, _ = found
     x = x.contiguous()
     y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-    if library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), w_ptrs, w_type, s_ptrs, y.data_ptr(),
-                        TYPES[x.dtype], rows, n_array, x.shape[-1]):
+    if compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), w_ptrs, w_type, s_ptrs, y.data_ptr(),
+                                 TYPES[x.dtype], rows, n_array, x.shape[-1]):
         raise MemoryError("out of memory in the linear kernel")
     if len(sizes) == 1:
         return [y.view(*x.shape[:-1], sizes[0])]
@@ -156,8 +156,8 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: to
     _, s_ptrs, _, sizes, w_type, _ = found
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], sizes[0], dtype=x.dtype)
-    if library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), w_type, s_ptrs[0],
-                        s_ptrs[1], y.data_ptr(), TYPES[x.dtype], rows, sizes[0], x.shape[-1]):
+    if compiled_library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), w_type, s_ptrs[0],
+                                 s_ptrs[1], y.data_ptr(), TYPES[x.dtype], rows, sizes[0], x.shape[-1]):
         raise MemoryError("out of memory in the swiglu kernel")
     return y
 
@@ -179,8 +179,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = torch.empty_like(q)
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
-    if library().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype], B, T, H,
-                           k.shape[1], S, D, k.stride(0), k.stride(1), None if mask is None else mask.data_ptr()):
+    if compiled_library().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype], B, T,
+                                    H, k.shape[1], S, D, k.stride(0), k.stride(1),
+                                    None if mask is None else mask.data_ptr()):
         raise MemoryError("out of memory in the attention kernel")
     return out
 
@@ -189,8 +190,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension, as the model's RMSNorm computes it."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype], x.numel() // x.shape[-1],
-                       x.shape[-1], eps)
+    compiled_library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype],
+                                x.numel() // x.shape[-1], x.shape[-1], eps)
     return out
 
 
@@ -198,5 +199,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     """x: (B, T, heads, hd) contiguous, rotated in place; cos, sin: (B, T, 1, hd)."""
     B, T, H, D = x.shape
     cos, sin = (t.to(x.dtype).expand(B, T, 1, D).contiguous() for t in (cos, sin))
-    library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), TYPES[x.dtype], B * T, H, D)
+    compiled_library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), TYPES[x.dtype], B * T, H, D)
     return x
