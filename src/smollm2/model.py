@@ -258,11 +258,11 @@ class SmolLM2(nn.Module):
         """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct."""
         from .checkpoints import load_checkpoint
 
-        ckpt = load_checkpoint(src, gguf_dtype=dtype)
+        ckpt = load_checkpoint(src, dtype)
         with torch.device("meta"):
             model = cls(ckpt.config)
         ckpt.check({k: v.shape for k, v in model.state_dict().items()})
-        model.load_state_dict({k: t.to(dtype) for k, t in ckpt.tensors.items()}, strict=True, assign=True)
+        model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
         model.rope_cos, model.rope_sin = rope_tables(ckpt.config)
         return model.to(device).eval()
 

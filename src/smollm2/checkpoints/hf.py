@@ -48,7 +48,7 @@ def sanitize(config: SmolConfig, tensors: dict[str, torch.Tensor]) -> dict[str, 
             if not k.endswith("rotary_emb.inv_freq") and not (config.tie_word_embeddings and k == "lm_head.weight")}
 
 
-def read_hf(directory: Path) -> Checkpoint:
+def read_hf(directory: Path, dtype: torch.dtype | None = None) -> Checkpoint:
     if not (directory / "config.json").is_file():
         raise SmolError(f"{directory}: no config.json")
     config = SmolConfig.from_json(directory / "config.json")
@@ -59,7 +59,8 @@ def read_hf(directory: Path) -> Checkpoint:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name], files[name] = f.get_tensor(name), str(shard)
+                    tensor = f.get_tensor(name)
+                    tensors[name], files[name] = tensor if dtype is None else tensor.to(dtype), str(shard)
         except (SafetensorError, OSError) as e:
             raise SmolError(f"{shard}: truncated or corrupt safetensors file ({e})") from None
     return Checkpoint(config, sanitize(config, tensors), files, str(directory))

@@ -48,13 +48,14 @@ def resolve(src: str | os.PathLike | None) -> Path:
     raise SmolError(f"{src}: no such file or directory")
 
 
-def load_checkpoint(src: str | os.PathLike | None, gguf_dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """gguf_dtype: what GGUF's quantized tensors decode into, tensor by tensor (never all in float32 at once)."""
+def load_checkpoint(src: str | os.PathLike | None, dtype: torch.dtype | None = None) -> Checkpoint:
+    """dtype: what every tensor becomes as it is read, one at a time (never two copies of the whole model);
+    None keeps the stored dtype (GGUF's quantized tensors: float32)."""
     path = resolve(src)
     if path.is_dir():
-        return read_hf(path)
+        return read_hf(path, dtype)
     if path.suffix == ".gguf":
-        return read_gguf(path, gguf_dtype)
+        return read_gguf(path, dtype or torch.float32)
     if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise SmolError(f"{path}: refusing to load a pickle file, which can run arbitrary code; "
                         "convert it to safetensors")

@@ -99,9 +99,12 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+static inline float element(const void *p, long i, int type) {
+    return type == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 static void to_f32(const void *src, int type, float *dst, long n) {
-    for (long i = 0; i < n; i++)
-        dst[i] = type == BF16 ? bf16_to_f32(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+    for (long i = 0; i < n; i++) dst[i] = element(src, i, type);
 }
 
 static inline void store(void *dst, long i, int type, float value) {
@@ -269,10 +272,6 @@ int attention(const void *q, const void *k, const void *v, void *out, int type, 
         free(qv);
     }
     return failed ? -1 : 0;
-}
-
-static inline float element(const void *p, long i, int type) {
-    return type == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where torch rounds: the normed
