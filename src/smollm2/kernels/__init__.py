@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,30 +100,38 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
-plans: dict[tuple, tuple] = {}  # the C call's view of a set of weights, by where they are
+class Plan(NamedTuple):
+    """The C call's view of a set of weights."""
+    weights: ctypes.Array  # their addresses
+    scales: ctypes.Array  # the addresses of their float32 scales, or NULL
+    sizes: list[int]  # their output sizes N
+    c_sizes: ctypes.Array  # the same, for C
+    weight_type: int
+    float_scales: list  # what `scales` points into, kept alive here
 
 
-def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> tuple | None:
-    """(weight pointers, scale pointers, sizes, total size, weight type) for a kernel call on x, or None
-    when these weights cannot go to the kernels. Built once per set: a model's weights stay where they are,
-    and the per-call checks and ctypes arrays would cost more than a small product."""
+plans: dict[tuple, Plan | None] = {}  # by where the weights are
+
+
+def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> Plan | None:
+    """How the kernel multiplies x by these weights, or None when it cannot. Built once per set: a model's
+    weights stay where they are, and the per-call checks and ctypes arrays would cost more than a small
+    product."""
     key = (x.shape[-1], x.dtype, *((w.data_ptr(), w.shape, w.stride(0), w.dtype, s if s is None else
                                    (s.data_ptr(), s.dtype)) for w, s in zip(weights, scales)))
-    found = plans.get(key)
-    if found is None:
+    if key not in plans:
         K, w_type = x.shape[-1], weights[0].dtype
-        if (K % 16 or w_type not in (x.dtype, torch.int8) or not all(
-                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights)):
-            found = ()
-        else:
-            scales = [None if s is None else s.float().contiguous() for s in scales]  # kept alive here
+        found = None
+        if K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
+                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights):
+            scales = [None if s is None else s.float().contiguous() for s in scales]
             sizes = [w.shape[0] for w in weights]
-            found = (pointers(weights), pointers(scales), (ctypes.c_long * len(sizes))(*sizes), sizes, TYPES[w_type],
-                     scales)
+            found = Plan(pointers(weights), pointers(scales), sizes, (ctypes.c_long * len(sizes))(*sizes),
+                         TYPES[w_type], scales)
         if len(plans) > 4096:  # weights come and go (models loaded, converted): forget old sets now and then
             plans.clear()
         plans[key] = found
-    return found or None
+    return plans[key]
 
 
 def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
@@ -134,11 +143,11 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     found = plan(x, weights, scales) if usable(x, rows) else None
     if found is None:
         return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
-    w_ptrs, s_ptrs, n_array, sizes, w_type, _ = found
+    sizes = found.sizes
     x = x.contiguous()
     y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-    if compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), w_ptrs, w_type, s_ptrs, y.data_ptr(),
-                                 TYPES[x.dtype], rows, n_array, x.shape[-1]):
+    if compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
+                                 found.scales, y.data_ptr(), TYPES[x.dtype], rows, found.c_sizes, x.shape[-1]):
         raise MemoryError("out of memory in the linear kernel")
     if len(sizes) == 1:
         return [y.view(*x.shape[:-1], sizes[0])]
@@ -153,11 +162,12 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: to
     if found is None:
         g, u = linear(x, [gate, up], [gate_scale, up_scale])
         return F.silu(g) * u
-    _, s_ptrs, _, sizes, w_type, _ = found
+    N = found.sizes[0]
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], sizes[0], dtype=x.dtype)
-    if compiled_library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), w_type, s_ptrs[0],
-                                 s_ptrs[1], y.data_ptr(), TYPES[x.dtype], rows, sizes[0], x.shape[-1]):
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+    if compiled_library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), found.weight_type,
+                                 found.scales[0], found.scales[1], y.data_ptr(), TYPES[x.dtype], rows, N,
+                                 x.shape[-1]):
         raise MemoryError("out of memory in the swiglu kernel")
     return y
 
