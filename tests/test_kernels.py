@@ -7,12 +7,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY, tiny_model
 
 from smollm2 import Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.engine import decode_step
 from smollm2.generation.quantize import quantize_int8
-from smollm2.model import apply_rope
 
 pytestmark = pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
 
@@ -68,10 +68,6 @@ def test_several_weights_in_one_pass(dtype):
     x = torch.randn(3, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     q, k = kernels.linear(x, [wq, wk], [sq, sk])
     assert torch.equal(q, kernels.linear(x, [wq], [sq])[0]) and torch.equal(k, kernels.linear(x, [wk], [sk])[0])
-    # SwiGLU's two products together: the formula, rounded where torch rounds.
-    plain = F.silu(kernels.linear(x, [wq], [sq])[0]) * kernels.linear(x, [wq], [sq])[0]
-    torch.testing.assert_close(kernels.swiglu(x, wq, wq, sq, sq), plain, atol=1e-5, rtol=1e-5 if dtype != torch.bfloat16
-                               else 2 ** -7)
 
 
 def test_many_rows_stay_on_torch():
@@ -80,47 +76,65 @@ def test_many_rows_stay_on_torch():
     assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def tiny(name: str, dtype: str):
+    model = tiny_model(TINY[name])
+    return quantize_int8(model) if dtype == "int8" else model.to(getattr(torch, dtype))
+
+
+def decode(model, ids, attention_mask, T, plain=None):
+    """The logits of the last T tokens, decoded in one step after the others went in as a prompt, and the
+    cache this step wrote; with `plain`, that step again on torch's kernels from the same cache."""
+    B, S = ids.shape
+    P = S - T
+    cache = model.new_cache(B, 64)
+    model(ids[:, :P], torch.arange(P), cache.view(length=P), attention_mask[:, :P])
+    before = [t.clone() for t in cache.k + cache.v]
+    runs = []
+    for turn in ("kernels", "torch") if plain else ("kernels",):
+        if turn == "torch":
+            plain()
+            for t, saved in zip(cache.k + cache.v, before):
+                t.copy_(saved)
+        logits = model(ids[:, P:], torch.arange(P, S), cache.view(length=S), attention_mask)
+        runs.append((logits, [t[:, :, :S].clone() for t in cache.k + cache.v]))
+    return runs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("masked", [False, True])
-def test_attention_matches_sdpa(dtype, T, masked):
-    B, H, KVH, S, D = 2, 6, 2, 37, 32
-    g = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(B, KVH, 64, D, generator=g).to(dtype) for _ in range(2))
-    k, v = k_cache[:, :, :S], v_cache[:, :, :S]  # a cache view: slots contiguous, rows strided
-    q = torch.randn(B, T, H, D, generator=g).to(dtype)
-    pos = torch.arange(S - T, S)
-    mask = (torch.arange(S) <= pos[:, None]).expand(B, T, S).clone()
-    if masked:
-        mask[1, :, :10] = False  # row 1 left-padded
-    got = kernels.attention(q, k, v, mask[:, None] if masked else None)
-    want = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.float(), v.float(), attn_mask=mask[:, None],
-                                          enable_gqa=True).transpose(1, 2)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["gqa", "mqa", "mha"])
+def test_decoding_blocks_match_torch(name, dtype, T, padded, plain):
+    """A decoding step of the whole model, each block one kernel call, against torch's formula: logits, and
+    the keys and values it wrote into the cache (after RoPE)."""
+    model = tiny(name, dtype)
+    assert kernels.block_weights(model.model.layers[0], model.rope_cos.dtype if dtype == "int8" else
+                                 getattr(torch, dtype)) is not None  # the kernel does take these blocks
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    attention_mask = torch.ones_like(ids)
+    if padded:
+        attention_mask[1, :10] = 0  # row 1 left-padded
+    (fast, fast_cache), (slow, slow_cache) = decode(model, ids, attention_mask, T, plain)
+    # bf16: the products' float32 sums are added in another order, so a rounding may land one ulp away.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype != "bfloat16" else dict(atol=2 ** -6, rtol=2 ** -7)
+    torch.testing.assert_close(fast.float(), slow.float(), **tol)
+    for got, want in zip(fast_cache, slow_cache):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_rope_follow_the_formulas(dtype, plain):
-    from smollm2.model import RMSNorm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_rows_block_does_not_depend_on_its_batch(dtype):
+    model = tiny("gqa", dtype)
+    ids = torch.randint(0, model.config.vocab_size, (3, 20))
+    (batched, _), = decode(model, ids, torch.ones_like(ids), 1)
+    (alone, _), = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 1)
+    assert torch.equal(alone[0], batched[1])
 
-    norm = RMSNorm(64, 1e-5).to(dtype)
-    with torch.no_grad():
-        norm.weight.normal_(1, 0.1)
-    x = (torch.randn(4, 1, 64) * torch.logspace(-2, 2, 4)[:, None, None]).to(dtype)
-    angles = torch.randn(4, 1, 1, 32)
-    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
-    heads = torch.randn(4, 1, 3, 64).to(dtype)
-    with torch.no_grad():
-        fast_norm, fast_rope = norm(x), apply_rope(heads.clone(), cos, sin)
-        plain()
-        slow_norm, slow_rope = norm(x), apply_rope(heads.clone(), cos, sin)
-    if dtype == torch.bfloat16:  # the same roundings in the same places
-        assert torch.equal(fast_rope, slow_rope)
-    else:  # a fused multiply-add may skip one rounding
-        torch.testing.assert_close(fast_rope, slow_rope, atol=1e-6, rtol=1e-6)
-    ulp = 2 ** -7 if dtype == torch.bfloat16 else 1e-6  # the sum of squares in another order
-    torch.testing.assert_close(fast_norm, slow_norm, atol=0, rtol=ulp)
+
+@pytest.mark.parametrize("name", ["bias", "head_dim"])
+def test_blocks_the_kernel_cannot_run_stay_on_torch(name):
+    model = tiny(name, "float32")
+    assert kernels.block_weights(model.model.layers[0], torch.float32) is None
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8", "batched"])

@@ -29,8 +29,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.usable(x, x.numel() // x.shape[-1]) and self.weight.dtype == x.dtype:  # one call, not eight
-            return kernels.rms_norm(x, self.weight, self.eps)
         # Accumulate in float32: bf16 squares lose most of their digits.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,8 +50,6 @@ def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Te
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, heads, hd); cos, sin: (B, T, 1, hd). Rotate-half layout: pairs are (i, i + hd/2).
-    if kernels.usable(x, x.shape[0] * x.shape[1]) and x.is_contiguous():  # one call, in place
-        return kernels.rope_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -129,11 +125,9 @@ class Attention(nn.Module):
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
-        if cache is not None and kernels.attention_fits(q, k, v):  # decoding: a few queries against the cache
-            y = kernels.attention(q, k, v, mask)  # (B, T, nh, hd)
-        else:  # enable_gqa shares each K/V head with its group of query heads without copying them.
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)
+        # enable_gqa shares each K/V head with its group of query heads without copying them.
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)  # (B, T, nh, hd)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -146,13 +140,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, c, bias=bias)
 
     def forward(self, x):
-        # SwiGLU: down(silu(gate(x)) * up(x)); the kernel streams gate and up together when decoding.
-        g, u = self.gate_proj, self.up_proj
-        if g.bias is None and u.bias is None:
-            return self.down_proj(kernels.swiglu(x, g.weight, u.weight, getattr(g, "scale", None),
-                                                 getattr(u, "scale", None)))
-        gate, up = project(x, g, u)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class Block(nn.Module):
@@ -164,6 +153,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, mask, cache, input_pos):
+        if cache is not None and (y := kernels.block(self, x, rope, mask, cache, input_pos)) is not None:
+            return y  # decoding a few rows on the CPU: the whole block below in one kernel call
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 

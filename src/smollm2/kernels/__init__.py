@@ -1,4 +1,4 @@
-"""CPU kernels for decoding (kernels.c): few-row matrix products and attention of a few queries.
+"""CPU kernels for decoding (kernels.c): few-row matrix products, and a whole transformer block in one call.
 
 They stream bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
 fraction of it, and a row's result does not depend on how many rows share the call. The C source is
@@ -28,6 +28,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 MAX_ROWS = 16  # decoding steps of up to 16 rows; a prompt's many rows are bound by arithmetic: BLAS tiles those
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 enabled = True  # False: torch's kernels everywhere (the plain path, which tests compare against)
@@ -67,11 +68,8 @@ def compiled_library() -> ctypes.CDLL | None:
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
     n = ctypes.c_long
-    lib.linear.argtypes = [p, i, i, p, i, p, p, i, n, p, n]  # as kernels.c
-    lib.swiglu.argtypes = [p, i, p, p, i, p, p, p, i, n, n, n]
-    lib.attention.argtypes = [p, p, p, p, i, n, n, n, n, n, n, n, n, p]
-    lib.rms_norm.argtypes = [p, p, p, i, n, n, ctypes.c_float]
-    lib.rope.argtypes = [p, p, p, i, n, n, n]
+    lib.linear.argtypes = [p, i, i, p, i, p, p, n, p, n]  # as kernels.c
+    lib.block.argtypes = [p, p, i, n, n, p, p, p, n, p, p, n, n, n, p]
     return lib
 
 
@@ -146,68 +144,70 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     sizes = found.sizes
     x = x.contiguous()
     y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-    if compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
-                                 found.scales, y.data_ptr(), TYPES[x.dtype], rows, found.c_sizes, x.shape[-1]):
-        raise MemoryError("out of memory in the linear kernel")
+    compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
+                              found.scales, y.data_ptr(), rows, found.c_sizes, x.shape[-1])
     if len(sizes) == 1:
         return [y.view(*x.shape[:-1], sizes[0])]
     return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_scale: torch.Tensor | None = None,
-           up_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T), the two products streamed together; scales as in linear."""
-    rows = x.numel() // x.shape[-1]
-    found = plan(x, [gate, up], [gate_scale, up_scale]) if usable(x, rows) else None
+class BlockWeights(ctypes.Structure):
+    """kernels.c's struct block: where a transformer block's weights are, and its sizes."""
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", *LINEARS)]
+                + [(name + "_scale", ctypes.c_void_p) for name in LINEARS]
+                + [("w_type", ctypes.c_int)] + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
+                + [("eps", ctypes.c_float)])
+
+
+def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
+    """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
+    cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
+    attn, mlp = block.self_attn, block.mlp
+    linears = [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]]
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    key = (dtype, *((t.data_ptr(), t.shape, t.dtype) for t in [m.weight for m in linears + norms]))
+    if key not in plans:
+        C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, mlp.down_proj.weight.shape[1]
+        w_type = linears[0].weight.dtype
+        found = None
+        if (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= MAX_HEAD_DIM and w_type in (dtype, torch.int8)
+                and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous() for m in linears)
+                and all(n.weight.dtype == dtype for n in norms)):
+            scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
+            found = (BlockWeights(*(t.data_ptr() for t in [n.weight for n in norms] + [m.weight for m in linears]),
+                                  *(None if s is None else s.data_ptr() for s in scales), TYPES[w_type], C,
+                                  attn.n_heads, attn.n_kv, D, I, norms[0].eps), scales)
+        if len(plans) > 4096:
+            plans.clear()
+        plans[key] = found
+    return plans[key]
+
+
+def block(block, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
+    """The model's Block.forward for a few rows decoding against a KV cache, in one call: the norms,
+    products, RoPE, cache writes and attention of every layer step run in one parallel region. None where
+    the kernel cannot run it (then torch does).
+
+    x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
+    slots: (T,) or (B, T) cache slots of the rows."""
+    B, T, C = x.shape
+    layer = block.self_attn.layer
+    k, v = cache.k[layer], cache.v[layer]  # (B, KVH, S, D)
+    cos, sin = rope
+    if not usable(x, B * T) or not (k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+                                    and k.stride() == v.stride() and cos.dtype == x.dtype and cos.is_contiguous()
+                                    and sin.is_contiguous()):
+        return None
+    found = block_weights(block, x.dtype)
     if found is None:
-        g, u = linear(x, [gate, up], [gate_scale, up_scale])
-        return F.silu(g) * u
-    N = found.sizes[0]
-    x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    if compiled_library().swiglu(x.data_ptr(), TYPES[x.dtype], gate.data_ptr(), up.data_ptr(), found.weight_type,
-                                 found.scales[0], found.scales[1], y.data_ptr(), TYPES[x.dtype], rows, N,
-                                 x.shape[-1]):
-        raise MemoryError("out of memory in the swiglu kernel")
-    return y
-
-
-def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """q: (B, T, H, D) a few new queries; k, v: (B, KVH, S, D) views of a cache, their slots contiguous."""
-    B, T, H, D = q.shape
-    return (D % 16 == 0 and D <= MAX_HEAD_DIM and H % k.shape[1] == 0 and k.dtype == v.dtype == q.dtype
-            and k.stride(-1) == 1 and k.stride(-2) == D and k.stride() == v.stride() and usable(q, B * T))
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v in float32, q: (B, T, H, D), k, v: (B, KVH, S, D) -> (B, T, H, D).
-
-    mask: (B, 1, T, S) True where a query sees a slot; None: causal, the queries being the last T slots."""
-    B, T, H, D = q.shape
+        return None
+    x = x.contiguous().clone()  # the residual stream, updated in place
+    slots = slots.to(torch.int64).contiguous()
     S = k.shape[2]
-    q = q.contiguous()
-    out = torch.empty_like(q)
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
-    if compiled_library().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype], B, T,
-                                    H, k.shape[1], S, D, k.stride(0), k.stride(1),
-                                    None if mask is None else mask.data_ptr()):
-        raise MemoryError("out of memory in the attention kernel")
-    return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dimension, as the model's RMSNorm computes it."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    compiled_library().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype],
-                                x.numel() // x.shape[-1], x.shape[-1], eps)
-    return out
-
-
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, heads, hd) contiguous, rotated in place; cos, sin: (B, T, 1, hd)."""
-    B, T, H, D = x.shape
-    cos, sin = (t.to(x.dtype).expand(B, T, 1, D).contiguous() for t in (cos, sin))
-    compiled_library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), TYPES[x.dtype], B * T, H, D)
+    if compiled_library().block(ctypes.byref(found[0]), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
+                                sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T, k.data_ptr(),
+                                v.data_ptr(), S, k.stride(0), k.stride(1), None if mask is None else mask.data_ptr()):
+        raise MemoryError("out of memory in the block kernel")
     return x

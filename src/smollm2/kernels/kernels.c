@@ -1,4 +1,4 @@
-/* Decoding kernels for the CPU: few-row matrix products and one-query attention.
+/* Decoding kernels for the CPU: few-row matrix products, and a whole transformer block in one call.
  *
  * Decoding one token reads every weight once; a CPU does little arithmetic per weight byte, so the
  * speed is how fast the weights stream from memory. BLAS gemv/gemm is tuned for big products; for
@@ -103,20 +103,21 @@ static inline float element(const void *p, long i, int type) {
     return type == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static void to_f32(const void *src, int type, float *dst, long n) {
-    for (long i = 0; i < n; i++) dst[i] = element(src, i, type);
-}
-
 static inline void store(void *dst, long i, int type, float value) {
     if (type == BF16) ((uint16_t *)dst)[i] = f32_to_bf16(value);
     else ((float *)dst)[i] = value;
 }
 
+static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
+
+static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
+
 /* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, ROWS). Inlined with
- * constant c and w_type, so the accumulators live in registers and the loads are specialized. */
-static inline __attribute__((always_inline)) void dot_block(const float *x, const void *w, const int w_type, long b,
-                                                            const int c, long n, long K, float *sums) {
-    const int size = w_type == I8 ? 1 : w_type == BF16 ? 2 : 4;
+ * constant c and types, so the accumulators live in registers and the loads are specialized. */
+static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
+                                                            const int w_type, long b, const int c, long n, long K,
+                                                            float *sums) {
+    const long size = size_of(w_type);
     f32x16 acc[COLS][ROWS] = {{{0}}};
     for (long k = 0; k < K; k += LANES) {
         f32x16 wv[ROWS];
@@ -125,7 +126,7 @@ static inline __attribute__((always_inline)) void dot_block(const float *x, cons
             wv[j] = load(w, (n + j) * K + k, w_type);
         }
         for (int i = 0; i < c; i++) {
-            f32x16 xv = load_f32(x + (b + i) * K + k);
+            f32x16 xv = load(x, (b + i) * K + k, x_type);
             for (int j = 0; j < ROWS; j++) acc[i][j] += xv * wv[j];
         }
     }
@@ -133,95 +134,115 @@ static inline __attribute__((always_inline)) void dot_block(const float *x, cons
         for (int j = 0; j < ROWS; j++) sums[(b + i) * ROWS + j] = sum_lanes(acc[i][j]);
 }
 
-static inline __attribute__((always_inline)) void dot_rows_of(const float *x, const void *w, const int w_type, long B,
-                                                              long n, long K, float *sums) {
+static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
+                                                              const int w_type, long B, long n, long K, float *sums) {
     long b = 0;
     for (; b + COLS <= B; b += COLS)  /* this block of weights stays in L1 across the batch */
-        dot_block(x, w, w_type, b, COLS, n, K, sums);
+        dot_block(x, x_type, w, w_type, b, COLS, n, K, sums);
     switch (B - b) {
-    case 1: dot_block(x, w, w_type, b, 1, n, K, sums); break;
-    case 2: dot_block(x, w, w_type, b, 2, n, K, sums); break;
-    case 3: dot_block(x, w, w_type, b, 3, n, K, sums); break;
+    case 1: dot_block(x, x_type, w, w_type, b, 1, n, K, sums); break;
+    case 2: dot_block(x, x_type, w, w_type, b, 2, n, K, sums); break;
+    case 3: dot_block(x, x_type, w, w_type, b, 3, n, K, sums); break;
     }
 }
 
-/* sums (B, ROWS): every activation row against weight rows n..n+ROWS-1. */
-static void dot_rows(const float *x, const void *w, int w_type, long B, long n, long K, float *sums) {
-    switch (w_type) {
-    case F32: dot_rows_of(x, w, F32, B, n, K, sums); break;
-    case BF16: dot_rows_of(x, w, BF16, B, n, K, sums); break;
-    case I8: dot_rows_of(x, w, I8, B, n, K, sums); break;
+/* sums (B, ROWS): every activation row of x (B, K) against weight rows n..n+ROWS-1. */
+static void dot_rows(const void *x, int x_type, const void *w, int w_type, long B, long n, long K, float *sums) {
+    if (x_type == BF16) {
+        switch (w_type) {
+        case F32: dot_rows_of(x, BF16, w, F32, B, n, K, sums); break;
+        case BF16: dot_rows_of(x, BF16, w, BF16, B, n, K, sums); break;
+        case I8: dot_rows_of(x, BF16, w, I8, B, n, K, sums); break;
+        }
+    } else {
+        switch (w_type) {
+        case F32: dot_rows_of(x, F32, w, F32, B, n, K, sums); break;
+        case BF16: dot_rows_of(x, F32, w, BF16, B, n, K, sums); break;
+        case I8: dot_rows_of(x, F32, w, I8, B, n, K, sums); break;
+        }
     }
 }
 
-/* x (B, K) as float32: itself, or widened into *widened (freed by the caller). */
-static const float *as_f32(const void *x, int x_type, long n, float **widened) {
-    *widened = NULL;
-    if (x_type == F32) return x;
-    if ((*widened = malloc(sizeof(float) * n))) to_f32(x, x_type, *widened, n);
-    return *widened;
-}
-
-/* y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T, times scale[m] (N[m],) per output channel where given
- * (int8 weights), for `count` matrices in one pass (q/k/v: one input, three outputs), the outputs one
- * after another from y. x and y are F32 or BF16, the weights F32, BF16 or I8; K is a multiple of 16,
- * each N[m] of ROWS. Returns 0, or -1 out of memory. */
-int linear(const void *x_in, int x_type, int count, const void *const *w, int w_type, const float *const *scale,
-           void *y, int y_type, long B, const long *N, long K) {
-    float *widened;
-    const float *x = as_f32(x_in, x_type, B * K, &widened);
-    if (!x) return -1;
+/* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
+ * times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices of one input
+ * (q, k and v: one pass). x and y are of `type`; with `add`, y += the product, each rounded as torch's
+ * y + product would be. */
+static void products(const void *x, int type, int count, const void *const *w, int w_type,
+                     const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (long row = 0; row < total; row += ROWS) {
         int m = 0;
-        long n = row, before = 0;  /* output rows of the matrices before m */
-        while (n >= N[m]) n -= N[m], before += N[m++];
+        long n = row;
+        while (n >= N[m]) n -= N[m++];
         float sums[B * ROWS];
-        dot_rows(x, w[m], w_type, B, n, K, sums);
+        dot_rows(x, type, w[m], w_type, B, n, K, sums);
         for (long b = 0; b < B; b++)
             for (int j = 0; j < ROWS; j++) {
-                float value = sums[b * ROWS + j];
-                store(y, B * before + b * N[m] + n + j, y_type, scale[m] ? value * scale[m][n + j] : value);
+                long at = b * N[m] + n + j;
+                float value = scale[m] ? sums[b * ROWS + j] * scale[m][n + j] : sums[b * ROWS + j];
+                store(y[m], at, type, add ? element(y[m], at, type) + round_to(type, value) : value);
             }
     }
-    free(widened);
-    return 0;
 }
 
-static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
+/* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
+ * are F32 or BF16, the weights F32, BF16 or I8 (with float32 scales); K is a multiple of 16, each N[m] of
+ * ROWS. */
+void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
+            void *y, long B, const long *N, long K) {
+    void *ys[count];
+    for (int m = 0, before = 0; m < count; before += N[m++]) ys[m] = (char *)y + B * before * size_of(type);
+#pragma omp parallel
+    products(x, type, count, w, w_type, scale, ys, 0, B, N, K);
+}
 
-/* The SwiGLU MLP's first half, y (B, N) = silu(x @ gate^T) * (x @ up^T), its two products streamed
- * together; in bf16 rounded where torch rounds. Types and scales as linear(). */
-int swiglu(const void *x_in, int x_type, const void *gate, const void *up, int w_type, const float *gate_scale,
-           const float *up_scale, void *y, int y_type, long B, long N, long K) {
-    float *widened;
-    const float *x = as_f32(x_in, x_type, B * K, &widened);
-    if (!x) return -1;
-#pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n += ROWS) {
-        float g[B * ROWS], u[B * ROWS];
-        dot_rows(x, gate, w_type, B, n, K, g);
-        dot_rows(x, up, w_type, B, n, K, u);
-        for (long b = 0; b < B; b++)
-            for (int j = 0; j < ROWS; j++) {
-                float gv = round_to(y_type, gate_scale ? g[b * ROWS + j] * gate_scale[n + j] : g[b * ROWS + j]);
-                float uv = round_to(y_type, up_scale ? u[b * ROWS + j] * up_scale[n + j] : u[b * ROWS + j]);
-                store(y, b * N + n + j, y_type, round_to(y_type, gv / (1.0f + expf(-gv))) * uv);
-            }
+/* A transformer block's weights, as the Python side fills them in (same order). */
+struct block {
+    const void *attn_norm, *mlp_norm;  /* (C,), in the activations' type */
+    const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;  /* (out, in), of w_type */
+    const float *q_proj_scale, *k_proj_scale, *v_proj_scale, *o_proj_scale, *gate_proj_scale, *up_proj_scale,
+        *down_proj_scale;  /* or NULL */
+    int w_type;
+    long C, H, KVH, D, I;  /* hidden size, query and K/V heads, head size, MLP size */
+    float eps;
+};
+
+/* Inside a parallel region: out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where
+ * torch rounds: the normed x, then its product with the weight. */
+static void rms_norm(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+        float squares = 0;
+        for (long c = 0; c < C; c++) squares += element(x, r * C + c, type) * element(x, r * C + c, type);
+        float inv = 1.0f / sqrtf(squares / C + eps);
+        for (long c = 0; c < C; c++)
+            store(out, r * C + c, type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv));
     }
-    free(widened);
-    return 0;
 }
 
-/* One query head against its K/V head's slots: scores into p (S,), then the weighted sum of V. Inlined
- * with constant type and D, so the head's accumulators stay in registers. */
+/* One head (D,) rotated in place: halves (i, i + D/2) by the angles whose cos and sin are (D,), rounded
+ * as torch's x * cos + rotate_half(x) * sin. */
+static void rope(void *x, const void *cos, const void *sin, int type, long D) {
+    long half = D / 2;
+    for (long i = 0; i < half; i++) {
+        float x1 = element(x, i, type), x2 = element(x, i + half, type);
+        float c1 = element(cos, i, type), s1 = element(sin, i, type);
+        float c2 = element(cos, i + half, type), s2 = element(sin, i + half, type);
+        store(x, i, type, round_to(type, x1 * c1) + round_to(type, -x2 * s1));
+        store(x, i + half, type, round_to(type, x2 * c2) + round_to(type, x1 * s2));
+    }
+}
+
+/* One query head (D,) against its K/V head's slots: scores into p (S,), then the weighted sum of V, in
+ * float32. Slot s is seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type
+ * and D, so the head's accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
                                                          const int type, long S, const long D, long last,
                                                          const uint8_t *seen, float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
-    to_f32(q, type, qv, D);
+    for (long d = 0; d < D; d++) qv[d] = element(q, d, type);
     float top = -INFINITY;
     for (long s = 0; s < S; s++) {
         if (seen ? !seen[s] : s > last) { p[s] = -INFINITY; continue; }
@@ -239,68 +260,93 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
     for (long d = 0; d < D; d++) store(out, d, type, o[d / LANES][d % LANES] / total);
 }
 
-/* Attention of T new queries per row against a KV cache, in float32 whatever the storage type.
- * q, out: (B, T, H, D) contiguous; k, v: (B, KVH, S, D) with row stride kv_stride_b and head stride
- * kv_stride_h (elements), the slots contiguous. Query t of row b sees slot s where mask[b, t, s] != 0
- * (mask: (B, T, S)); with no mask, causally, the queries being the last T slots. Heads share K/V in
- * groups of H / KVH. D is a multiple of 16, at most MAX_HEAD_DIM. Returns 0, or -1 out of memory. */
-int attention(const void *q, const void *k, const void *v, void *out, int type, long B, long T, long H, long KVH,
-              long S, long D, long kv_stride_b, long kv_stride_h, const uint8_t *mask) {
-    const long size = type == BF16 ? 2 : 4;
+static void attend_any(const void *q, const void *k, const void *v, void *out, int type, long S, long D, long last,
+                       const uint8_t *seen, float *p, float *qv) {
+    if (type == BF16 && D == 64) attend(q, k, v, out, BF16, S, 64, last, seen, p, qv);
+    else if (type == BF16) attend(q, k, v, out, BF16, S, D, last, seen, p, qv);
+    else if (D == 64) attend(q, k, v, out, F32, S, 64, last, seen, p, qv);
+    else attend(q, k, v, out, F32, S, D, last, seen, p, qv);
+}
+
+/* One transformer block on R = B * T rows, x (B, T, C) of `type` updated in place:
+ *     x += o(attention(rope(q(norm x)), cache with rope(k(norm x)), v(norm x)));  x += down(silu(gate(h)) * up(h)), h = norm x
+ * every step rounded as the torch model rounds it, in one parallel region: no thread pool wakes up per step.
+ * cos, sin (R, D) of `type`: the rotary angles of each row. Row (b, t) is written at cache slot
+ * slots[b * slot_stride + t] (slot_stride 0: the rows share them); k_cache, v_cache (B, KVH, S, D) of
+ * `type`, row and head strides given in elements, slots contiguous. Query t of row b sees slot s where
+ * mask[b, t, s] != 0 (mask (B, T, S)), or with no mask causally, the queries being the last T slots.
+ * D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16 and of ROWS. Returns 0, or -1 out of
+ * memory. */
+int block(const struct block *w, void *x, int type, long B, long T, const void *cos, const void *sin,
+          const int64_t *slots, long slot_stride, void *k_cache, void *v_cache, long S, long stride_b,
+          long stride_h, const uint8_t *mask) {
+    const long R = B * T, C = w->C, H = w->H, KVH = w->KVH, D = w->D, size = size_of(type);
+    char *buffer = malloc(size * R * (C + 2 * H * D + 2 * KVH * D + w->I));
+    if (!buffer) return -1;
+    char *h = buffer, *q = h + size * R * C, *k = q + size * R * H * D, *v = k + size * R * KVH * D;
+    char *att = v + size * R * KVH * D, *a = att + size * R * H * D;
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * S), *qv = malloc(sizeof(float) * D);
-        if (!p || !qv) failed = 1;  /* any thread's failure is a failure: a benign race */
-#pragma omp for collapse(3) schedule(static)
-        for (long b = 0; b < B; b++)
-            for (long t = 0; t < T; t++)
-                for (long h = 0; h < H; h++) {
-                    if (!p || !qv) continue;
-                    const uint8_t *seen = mask ? mask + (b * T + t) * S : NULL;
-                    long last = S - T + t;  /* causal: the last slot this query may see */
-                    long kv = (b * kv_stride_b + (h / (H / KVH)) * kv_stride_h) * size;
-                    long qo = ((b * T + t) * H + h) * D * size;
-                    const char *kh = (const char *)k + kv, *vh = (const char *)v + kv, *qh = (const char *)q + qo;
-                    char *oh = (char *)out + qo;
-                    if (type == BF16 && D == 64) attend(qh, kh, vh, oh, BF16, S, 64, last, seen, p, qv);
-                    else if (type == BF16) attend(qh, kh, vh, oh, BF16, S, D, last, seen, p, qv);
-                    else if (D == 64) attend(qh, kh, vh, oh, F32, S, 64, last, seen, p, qv);
-                    else attend(qh, kh, vh, oh, F32, S, D, last, seen, p, qv);
-                }
-        free(p);
-        free(qv);
-    }
-    return failed ? -1 : 0;
-}
+        float *p = malloc(sizeof(float) * (S + D)), *qv = p + S;
+        if (!p) failed = 1;  /* any thread's failure is a failure: a benign race */
 
-/* out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where torch rounds: the normed
- * x, then its product with the weight. */
-void rms_norm(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
-#pragma omp parallel for schedule(static) if (R * C > 65536)
-    for (long r = 0; r < R; r++) {
-        float squares = 0;
-        for (long c = 0; c < C; c++) squares += element(x, r * C + c, type) * element(x, r * C + c, type);
-        float inv = 1.0f / sqrtf(squares / C + eps);
-        for (long c = 0; c < C; c++)
-            store(out, r * C + c, type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv));
-    }
-}
+        rms_norm(x, w->attn_norm, h, type, R, C, w->eps);
+        products(h, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
+                 (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){q, k, v}, 0, R,
+                 (const long[]){H * D, KVH * D, KVH * D}, C);
 
-/* Rotary embedding in place: x (R, H, D), each head's halves (i, i + D/2) rotated by the angles whose
- * cos and sin are (R, D) in x's type; the products and the sum rounded as torch's x*cos + rot(x)*sin. */
-void rope(void *x, const void *cos, const void *sin, int type, long R, long H, long D) {
-    long half = D / 2;
-#pragma omp parallel for collapse(2) schedule(static) if (R * H * D > 65536)
-    for (long r = 0; r < R; r++)
-        for (long h = 0; h < H; h++) {
-            long at = (r * H + h) * D;
-            for (long i = 0; i < half; i++) {
-                float x1 = element(x, at + i, type), x2 = element(x, at + i + half, type);
-                float c1 = element(cos, r * D + i, type), s1 = element(sin, r * D + i, type);
-                float c2 = element(cos, r * D + i + half, type), s2 = element(sin, r * D + i + half, type);
-                store(x, at + i, type, round_to(type, x1 * c1) + round_to(type, -x2 * s1));
-                store(x, at + i + half, type, round_to(type, x2 * c2) + round_to(type, x1 * s2));
+        /* RoPE on every query and key head; keys and values then go to their cache slots. */
+#pragma omp for schedule(static)
+        for (long i = 0; i < R * (H + KVH); i++) {
+            long r = i / (H + KVH), head = i % (H + KVH);
+            const char *c = (const char *)cos + r * D * size, *s = (const char *)sin + r * D * size;
+            if (head < H) {
+                rope(q + (r * H + head) * D * size, c, s, type, D);
+                continue;
             }
+            head -= H;
+            char *kh = k + (r * KVH + head) * D * size;
+            rope(kh, c, s, type, D);
+            long b = r / T, slot = slots[b * slot_stride + r % T];
+            long to = (b * stride_b + head * stride_h + slot * D) * size;
+            memcpy((char *)k_cache + to, kh, D * size);
+            memcpy((char *)v_cache + to, v + (r * KVH + head) * D * size, D * size);
         }
+
+        /* Attention: heads share K/V in groups of H / KVH. */
+#pragma omp for schedule(static)
+        for (long i = 0; i < R * H; i++) {
+            if (!p) continue;
+            long r = i / H, head = i % H, b = r / T, t = r % T;
+            long kv = (b * stride_b + head / (H / KVH) * stride_h) * size;
+            attend_any(q + i * D * size, (char *)k_cache + kv, (char *)v_cache + kv, att + i * D * size, type, S, D,
+                       S - T + t, mask ? mask + r * S : NULL, p, qv);
+        }
+
+        products(att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+                 (void *[]){x}, 1, R, (const long[]){C}, H * D);
+        rms_norm(x, w->mlp_norm, h, type, R, C, w->eps);
+
+        /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
+#pragma omp for schedule(static)
+        for (long n = 0; n < w->I; n += ROWS) {
+            float g[R * ROWS], u[R * ROWS];
+            const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
+            dot_rows(h, type, w->gate_proj, w->w_type, R, n, C, g);
+            dot_rows(h, type, w->up_proj, w->w_type, R, n, C, u);
+            for (long r = 0; r < R; r++)
+                for (int j = 0; j < ROWS; j++) {
+                    float gv = round_to(type, gate_scale ? g[r * ROWS + j] * gate_scale[n + j] : g[r * ROWS + j]);
+                    float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
+                    store(a, r * w->I + n + j, type, round_to(type, gv / (1.0f + expf(-gv))) * uv);
+                }
+        }
+
+        products(a, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+                 (void *[]){x}, 1, R, (const long[]){C}, w->I);
+        free(p);
+    }
+    free(buffer);
+    return failed ? -1 : 0;
 }
