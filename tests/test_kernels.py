@@ -108,7 +108,7 @@ def test_decoding_blocks_match_torch(name, dtype, T, padded, plain):
     """A decoding step of the whole model, each block one kernel call, against torch's formula: logits, and
     the keys and values it wrote into the cache (after RoPE)."""
     model = tiny(name, dtype)
-    assert kernels.block_weights(model.model.layers[0], model.rope_cos.dtype if dtype == "int8" else
+    assert kernels.blocks_plan(model.model.layers, model.rope_cos.dtype if dtype == "int8" else
                                  getattr(torch, dtype)) is not None  # the kernel does take these blocks
     ids = torch.randint(0, model.config.vocab_size, (2, 37))
     attention_mask = torch.ones_like(ids)
@@ -134,7 +134,7 @@ def test_a_rows_block_does_not_depend_on_its_batch(dtype):
 @pytest.mark.parametrize("name", ["bias", "head_dim"])
 def test_blocks_the_kernel_cannot_run_stay_on_torch(name):
     model = tiny(name, "float32")
-    assert kernels.block_weights(model.model.layers[0], torch.float32) is None
+    assert kernels.blocks_plan(model.model.layers, torch.float32) is None
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8", "batched"])

@@ -153,8 +153,6 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, mask, cache, input_pos):
-        if cache is not None and (y := kernels.block(self, x, rope, mask, cache, input_pos)) is not None:
-            return y  # decoding a few rows on the CPU: the whole block below in one kernel call
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -220,6 +218,8 @@ class SmolLM2(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
+        if cache is not None and (y := kernels.blocks(self.model.layers, x, rope, mask, cache, slots)) is not None:
+            return self.model.norm(y)  # decoding a few rows on the CPU: every block in one kernel call
         for block in self.model.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, rope, mask, cache, slots, use_reentrant=False)

@@ -69,7 +69,7 @@ def compiled_library() -> ctypes.CDLL | None:
     i, p = ctypes.c_int, ctypes.c_void_p
     n = ctypes.c_long
     lib.linear.argtypes = [p, i, i, p, i, p, p, n, p, n]  # as kernels.c
-    lib.block.argtypes = [p, p, i, n, n, p, p, p, n, p, p, n, n, n, p]
+    lib.blocks.argtypes = [p, i, p, i, n, n, p, p, p, n, p, p, n, n, n, p]
     return lib
 
 
@@ -159,46 +159,59 @@ class BlockWeights(ctypes.Structure):
                 + [("eps", ctypes.c_float)])
 
 
+def block_modules(block) -> tuple[list, list]:
+    """A transformer block's two RMSNorms and seven linear layers, in struct block's order."""
+    attn, mlp = block.self_attn, block.mlp
+    return ([block.input_layernorm, block.post_attention_layernorm],
+            [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]])
+
+
 def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
     cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
-    attn, mlp = block.self_attn, block.mlp
-    linears = [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]]
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    key = (dtype, *((t.data_ptr(), t.shape, t.dtype) for t in [m.weight for m in linears + norms]))
+    norms, linears = block_modules(block)
+    attn = block.self_attn
+    C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
+    w_type = linears[0].weight.dtype
+    if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= MAX_HEAD_DIM and w_type in (dtype, torch.int8)
+            and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous() for m in linears)
+            and all(n.weight.dtype == dtype for n in norms)):
+        return None
+    scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
+    return (BlockWeights(*(t.data_ptr() for t in [n.weight for n in norms] + [m.weight for m in linears]),
+                         *(None if s is None else s.data_ptr() for s in scales), TYPES[w_type], C, attn.n_heads,
+                         attn.n_kv, D, I, norms[0].eps), scales)
+
+
+def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
+    """struct block for every layer (and what they point into), or None where the kernel cannot run one.
+    Built once per set of weights; checking that they are still the model's costs ~1 ms a step."""
+    key = (dtype, *((t.data_ptr(), t.shape, t.dtype) for block in layers for modules in block_modules(block)
+                    for t in (m.weight for m in modules)))
     if key not in plans:
-        C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, mlp.down_proj.weight.shape[1]
-        w_type = linears[0].weight.dtype
-        found = None
-        if (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= MAX_HEAD_DIM and w_type in (dtype, torch.int8)
-                and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous() for m in linears)
-                and all(n.weight.dtype == dtype for n in norms)):
-            scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
-            found = (BlockWeights(*(t.data_ptr() for t in [n.weight for n in norms] + [m.weight for m in linears]),
-                                  *(None if s is None else s.data_ptr() for s in scales), TYPES[w_type], C,
-                                  attn.n_heads, attn.n_kv, D, I, norms[0].eps), scales)
+        found = [block_weights(block, dtype) for block in layers]
         if len(plans) > 4096:
             plans.clear()
-        plans[key] = found
+        plans[key] = None if None in found else ((BlockWeights * len(found))(*(f[0] for f in found)),
+                                                 [f[1] for f in found])
     return plans[key]
 
 
-def block(block, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
-    """The model's Block.forward for a few rows decoding against a KV cache, in one call: the norms,
-    products, RoPE, cache writes and attention of every layer step run in one parallel region. None where
-    the kernel cannot run it (then torch does).
+def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
+    """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
+    parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
+    kernel cannot run them; then torch does.
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     slots: (T,) or (B, T) cache slots of the rows."""
     B, T, C = x.shape
-    layer = block.self_attn.layer
-    k, v = cache.k[layer], cache.v[layer]  # (B, KVH, S, D)
+    k, v = cache.k[0], cache.v[0]  # (B, KVH, S, D); every layer's alike
     cos, sin = rope
     if not usable(x, B * T) or not (k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                                     and k.stride() == v.stride() and cos.dtype == x.dtype and cos.is_contiguous()
                                     and sin.is_contiguous()):
         return None
-    found = block_weights(block, x.dtype)
+    found = blocks_plan(layers, x.dtype)
     if found is None:
         return None
     x = x.contiguous().clone()  # the residual stream, updated in place
@@ -206,8 +219,9 @@ def block(block, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots:
     S = k.shape[2]
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
-    if compiled_library().block(ctypes.byref(found[0]), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
-                                sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T, k.data_ptr(),
-                                v.data_ptr(), S, k.stride(0), k.stride(1), None if mask is None else mask.data_ptr()):
-        raise MemoryError("out of memory in the block kernel")
+    if compiled_library().blocks(found[0], len(layers), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
+                                 sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T,
+                                 pointers(cache.k[:len(layers)]), pointers(cache.v[:len(layers)]), S, k.stride(0),
+                                 k.stride(1), None if mask is None else mask.data_ptr()):
+        raise MemoryError("out of memory in the decoding kernel")
     return x

@@ -268,83 +268,114 @@ static void attend_any(const void *q, const void *k, const void *v, void *out, i
     else attend(q, k, v, out, F32, S, D, last, seen, p, qv);
 }
 
-/* One transformer block on R = B * T rows, x (B, T, C) of `type` updated in place:
- *     x += o(attention(rope(q(norm x)), cache with rope(k(norm x)), v(norm x)));  x += down(silu(gate(h)) * up(h)), h = norm x
- * every step rounded as the torch model rounds it, in one parallel region: no thread pool wakes up per step.
- * cos, sin (R, D) of `type`: the rotary angles of each row. Row (b, t) is written at cache slot
- * slots[b * slot_stride + t] (slot_stride 0: the rows share them); k_cache, v_cache (B, KVH, S, D) of
- * `type`, row and head strides given in elements, slots contiguous. Query t of row b sees slot s where
- * mask[b, t, s] != 0 (mask (B, T, S)), or with no mask causally, the queries being the last T slots.
- * D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16 and of ROWS. Returns 0, or -1 out of
+/* What every layer of one decoding step shares: the rows, their rotary angles, slots and mask. */
+struct step {
+    void *x;  /* (B, T, C), the residual stream, updated in place */
+    int type;
+    long B, T;
+    const void *cos, *sin;  /* (B * T, D): the rotary angles of each row */
+    const int64_t *slots;  /* row (b, t) goes to cache slot slots[b * slot_stride + t] */
+    long slot_stride;
+    long S, stride_b, stride_h;  /* the cache's slots seen, its row and head strides (elements) */
+    const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
+};
+
+/* Scratch for a layer's intermediate activations, of the step's type. */
+struct scratch { char *h, *q, *k, *v, *att, *a; };
+
+/* One transformer block, inside a parallel region (every thread calls it):
+ *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
+ *     x += down(silu(gate(h)) * up(h)), h = norm x
+ * every step rounded as the torch model rounds it. k_cache, v_cache (B, KVH, S, D), slots contiguous. p:
+ * this thread's scores, S + D floats, or NULL when it could not have them (its heads are then skipped). */
+static void layer(const struct block *w, const struct step *s, void *k_cache, void *v_cache, const struct scratch *m,
+                  float *p) {
+    const int type = s->type;
+    const long R = s->B * s->T, T = s->T, S = s->S, C = w->C, H = w->H, KVH = w->KVH, D = w->D, I = w->I;
+    const long size = size_of(type);
+
+    rms_norm(s->x, w->attn_norm, m->h, type, R, C, w->eps);
+    products(m->h, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
+             (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
+             R, (const long[]){H * D, KVH * D, KVH * D}, C);
+
+    /* RoPE on every query and key head; keys and values then go to their cache slots. */
+#pragma omp for schedule(static)
+    for (long i = 0; i < R * (H + KVH); i++) {
+        long r = i / (H + KVH), head = i % (H + KVH);
+        const char *cos = (const char *)s->cos + r * D * size, *sin = (const char *)s->sin + r * D * size;
+        if (head < H) {
+            rope(m->q + (r * H + head) * D * size, cos, sin, type, D);
+            continue;
+        }
+        head -= H;
+        char *key = m->k + (r * KVH + head) * D * size;
+        rope(key, cos, sin, type, D);
+        long b = r / T, slot = s->slots[b * s->slot_stride + r % T];
+        long to = (b * s->stride_b + head * s->stride_h + slot * D) * size;
+        memcpy((char *)k_cache + to, key, D * size);
+        memcpy((char *)v_cache + to, m->v + (r * KVH + head) * D * size, D * size);
+    }
+
+    /* Attention: heads share K/V in groups of H / KVH. */
+#pragma omp for schedule(static)
+    for (long i = 0; i < R * H; i++) {
+        if (!p) continue;
+        long r = i / H, head = i % H, b = r / T, t = r % T;
+        long kv = (b * s->stride_b + head / (H / KVH) * s->stride_h) * size;
+        attend_any(m->q + i * D * size, (char *)k_cache + kv, (char *)v_cache + kv, m->att + i * D * size, type, S,
+                   D, S - T + t, s->mask ? s->mask + r * S : NULL, p, p + S);
+    }
+
+    products(m->att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
+    rms_norm(s->x, w->mlp_norm, m->h, type, R, C, w->eps);
+
+    /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
+#pragma omp for schedule(static)
+    for (long n = 0; n < I; n += ROWS) {
+        float g[R * ROWS], u[R * ROWS];
+        const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
+        dot_rows(m->h, type, w->gate_proj, w->w_type, R, n, C, g);
+        dot_rows(m->h, type, w->up_proj, w->w_type, R, n, C, u);
+        for (long r = 0; r < R; r++)
+            for (int j = 0; j < ROWS; j++) {
+                float gv = round_to(type, gate_scale ? g[r * ROWS + j] * gate_scale[n + j] : g[r * ROWS + j]);
+                float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
+                store(m->a, r * I + n + j, type, round_to(type, gv / (1.0f + expf(-gv))) * uv);
+            }
+    }
+
+    products(m->a, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+             (void *[]){s->x}, 1, R, (const long[]){C}, I);
+}
+
+/* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
+ * `type` updated in place; one parallel region for all of them, so the threads never go back to sleep
+ * between layers. k_cache[l], v_cache[l]: layer l's (B, KVH, S, D) cache of `type`; the rest as struct
+ * step. D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of
  * memory. */
-int block(const struct block *w, void *x, int type, long B, long T, const void *cos, const void *sin,
-          const int64_t *slots, long slot_stride, void *k_cache, void *v_cache, long S, long stride_b,
-          long stride_h, const uint8_t *mask) {
-    const long R = B * T, C = w->C, H = w->H, KVH = w->KVH, D = w->D, size = size_of(type);
-    char *buffer = malloc(size * R * (C + 2 * H * D + 2 * KVH * D + w->I));
+int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
+           const int64_t *slots, long slot_stride, void *const *k_cache, void *const *v_cache, long S, long stride_b,
+           long stride_h, const uint8_t *mask) {
+    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, S, stride_b, stride_h, mask};
+    const long R = B * T, size = size_of(type);
+    long C = 0, QD = 0, KVD = 0, I = 0, D = 0;  /* the largest of any layer */
+    for (int l = 0; l < layers; l++) {
+        C = w[l].C > C ? w[l].C : C, I = w[l].I > I ? w[l].I : I, D = w[l].D > D ? w[l].D : D;
+        QD = w[l].H * w[l].D > QD ? w[l].H * w[l].D : QD, KVD = w[l].KVH * w[l].D > KVD ? w[l].KVH * w[l].D : KVD;
+    }
+    char *buffer = malloc(size * R * (C + 2 * QD + 2 * KVD + I));
     if (!buffer) return -1;
-    char *h = buffer, *q = h + size * R * C, *k = q + size * R * H * D, *v = k + size * R * KVH * D;
-    char *att = v + size * R * KVH * D, *a = att + size * R * H * D;
+    struct scratch m;
+    m.h = buffer, m.q = m.h + size * R * C, m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
+    m.att = m.v + size * R * KVD, m.a = m.att + size * R * QD;
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (S + D)), *qv = p + S;
+        float *p = malloc(sizeof(float) * (S + D));
         if (!p) failed = 1;  /* any thread's failure is a failure: a benign race */
-
-        rms_norm(x, w->attn_norm, h, type, R, C, w->eps);
-        products(h, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
-                 (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){q, k, v}, 0, R,
-                 (const long[]){H * D, KVH * D, KVH * D}, C);
-
-        /* RoPE on every query and key head; keys and values then go to their cache slots. */
-#pragma omp for schedule(static)
-        for (long i = 0; i < R * (H + KVH); i++) {
-            long r = i / (H + KVH), head = i % (H + KVH);
-            const char *c = (const char *)cos + r * D * size, *s = (const char *)sin + r * D * size;
-            if (head < H) {
-                rope(q + (r * H + head) * D * size, c, s, type, D);
-                continue;
-            }
-            head -= H;
-            char *kh = k + (r * KVH + head) * D * size;
-            rope(kh, c, s, type, D);
-            long b = r / T, slot = slots[b * slot_stride + r % T];
-            long to = (b * stride_b + head * stride_h + slot * D) * size;
-            memcpy((char *)k_cache + to, kh, D * size);
-            memcpy((char *)v_cache + to, v + (r * KVH + head) * D * size, D * size);
-        }
-
-        /* Attention: heads share K/V in groups of H / KVH. */
-#pragma omp for schedule(static)
-        for (long i = 0; i < R * H; i++) {
-            if (!p) continue;
-            long r = i / H, head = i % H, b = r / T, t = r % T;
-            long kv = (b * stride_b + head / (H / KVH) * stride_h) * size;
-            attend_any(q + i * D * size, (char *)k_cache + kv, (char *)v_cache + kv, att + i * D * size, type, S, D,
-                       S - T + t, mask ? mask + r * S : NULL, p, qv);
-        }
-
-        products(att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
-                 (void *[]){x}, 1, R, (const long[]){C}, H * D);
-        rms_norm(x, w->mlp_norm, h, type, R, C, w->eps);
-
-        /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
-#pragma omp for schedule(static)
-        for (long n = 0; n < w->I; n += ROWS) {
-            float g[R * ROWS], u[R * ROWS];
-            const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
-            dot_rows(h, type, w->gate_proj, w->w_type, R, n, C, g);
-            dot_rows(h, type, w->up_proj, w->w_type, R, n, C, u);
-            for (long r = 0; r < R; r++)
-                for (int j = 0; j < ROWS; j++) {
-                    float gv = round_to(type, gate_scale ? g[r * ROWS + j] * gate_scale[n + j] : g[r * ROWS + j]);
-                    float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
-                    store(a, r * w->I + n + j, type, round_to(type, gv / (1.0f + expf(-gv))) * uv);
-                }
-        }
-
-        products(a, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
-                 (void *[]){x}, 1, R, (const long[]){C}, w->I);
+        for (int l = 0; l < layers; l++) layer(&w[l], &s, k_cache[l], v_cache[l], &m, p);
         free(p);
     }
     free(buffer);
