@@ -10,6 +10,7 @@
  * OpenMP (the runtime torch already loaded, so its threads are shared, not doubled).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,7 @@ enum { F32 = 0, BF16 = 1, I8 = 2 };  /* element types, as the Python side names 
 #define ROWS 4  /* weight rows per inner step, */
 #define COLS 4  /* times activation rows: 16 accumulators stay in registers */
 #define MAX_HEAD_DIM 256
+#define MAX_GROUP 4  /* query heads attended together against one K/V head */
 #ifndef PREFETCH
 #define PREFETCH 4096  /* bytes ahead: rows are short, the hardware prefetcher alone starts too late */
 #endif
@@ -235,37 +237,59 @@ static void rope(void *x, const void *cos, const void *sin, int type, long D) {
     }
 }
 
-/* One query head (D,) against its K/V head's slots: scores into p (S,), then the weighted sum of V, in
- * float32. Slot s is seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type
- * and D, so the head's accumulators stay in registers. */
+/* n query heads (n, D) of one row against their shared K/V head's slots: scores into p (n, S), then the
+ * weighted sums of V, in float32. Each slot's key and value are read once for all n queries: at batch
+ * 16 the cache, not the weights, is most of what a step reads. Slot s is seen where seen[s] != 0, or
+ * with no mask up to `last`. Inlined with constant type, D and n, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
-                                                         const int type, long S, const long D, long last,
-                                                         const uint8_t *seen, float *p, float *qv) {
+                                                         const int type, long S, const long D, const int n,
+                                                         long last, const uint8_t *seen, float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
-    for (long d = 0; d < D; d++) qv[d] = element(q, d, type);
-    float top = -INFINITY;
+    for (long d = 0; d < n * D; d++) qv[d] = element(q, d, type);
+    float top[MAX_GROUP], total[MAX_GROUP] = {0};
+    for (int j = 0; j < n; j++) top[j] = -INFINITY;
     for (long s = 0; s < S; s++) {
-        if (seen ? !seen[s] : s > last) { p[s] = -INFINITY; continue; }
-        f32x16 acc = {0};
-        for (long d = 0; d < D; d += LANES) acc += load_f32(qv + d) * load(k, s * D + d, type);
-        p[s] = sum_lanes(acc) * scale;
-        if (p[s] > top) top = p[s];
+        if (seen ? !seen[s] : s > last) {
+            for (int j = 0; j < n; j++) p[j * S + s] = -INFINITY;
+            continue;
+        }
+        f32x16 acc[MAX_GROUP] = {{0}};
+        for (long d = 0; d < D; d += LANES) {
+            f32x16 key = load(k, s * D + d, type);
+            for (int j = 0; j < n; j++) acc[j] += load_f32(qv + j * D + d) * key;
+        }
+        for (int j = 0; j < n; j++) {
+            float score = p[j * S + s] = sum_lanes(acc[j]) * scale;
+            if (score > top[j]) top[j] = score;
+        }
     }
-    float total = 0;
-    for (long s = 0; s < S; s++) total += (p[s] = expf(p[s] - top));
-    f32x16 o[MAX_HEAD_DIM / LANES] = {{0}};
-    for (long s = 0; s < S; s++)
-        if (p[s] != 0)
-            for (long d = 0; d < D; d += LANES) o[d / LANES] += p[s] * load(v, s * D + d, type);
-    for (long d = 0; d < D; d++) store(out, d, type, o[d / LANES][d % LANES] / total);
+    for (int j = 0; j < n; j++)
+        for (long s = 0; s < S; s++) total[j] += (p[j * S + s] = expf(p[j * S + s] - top[j]));
+    f32x16 o[MAX_GROUP][MAX_HEAD_DIM / LANES] = {{{0}}};
+    for (long s = 0; s < S; s++) {
+        if (seen ? !seen[s] : s > last) continue;
+        for (long d = 0; d < D; d += LANES) {
+            f32x16 value = load(v, s * D + d, type);
+            for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * S + s] * value;
+        }
+    }
+    for (int j = 0; j < n; j++)
+        for (long d = 0; d < D; d++) store(out, j * D + d, type, o[j][d / LANES][d % LANES] / total[j]);
 }
 
-static void attend_any(const void *q, const void *k, const void *v, void *out, int type, long S, long D, long last,
-                       const uint8_t *seen, float *p, float *qv) {
-    if (type == BF16 && D == 64) attend(q, k, v, out, BF16, S, 64, last, seen, p, qv);
-    else if (type == BF16) attend(q, k, v, out, BF16, S, D, last, seen, p, qv);
-    else if (D == 64) attend(q, k, v, out, F32, S, 64, last, seen, p, qv);
-    else attend(q, k, v, out, F32, S, D, last, seen, p, qv);
+#define ATTEND(n) (type == BF16 ? (D == 64 ? attend(q, k, v, out, BF16, S, 64, n, last, seen, p, qv)   \
+                                            : attend(q, k, v, out, BF16, S, D, n, last, seen, p, qv))  \
+                                : (D == 64 ? attend(q, k, v, out, F32, S, 64, n, last, seen, p, qv)    \
+                                           : attend(q, k, v, out, F32, S, D, n, last, seen, p, qv)))
+
+static void attend_any(const void *q, const void *k, const void *v, void *out, int type, long S, long D, int n,
+                       long last, const uint8_t *seen, float *p, float *qv) {
+    switch (n) {
+    case 1: ATTEND(1); break;
+    case 2: ATTEND(2); break;
+    case 3: ATTEND(3); break;
+    default: ATTEND(MAX_GROUP); break;
+    }
 }
 
 /* What every layer of one decoding step shares: the rows, their rotary angles, slots and mask. */
@@ -287,7 +311,7 @@ struct scratch { char *h, *q, *k, *v, *att, *a; };
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
  *     x += down(silu(gate(h)) * up(h)), h = norm x
  * every step rounded as the torch model rounds it. k_cache, v_cache (B, KVH, S, D), slots contiguous. p:
- * this thread's scores, S + D floats, or NULL when it could not have them (its heads are then skipped). */
+ * this thread's scores, MAX_GROUP * (S + D) floats, or NULL when it could not have them (its heads are then skipped). */
 static void layer(const struct block *w, const struct step *s, void *k_cache, void *v_cache, const struct scratch *m,
                   float *p) {
     const int type = s->type;
@@ -317,14 +341,18 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         memcpy((char *)v_cache + to, m->v + (r * KVH + head) * D * size, D * size);
     }
 
-    /* Attention: heads share K/V in groups of H / KVH. */
+    /* Attention: heads share K/V in groups of H / KVH, attended n at a time (one read of K/V for n queries),
+     * or one at a time when there are too few groups to keep every thread busy (batch 1). */
+    const long G = H / KVH, n = R * KVH >= 2 * omp_get_num_threads() ? (G < MAX_GROUP ? G : MAX_GROUP) : 1;
+    const long parts = (G + n - 1) / n;
 #pragma omp for schedule(static)
-    for (long i = 0; i < R * H; i++) {
+    for (long i = 0; i < R * KVH * parts; i++) {
         if (!p) continue;
-        long r = i / H, head = i % H, b = r / T, t = r % T;
-        long kv = (b * s->stride_b + head / (H / KVH) * s->stride_h) * size;
-        attend_any(m->q + i * D * size, (char *)k_cache + kv, (char *)v_cache + kv, m->att + i * D * size, type, S,
-                   D, S - T + t, s->mask ? s->mask + r * S : NULL, p, p + S);
+        long r = i / (KVH * parts), kv_head = i / parts % KVH, first = kv_head * G + i % parts * n;
+        long count = first + n <= (kv_head + 1) * G ? n : (kv_head + 1) * G - first;
+        long b = r / T, kv = (b * s->stride_b + kv_head * s->stride_h) * size, at = (r * H + first) * D * size;
+        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at, type, S, D, count,
+                   S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * S);
     }
 
     products(m->att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
@@ -373,7 +401,7 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (S + D));
+        float *p = malloc(sizeof(float) * MAX_GROUP * (S + D));
         if (!p) failed = 1;  /* any thread's failure is a failure: a benign race */
         for (int l = 0; l < layers; l++) layer(&w[l], &s, k_cache[l], v_cache[l], &m, p);
         free(p);
