@@ -87,6 +87,25 @@ static inline float sum_lanes(f32x16 v) {  /* halves added pairwise: a fixed ord
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* e^x in 16 lanes, for softmax: e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2/2, and e^r a degree-6 polynomial
+ * (Cephes' expf), within 1 ulp of e^x (measured over [-87.3, 0]); 0 below -87.3, near the smallest normal.
+ * expf one lane at a time was a third of batch-16 attention. */
+static inline f32x16 exp_lanes(f32x16 x) {
+    i32x16 seen = x >= -87.3f;
+    x = (f32x16)((i32x16)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
+    f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
+    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    f32x16 e = (f32x16){0} + 1.9875691500e-4f;
+    e = e * r + 1.3981999507e-3f;
+    e = e * r + 8.3334519073e-3f;
+    e = e * r + 4.1665795894e-2f;
+    e = e * r + 1.6666665459e-1f;
+    e = e * r + 5.0000001201e-1f;
+    e = e * r * r + r + 1.0f;
+    f32x16 two_to_n = (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
+    return (f32x16)((i32x16)(e * two_to_n) & seen);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -111,6 +130,8 @@ static inline void store(void *dst, long i, int type, float value) {
 }
 
 static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
+
+static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
 
@@ -238,19 +259,22 @@ static void rope(void *x, const void *cos, const void *sin, int type, long D) {
 }
 
 /* n query heads (n, D) of one row against their shared K/V head's slots: scores into p (n, S), then the
- * weighted sums of V, in float32. Each slot's key and value are read once for all n queries: at batch
+ * weighted sums of V, in float32; p holds MAX_GROUP * padded(S) floats. Each slot's key and value are read once for all n queries: at batch
  * 16 the cache, not the weights, is most of what a step reads. Slot s is seen where seen[s] != 0, or
  * with no mask up to `last`. Inlined with constant type, D and n, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
                                                          const int type, long S, const long D, const int n,
                                                          long last, const uint8_t *seen, float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
+    const long P = padded(S);  /* p's rows, whole vectors: the slots past S score -inf */
     for (long d = 0; d < n * D; d++) qv[d] = element(q, d, type);
+    for (int j = 0; j < n; j++)
+        for (long s = S; s < P; s++) p[j * P + s] = -INFINITY;
     float top[MAX_GROUP], total[MAX_GROUP] = {0};
     for (int j = 0; j < n; j++) top[j] = -INFINITY;
     for (long s = 0; s < S; s++) {
         if (seen ? !seen[s] : s > last) {
-            for (int j = 0; j < n; j++) p[j * S + s] = -INFINITY;
+            for (int j = 0; j < n; j++) p[j * P + s] = -INFINITY;
             continue;
         }
         f32x16 acc[MAX_GROUP] = {{0}};
@@ -259,18 +283,25 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
             for (int j = 0; j < n; j++) acc[j] += load_f32(qv + j * D + d) * key;
         }
         for (int j = 0; j < n; j++) {
-            float score = p[j * S + s] = sum_lanes(acc[j]) * scale;
+            float score = p[j * P + s] = sum_lanes(acc[j]) * scale;
             if (score > top[j]) top[j] = score;
         }
     }
-    for (int j = 0; j < n; j++)
-        for (long s = 0; s < S; s++) total[j] += (p[j * S + s] = expf(p[j * S + s] - top[j]));
+    for (int j = 0; j < n; j++) {
+        f32x16 sum = {0};
+        for (long s = 0; s < P; s += LANES) {
+            f32x16 e = exp_lanes(load_f32(p + j * P + s) - top[j]);
+            *(f32x16u *)(p + j * P + s) = e;
+            sum += e;
+        }
+        total[j] = sum_lanes(sum);
+    }
     f32x16 o[MAX_GROUP][MAX_HEAD_DIM / LANES] = {{{0}}};
     for (long s = 0; s < S; s++) {
         if (seen ? !seen[s] : s > last) continue;
         for (long d = 0; d < D; d += LANES) {
             f32x16 value = load(v, s * D + d, type);
-            for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * S + s] * value;
+            for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * P + s] * value;
         }
     }
     for (int j = 0; j < n; j++)
@@ -311,7 +342,8 @@ struct scratch { char *h, *q, *k, *v, *att, *a; };
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
  *     x += down(silu(gate(h)) * up(h)), h = norm x
  * every step rounded as the torch model rounds it. k_cache, v_cache (B, KVH, S, D), slots contiguous. p:
- * this thread's scores, MAX_GROUP * (S + D) floats, or NULL when it could not have them (its heads are then skipped). */
+ * this thread's scores, MAX_GROUP * (padded(S) + D) floats, or NULL when it could not have them (its heads are
+ * then skipped). */
 static void layer(const struct block *w, const struct step *s, void *k_cache, void *v_cache, const struct scratch *m,
                   float *p) {
     const int type = s->type;
@@ -352,7 +384,7 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         long count = first + n <= (kv_head + 1) * G ? n : (kv_head + 1) * G - first;
         long b = r / T, kv = (b * s->stride_b + kv_head * s->stride_h) * size, at = (r * H + first) * D * size;
         attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at, type, S, D, count,
-                   S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * S);
+                   S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
     products(m->att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
@@ -401,7 +433,7 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * MAX_GROUP * (S + D));
+        float *p = malloc(sizeof(float) * MAX_GROUP * (padded(S) + D));
         if (!p) failed = 1;  /* any thread's failure is a failure: a benign race */
         for (int l = 0; l < layers; l++) layer(&w[l], &s, k_cache[l], v_cache[l], &m, p);
         free(p);
