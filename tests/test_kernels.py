@@ -137,6 +137,13 @@ def test_blocks_the_kernel_cannot_run_stay_on_torch(name):
     assert kernels.blocks_plan(model.model.layers, torch.float32) is None
 
 
+def test_slots_outside_the_cache_raise_instead_of_writing_past_it():
+    model = tiny("gqa", "float32")
+    cache = model.new_cache(1, 16)
+    with pytest.raises((IndexError, RuntimeError)):
+        model(torch.tensor([[5]]), torch.tensor([16]), cache)
+
+
 @pytest.mark.parametrize("variant", ["fp32", "int8", "batched"])
 def test_decoding_gives_the_plain_tokens(model, variant, plain):
     m = quantize_int8(copy.deepcopy(model)) if variant == "int8" else model
@@ -181,3 +188,4 @@ def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
         assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
     finally:
         kernels.compiled_library.cache_clear()
+

@@ -214,17 +214,19 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
                                     and sin.is_contiguous()):
         return None
     found = blocks_plan(layers, x.dtype)
-    S = k.shape[2]
-    if found is None or len(cache.k) < len(layers) or (B, found[0][0].KVH, found[0][0].D, C) != (
-            k.shape[0], k.shape[1], k.shape[3], found[0][0].C):
+    if found is None:
         return None
+    weights, S = found[0], k.shape[2]
+    if len(cache.k) < len(layers) or (k.shape[0], k.shape[1], k.shape[3], C) != (B, weights[0].KVH, weights[0].D,
+                                                                                 weights[0].C):
+        return None  # a cache or input of another shape than the model's
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
         return None
     x = x.contiguous().clone()  # the residual stream, updated in place
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
-    if compiled_library().blocks(found[0], len(layers), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
+    if compiled_library().blocks(weights, len(layers), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
                                  sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T,
                                  pointers(cache.k[:len(layers)]), pointers(cache.v[:len(layers)]), S, k.stride(0),
                                  k.stride(1), None if mask is None else mask.data_ptr()):
