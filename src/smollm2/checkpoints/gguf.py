@@ -10,10 +10,11 @@ import functools
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -29,10 +30,17 @@ IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernor
             "ffn_down": "mlp.down_proj"}
 
 
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: int  # a GGMLQuantizationType
+    shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
+    data: np.ndarray  # a view of the file, mapped in memory
+
+
 @dataclass(frozen=True)
 class GGUFFile:
     metadata: dict  # key -> value, as the gguf library decodes it
-    tensors: list[ReaderTensor]  # their data are views of the file, mapped in memory
+    tensors: list[GGUFTensor]
     mapping: mmap.mmap | None  # that mapping
 
     def release_pages(self) -> None:
@@ -45,7 +53,8 @@ class GGUFFile:
 def open_gguf(path: Path) -> GGUFFile:
     """Parsing the metadata takes seconds (49k tokens); the model and the tokenizer share one reading.
 
-    Only the decoded values are kept: the reader's own per-field arrays would hold ~160 MB for good.
+    Only the decoded values are kept: the reader's own per-field arrays would hold ~160 MB for good, and its
+    tensor records, which point back into them, ~45 MB.
     """
     stat = Path(path).stat()
     return _open_gguf(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
@@ -56,7 +65,8 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     try:
         reader = GGUFReader(path)
         mapping = reader.data.base if isinstance(reader.data.base, mmap.mmap) else None  # np.memmap's own
-        return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, list(reader.tensors), mapping)
+        tensors = [GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+        return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, tensors, mapping)
     except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
 
@@ -128,7 +138,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
         try:
             qtype = GGMLQuantizationType(t.tensor_type)
             values = dequantize(t.data, qtype)
-            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+            shape = t.shape[::-1]
             # Quantized types decode into a new array; plain F32 is a view of the read-only file: copy that one.
             w = torch.from_numpy(np.require(values, np.float32, ["W"])).reshape(shape)
         except (ValueError, NotImplementedError, RuntimeError) as e:
