@@ -15,7 +15,7 @@ from conftest import TINY, hf_copy, tiny_model
 
 import smollm2.model as model_module
 from smollm2 import KVCache, SmolConfig, SmolLM2, kernels
-from smollm2.model import RMSNorm, rope_tables
+from smollm2.model import RMSNorm, WithoutRandomInit, rope_tables
 
 GQA = TINY["gqa"]
 
@@ -342,3 +342,11 @@ def test_public_api():
     torch.testing.assert_close(out, logits, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.zeros(1, model.config.max_position_embeddings + 1, dtype=torch.long))
+
+
+def test_from_pretrained_builds_the_model_without_drawing_weights():
+    """Every weight is replaced by the checkpoint's: building draws no random numbers (and touches no memory)."""
+    before = torch.get_rng_state()
+    with WithoutRandomInit():
+        SmolLM2(TINY["bias"])
+    assert torch.equal(torch.get_rng_state(), before)

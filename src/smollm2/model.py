@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from . import kernels
@@ -157,6 +158,20 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class WithoutRandomInit(TorchFunctionMode):
+    """Modules built inside skip drawing their random initial weights, which stay allocated but untouched
+    (no resident memory, no time). Unlike building on the meta device, which runs torch's reference
+    implementations of those draws and of the RoPE tables, and so imports its compiler stack (~75 MB)."""
+
+    DRAWS = (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_)  # what nn.Linear, nn.Embedding and we call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DRAWS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 class SmolLM2(nn.Module):
     def __init__(self, config: SmolConfig):
         super().__init__()
@@ -250,11 +265,10 @@ class SmolLM2(nn.Module):
         from .checkpoints import load_checkpoint
 
         ckpt = load_checkpoint(src, dtype)
-        with torch.device("meta"):
+        with WithoutRandomInit():  # every weight is replaced below
             model = cls(ckpt.config)
         ckpt.check({k: v.shape for k, v in model.state_dict().items()})
         model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
-        model.rope_cos, model.rope_sin = rope_tables(ckpt.config)
         return model.to(device).eval()
 
     def save_pretrained(self, path: str | Path) -> None:
