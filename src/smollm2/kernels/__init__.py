@@ -19,17 +19,22 @@ import platform
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch.utils.weak import WeakIdKeyDictionary
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 MAX_ROWS = 16  # decoding steps of up to 16 rows; a prompt's many rows are bound by arithmetic: BLAS tiles those
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
+SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -100,6 +105,43 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+class Blocks(NamedTuple):
+    type: int  # kernels.c's Q4_1 or Q8_0
+    data: torch.Tensor  # uint8 (N, K / 32 * block size), in kernels.c's layout
+    version: int  # the weight's, and where it was, when they were kept: an in-place change makes them stale
+    address: int
+
+
+kept_blocks = WeakIdKeyDictionary()  # float32 weight -> Blocks holding its exact values
+
+
+def keep_blocks(weight: torch.Tensor, kind: int, data: torch.Tensor) -> None:
+    """Stream `weight` (float32, decoded from GGUF blocks of `kind`: data (N, bytes)) from those blocks while
+    it stays as it is: the same float32 products from 4-5x fewer bytes, so a quantized GGUF decoded to
+    float32 decodes a token nearly at the speed of its own format. Their float16 scales become float32
+    (exactly), which the CPU broadcasts for free."""
+    kind = GGMLQuantizationType(kind)
+    if kind not in BLOCK_TYPES or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32:
+        return
+    block_size = GGML_QUANT_SIZES[kind][1]
+    blocks = data.reshape(weight.shape[0], weight.shape[1] // 32, block_size)  # raises on another size
+    scales = blocks[..., :2 * SCALES[kind]].contiguous().view(torch.float16).float().view(torch.uint8)
+    ours = torch.cat([scales, blocks[..., 2 * SCALES[kind]:]], dim=-1).reshape(weight.shape[0], -1)
+    kept_blocks[weight] = Blocks(BLOCK_TYPES[kind], ours, version(weight), weight.data_ptr())
+
+
+def streamed(weights: list[torch.Tensor]) -> tuple[int, list[int]]:
+    """The type and addresses of what the kernel reads for these weights: their blocks when all have blocks of
+    one type, still theirs; else the weights themselves."""
+    kept = [kept_blocks.get(w) for w in weights]
+    for w, b in zip(weights, kept):
+        if b is not None and (b.version, b.address) != (version(w), w.data_ptr()):
+            del kept_blocks[w]  # changed in place (trained, loaded into): the blocks no longer hold its values
+    if all(b is not None and w in kept_blocks and b.type == kept[0].type for b, w in zip(kept, weights)):
+        return kept[0].type, [b.data.data_ptr() for b in kept]
+    return TYPES[weights[0].dtype], [w.data_ptr() for w in weights]
+
+
 class Plan(NamedTuple):
     """The C call's view of a set of weights."""
     weights: ctypes.Array  # their addresses
@@ -110,28 +152,43 @@ class Plan(NamedTuple):
     float_scales: list  # what `scales` points into, kept alive here
 
 
-plans: dict[tuple, Plan | None] = {}  # by where the weights are
+def version(t: torch.Tensor) -> int:
+    """Counts t's in-place changes (inference tensors count none)."""
+    return -1 if t.is_inference() else t._version
+
+
+plans: dict[tuple, tuple[list, object]] = {}  # by where the weights are: (weak references to them, plan)
+
+
+def cached(key: tuple, weights: list[torch.Tensor], build):
+    """plans[key], from build() the first time: unless it was built for other tensors, freed since, that sat
+    at the same addresses (its pointers, to kept blocks say, would be stale)."""
+    entry = plans.get(key)
+    if entry is None or any(ref() is not w for ref, w in zip(entry[0], weights)):
+        if len(plans) > 4096:  # weights come and go (models loaded, converted): forget old sets now and then
+            plans.clear()
+        entry = plans[key] = ([weakref.ref(w) for w in weights], build())
+    return entry[1]
 
 
 def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> Plan | None:
     """How the kernel multiplies x by these weights, or None when it cannot. Built once per set: a model's
     weights stay where they are, and the per-call checks and ctypes arrays would cost more than a small
     product."""
-    key = (x.shape[-1], x.dtype, *((w.data_ptr(), w.shape, w.stride(0), w.dtype, s if s is None else
-                                   (s.data_ptr(), s.dtype)) for w, s in zip(weights, scales)))
-    if key not in plans:
+    def build():
         K, w_type = x.shape[-1], weights[0].dtype
-        found = None
-        if K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
-                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights):
-            scales = [None if s is None else s.float().contiguous() for s in scales]
-            sizes = [w.shape[0] for w in weights]
-            found = Plan(pointers(weights), pointers(scales), sizes, (ctypes.c_long * len(sizes))(*sizes),
-                         TYPES[w_type], scales)
-        if len(plans) > 4096:  # weights come and go (models loaded, converted): forget old sets now and then
-            plans.clear()
-        plans[key] = found
-    return plans[key]
+        if not (K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
+                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights)):
+            return None
+        float_scales = [None if s is None else s.float().contiguous() for s in scales]
+        sizes = [w.shape[0] for w in weights]
+        kind, addresses = streamed(weights)
+        return Plan((ctypes.c_void_p * len(addresses))(*addresses), pointers(float_scales), sizes,
+                    (ctypes.c_long * len(sizes))(*sizes), kind, float_scales)
+
+    key = (x.shape[-1], x.dtype, *((w.data_ptr(), version(w), w.shape, w.stride(0), w.dtype, s if s is None else
+                                   (s.data_ptr(), s.dtype)) for w, s in zip(weights, scales)))
+    return cached(key, weights, build)
 
 
 def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
@@ -180,23 +237,21 @@ def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None
             and all(n.weight.dtype == dtype for n in norms)):
         return None
     scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
-    return (BlockWeights(*(t.data_ptr() for t in [n.weight for n in norms] + [m.weight for m in linears]),
-                         *(None if s is None else s.data_ptr() for s in scales), TYPES[w_type], C, attn.n_heads,
-                         attn.n_kv, D, I, norms[0].eps), scales)
+    kind, addresses = streamed([m.weight for m in linears])
+    return (BlockWeights(*(n.weight.data_ptr() for n in norms), *addresses,
+                         *(None if s is None else s.data_ptr() for s in scales), kind, C, attn.n_heads, attn.n_kv, D,
+                         I, norms[0].eps), scales)
 
 
 def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
     """struct block for every layer (and what they point into), or None where the kernel cannot run one.
     Built once per set of weights; checking that they are still the model's costs ~1 ms a step."""
-    key = (dtype, *((t.data_ptr(), t.shape, t.dtype) for block in layers for modules in block_modules(block)
-                    for t in (m.weight for m in modules)))
-    if key not in plans:
+    def build():
         found = [block_weights(block, dtype) for block in layers]
-        if len(plans) > 4096:
-            plans.clear()
-        plans[key] = None if None in found else ((BlockWeights * len(found))(*(f[0] for f in found)),
-                                                 [f[1] for f in found])
-    return plans[key]
+        return None if None in found else ((BlockWeights * len(found))(*(f[0] for f in found)), [f[1] for f in found])
+
+    weights = [m.weight for block in layers for modules in block_modules(block) for m in modules]
+    return cached((dtype, *((t.data_ptr(), version(t), t.shape, t.dtype) for t in weights)), weights, build)
 
 
 def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
