@@ -8,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, tiny_model
+from gguf import GGMLQuantizationType as Q
+from test_checkpoints import gguf_tensors, write_gguf
+from torch.utils.weak import WeakIdKeyDictionary
 
-from smollm2 import Tokenizer, kernels
+from smollm2 import SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.engine import decode_step
 from smollm2.generation.quantize import quantize_int8
@@ -142,6 +145,53 @@ def test_slots_outside_the_cache_raise_instead_of_writing_past_it():
     cache = model.new_cache(1, 16)
     with pytest.raises((IndexError, RuntimeError)):
         model(torch.tensor([[5]]), torch.tensor([16]), cache)
+
+
+def gguf_model(path, qtype, dtype=torch.float32):
+    """A tiny random model written as a GGUF file of qtype blocks (norms in F32), and read back."""
+    source = tiny_model(TINY["gqa"])
+    write_gguf(path, source.config, gguf_tensors(source, qtype))
+    return SmolLM2.from_pretrained(path, dtype=dtype)
+
+
+def without_blocks(monkeypatch):
+    """From here on, the kernels stream every weight itself."""
+    monkeypatch.setattr(kernels, "kept_blocks", WeakIdKeyDictionary())
+    monkeypatch.setattr(kernels, "plans", {})
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_gguf_blocks_give_the_float32_weights_results(tmp_path, qtype, monkeypatch):
+    """A float32 model read from GGUF blocks streams the blocks: its logits and cache are those of its
+    float32 weights, to the last bit."""
+    model = gguf_model(tmp_path / "tiny.gguf", qtype)
+    linears = [m.weight for block in model.model.layers for m in kernels.block_modules(block)[1]]
+    assert all(w in kernels.kept_blocks for w in [*linears, model.model.embed_tokens.weight])
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    (blocks, blocks_cache), = decode(model, ids, torch.ones_like(ids), 3)
+    without_blocks(monkeypatch)
+    (weights, weights_cache), = decode(model, ids, torch.ones_like(ids), 3)
+    assert torch.equal(blocks, weights)
+    assert all(torch.equal(a, b) for a, b in zip(blocks_cache, weights_cache))
+
+
+def test_a_weight_changed_in_place_is_streamed_itself(tmp_path, monkeypatch):
+    model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 21))
+    decode(model, ids, torch.ones_like(ids), 1)  # plans built with the blocks
+    weight = model.model.layers[1].mlp.up_proj.weight
+    weight.mul_(0.5)
+    (changed, _), = decode(model, ids, torch.ones_like(ids), 1)
+    assert weight not in kernels.kept_blocks
+    without_blocks(monkeypatch)
+    (want, _), = decode(model, ids, torch.ones_like(ids), 1)
+    assert torch.equal(changed, want)
+
+
+def test_bf16_models_keep_no_blocks(tmp_path):
+    """Their weights are rounded to bf16: the blocks no longer hold their values."""
+    model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1, torch.bfloat16)
+    assert not any(p in kernels.kept_blocks for p in model.parameters())
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8", "batched"])

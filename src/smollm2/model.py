@@ -264,14 +264,16 @@ class SmolLM2(nn.Module):
         """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct."""
         from .checkpoints import load_checkpoint
 
-        ckpt = load_checkpoint(src, dtype)
-        with WithoutRandomInit():  # every weight is replaced below
-            model = cls(ckpt.config)
-        ckpt.check({k: v.shape for k, v in model.state_dict().items()})
-        model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
-        for name, (kind, blocks) in ckpt.blocks.items():
-            kernels.keep_blocks(model.get_parameter(name), kind, blocks)
-        return model.to(device).eval()
+        # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
+        with torch.inference_mode(False):
+            ckpt = load_checkpoint(src, dtype)
+            with WithoutRandomInit():  # every weight is replaced below
+                model = cls(ckpt.config)
+            ckpt.check({k: v.shape for k, v in model.state_dict().items()})
+            model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
+            for name, (kind, blocks) in ckpt.blocks.items():
+                kernels.keep_blocks(model.get_parameter(name), kind, blocks)
+            return model.to(device).eval()
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write config.json + model.safetensors that transformers' from_pretrained loads."""

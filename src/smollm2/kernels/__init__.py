@@ -121,7 +121,8 @@ def keep_blocks(weight: torch.Tensor, kind: int, data: torch.Tensor) -> None:
     float32 decodes a token nearly at the speed of its own format. Their float16 scales become float32
     (exactly), which the CPU broadcasts for free."""
     kind = GGMLQuantizationType(kind)
-    if kind not in BLOCK_TYPES or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32:
+    if (kind not in BLOCK_TYPES or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32
+            or weight.is_inference()):  # which would not count its changes
         return
     block_size = GGML_QUANT_SIZES[kind][1]
     blocks = data.reshape(weight.shape[0], weight.shape[1] // 32, block_size)  # raises on another size
