@@ -16,8 +16,8 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> where it came from, for errors
     source: str = ""
-    # float32 tensors decoded from GGUF blocks that the kernels stream -> (their GGMLQuantizationType, the
-    # blocks (rows, bytes), rows in the tensor's order): their exact values, in a few bits each
+    # float32 tensors decoded from GGUF blocks that the kernels stream -> those blocks, as kernels.block_layout
+    # gives them, rows in the tensor's order: their exact values, in a few bits each
     blocks: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from ..kernels import BLOCK_TYPES
+from ..kernels import block_layout
 from .checkpoint import Checkpoint
 
 TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -146,13 +146,13 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         # float32 weights that the kernels can stream from their blocks instead: exactly equal, a few bits each
-        raw = torch.from_numpy(np.array(t.data)) if dtype == torch.float32 and qtype in BLOCK_TYPES else None
+        kept = block_layout(qtype, t.data) if dtype == torch.float32 else None
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
-            raw = None if raw is None else unpermute(raw, heads)
+            kept = kept and (kept[0], unpermute(kept[1], heads))
         tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
-        if raw is not None:
-            blocks[name] = (t.tensor_type, raw)
+        if kept:
+            blocks[name] = kept
     reader.release_pages()  # every tensor above is a copy
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

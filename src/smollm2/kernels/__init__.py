@@ -23,6 +23,7 @@ import weakref
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -35,6 +36,7 @@ MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
 SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block
+BLOCK_BYTES = {3: 24, 4: 36}  # kernels.c's Q4_1 and Q8_0 blocks of 32, their scales in float32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -115,20 +117,28 @@ class Blocks(NamedTuple):
 kept_blocks = WeakIdKeyDictionary()  # float32 weight -> Blocks holding its exact values
 
 
-def keep_blocks(weight: torch.Tensor, kind: int, data: torch.Tensor) -> None:
-    """Stream `weight` (float32, decoded from GGUF blocks of `kind`: data (N, bytes)) from those blocks while
-    it stays as it is: the same float32 products from 4-5x fewer bytes, so a quantized GGUF decoded to
-    float32 decodes a token nearly at the speed of its own format. Their float16 scales become float32
-    (exactly), which the CPU broadcasts for free."""
+def block_layout(kind: int, data: np.ndarray) -> tuple[int, torch.Tensor] | None:
+    """GGUF blocks of `kind` (rows, bytes) in the layout the kernels stream, with kernels.c's type for them;
+    None for kinds they do not stream. Their float16 scales become float32 (exactly), which the CPU
+    broadcasts for free."""
     kind = GGMLQuantizationType(kind)
-    if (kind not in BLOCK_TYPES or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32
-            or weight.is_inference()):  # which would not count its changes
-        return
-    block_size = GGML_QUANT_SIZES[kind][1]
-    blocks = data.reshape(weight.shape[0], weight.shape[1] // 32, block_size)  # raises on another size
-    scales = blocks[..., :2 * SCALES[kind]].contiguous().view(torch.float16).float().view(torch.uint8)
-    ours = torch.cat([scales, blocks[..., 2 * SCALES[kind]:]], dim=-1).reshape(weight.shape[0], -1)
-    kept_blocks[weight] = Blocks(BLOCK_TYPES[kind], ours, version(weight), weight.data_ptr())
+    if kind not in BLOCK_TYPES:
+        return None
+    blocks = data.reshape(data.shape[0], -1, GGML_QUANT_SIZES[kind][1])  # (N, K / 32, block size)
+    scales = np.ascontiguousarray(blocks[..., :2 * SCALES[kind]]).view(np.float16).astype(np.float32)
+    ours = np.concatenate([scales.view(np.uint8), blocks[..., 2 * SCALES[kind]:]], axis=-1)
+    return BLOCK_TYPES[kind], torch.from_numpy(ours.reshape(data.shape[0], -1))
+
+
+def keep_blocks(weight: torch.Tensor, kind: int, blocks: torch.Tensor) -> None:
+    """Stream `weight` (float32, decoded from GGUF blocks) from those blocks, (kind, blocks) as block_layout
+    gives them, while it stays as it is: the same float32 products from 4-5x fewer bytes, so a quantized GGUF
+    decoded to float32 decodes a token nearly at the speed of its own format. (Changes through .data are
+    not counted: assign new weights, or change them in place, instead.)"""
+    if (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+            and blocks.shape == (weight.shape[0], weight.shape[1] // 32 * BLOCK_BYTES[kind])
+            and not weight.is_inference()):  # which would not count its changes
+        kept_blocks[weight] = Blocks(kind, blocks, version(weight), weight.data_ptr())
 
 
 def streamed(weights: list[torch.Tensor]) -> tuple[int, list[int]]:
