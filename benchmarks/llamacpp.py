@@ -4,10 +4,12 @@ The embedded SmolLM2-135M-Instruct (a Q4_1 GGUF) is loaded as fp32 and written b
 F16 and Q8_0 (metadata copied, llama.cpp's tensor names and q/k row order); each file is loaded back and
 checked against the original's logits. Then each pair runs the same random prompt at batch 1, 2 threads:
 
-    f32:  smollm2 fp32                 vs llama.cpp F32
+    f32:  smollm2 fp32 (the F32 file)  vs llama.cpp F32
     f16:  smollm2 bf16                 vs llama.cpp F16   (both 16-bit; bf16 is what torch's CPU kernels favour)
-    q8_0: smollm2 --quantize int8      vs llama.cpp Q8_0  (ours keeps the tied embedding/output fp32;
-                                                           llama.cpp's converter makes token_embd Q8_0 too)
+    q8_0: smollm2 --quantize int8      vs llama.cpp Q8_0  (ours keeps the tied embedding/output fp32, streamed
+                                                           from the original's Q8_0 blocks, as llama.cpp's)
+    q4_1: smollm2 fp32 (the original)  vs llama.cpp Q4_1, both reading the embedded file itself: ours computes
+          the fp32 model exactly, streaming the file's blocks; llama.cpp rounds activations to 8 bits
 
 Both are timed by smollm2.bench's protocol: one generation of N tokens marking each token's arrival;
 prefill tok/s = T / (time to the first token), decode tok/s = (N-1) / (first token to last), best of
@@ -42,9 +44,10 @@ from smollm2.generation.quantize import quantize_int8
 
 THREADS = 2
 CHECK_IDS = [1, 504, 3458, 282, 4760, 314, 216, 1345]  # a few tokens whose logits the written files must give back
-TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0}  # max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
+TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0, "q4_1": 2.0}  # max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
 FILE_TYPES = {"f32": (Q.F32, LlamaFileType.ALL_F32), "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
               "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)}
+ORIGINAL = "q4_1"  # the embedded file as it is
 
 
 def log(*args) -> None:
@@ -130,9 +133,11 @@ def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: i
         llm.close()
 
 
-def ours(precision: str) -> SmolLM2:
+def ours(precision: str, path: Path) -> SmolLM2:
     if precision == "f16":
         return SmolLM2.from_pretrained(dtype=torch.bfloat16)
+    if precision == "f32":
+        return SmolLM2.from_pretrained(path)  # F32 tensors: fp32 weights streamed as they are
     model = SmolLM2.from_pretrained()
     return quantize_int8(model) if precision == "q8_0" else model
 
@@ -146,12 +151,12 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--precisions", default="f32,f16,q8_0", help="comma-separated subset of f32,f16,q8_0")
+    p.add_argument("--precisions", default="f32,f16,q8_0,q4_1", help="comma-separated subset of f32,f16,q8_0,q4_1")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args()
     precisions = args.precisions.split(",")
-    if unknown := set(precisions) - set(FILE_TYPES):
-        p.error(f"unknown precisions {sorted(unknown)}; choose from {list(FILE_TYPES)}")
+    if unknown := set(precisions) - {*FILE_TYPES, ORIGINAL}:
+        p.error(f"unknown precisions {sorted(unknown)}; choose from {[*FILE_TYPES, ORIGINAL]}")
     if args.prompt_tokens + args.new_tokens > 1024:
         p.error("--prompt-tokens + --new-tokens must fit llama.cpp's 1024-token context")
     torch.set_num_threads(THREADS)
@@ -164,10 +169,11 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
-            path = Path(tmp) / f"smollm2-135m-{precision}.gguf"
-            write_gguf(model, original, precision, path)
-            log(validate(model, path, precision))
-            mine = bench.bench_ours(ours(precision), prompt, args.new_tokens, args.repeats)
+            path = original if precision == ORIGINAL else Path(tmp) / f"smollm2-135m-{precision}.gguf"
+            if precision != ORIGINAL:
+                write_gguf(model, original, precision, path)
+                log(validate(model, path, precision))
+            mine = bench.bench_ours(ours(precision, path), prompt, args.new_tokens, args.repeats)
             ref = bench_llamacpp(path, prompt, args.new_tokens, args.repeats, last_logits, TOLERANCE[precision])
             log(f"{precision}: smollm2 {mine.prefill_tok_s:.1f}/{mine.decode_tok_s:.1f}, "
                 f"llama.cpp {ref.prefill_tok_s:.1f}/{ref.decode_tok_s:.1f} tok/s (prefill/decode)")
@@ -175,7 +181,8 @@ def main() -> int:
                             "smollm2": speeds(mine), "llama_cpp": speeds(ref),
                             "prefill_ratio": mine.prefill_tok_s / ref.prefill_tok_s,
                             "decode_ratio": mine.decode_tok_s / ref.decode_tok_s})
-            path.unlink()
+            if precision != ORIGINAL:
+                path.unlink()
 
     setup = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
              "threads": THREADS, "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__}
