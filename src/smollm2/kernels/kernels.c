@@ -138,12 +138,14 @@ static inline float sum_lanes(f32x16 v) {  /* halves added pairwise: a fixed ord
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* e^x in 16 lanes, for softmax: e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2/2, and e^r a degree-6 polynomial
- * (Cephes' expf), within 1 ulp of e^x (measured over [-87.3, 0]); 0 below -87.3, near the smallest normal.
- * expf one lane at a time was a third of batch-16 attention. */
+/* e^x in 16 lanes, for softmax and SiLU: e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2/2, and e^r a degree-6
+ * polynomial (Cephes' expf), within 1 ulp of e^x (measured over [-87.3, 88]); 0 below -87.3, near the smallest
+ * normal, and e^88 above 88 (finite: 2^n stays a float). expf one lane at a time was a third of batch-16
+ * attention. */
 static inline f32x16 exp_lanes(f32x16 x) {
-    i32x16 seen = x >= -87.3f;
+    i32x16 seen = x >= -87.3f, big = x > 88.0f;
     x = (f32x16)((i32x16)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
+    x = (f32x16)(((i32x16)x & ~big) | ((i32x16)((f32x16){0} + 88.0f) & big));
     f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
     f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
     f32x16 e = (f32x16){0} + 1.9875691500e-4f;
@@ -459,15 +461,20 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
     for (long n = 0; n < I; n += ROWS) {
-        float g[R * ROWS], u[R * ROWS];
+        float g[padded(R * ROWS)], u[R * ROWS];
         const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
         dot_rows(m->h, type, w->gate_proj, w->w_type, R, n, C, g);
         dot_rows(m->h, type, w->up_proj, w->w_type, R, n, C, u);
+        for (long i = 0; i < padded(R * ROWS); i++)
+            g[i] = i >= R * ROWS ? 0 : round_to(type, gate_scale ? g[i] * gate_scale[n + i % ROWS] : g[i]);
+        for (long i = 0; i < R * ROWS; i += LANES) {  /* silu(g) = g / (1 + e^-g), 16 at a time */
+            f32x16 gv = load_f32(g + i);
+            *(f32x16u *)(g + i) = gv / (1.0f + exp_lanes(-gv));
+        }
         for (long r = 0; r < R; r++)
             for (int j = 0; j < ROWS; j++) {
-                float gv = round_to(type, gate_scale ? g[r * ROWS + j] * gate_scale[n + j] : g[r * ROWS + j]);
                 float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
-                store(m->a, r * I + n + j, type, round_to(type, gv / (1.0f + expf(-gv))) * uv);
+                store(m->a, r * I + n + j, type, round_to(type, g[r * ROWS + j]) * uv);
             }
     }
 
