@@ -230,10 +230,18 @@ class BlockWeights(ctypes.Structure):
 
 
 def block_modules(block) -> tuple[list, list]:
-    """A transformer block's two RMSNorms and seven linear layers, in struct block's order."""
-    attn, mlp = block.self_attn, block.mlp
-    return ([block.input_layernorm, block.post_attention_layernorm],
-            [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]])
+    """A transformer block's two RMSNorms and seven linear layers, in struct block's order. Read from the
+    modules' own dicts: nn.Module's attribute lookup costs about a microsecond, and this runs every step."""
+    modules = block._modules
+    attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+    return ([modules["input_layernorm"], modules["post_attention_layernorm"]],
+            [attn[name] for name in LINEARS[:4]] + [mlp[name] for name in LINEARS[4:]])
+
+
+def weight_of(module) -> torch.Tensor:
+    """module.weight: a parameter, or a buffer (int8 weights), without nn.Module's attribute lookup."""
+    weight = module._parameters.get("weight")
+    return module._buffers["weight"] if weight is None else weight
 
 
 def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
@@ -256,13 +264,16 @@ def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None
 
 def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
     """struct block for every layer (and what they point into), or None where the kernel cannot run one.
-    Built once per set of weights; checking that they are still the model's costs ~1 ms a step."""
+    Built once per set of weights; checking that they are still the model's (the same tensors, where they were,
+    unchanged) costs ~0.3 ms a step."""
     def build():
         found = [block_weights(block, dtype) for block in layers]
         return None if None in found else ((BlockWeights * len(found))(*(f[0] for f in found)), [f[1] for f in found])
 
-    weights = [m.weight for block in layers for modules in block_modules(block) for m in modules]
-    return cached((dtype, *((t.data_ptr(), version(t), t.shape, t.dtype) for t in weights)), weights, build)
+    weights = [weight_of(m) for block in layers for modules in block_modules(block) for m in modules]
+    # Flat: a tuple of ~800 numbers hashes in a third of the time of ~270 small tuples.
+    key = (dtype, *[t.data_ptr() for t in weights], *[version(t) for t in weights], *[t.shape for t in weights])
+    return cached(key, weights, build)
 
 
 def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
