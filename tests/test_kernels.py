@@ -188,6 +188,13 @@ def test_a_weight_changed_in_place_is_streamed_itself(tmp_path, monkeypatch):
     assert torch.equal(changed, want)
 
 
+def test_the_embedded_model_streams_its_files_blocks(model):
+    """fp32 decoding of the default model reads its file's Q4_1 block weights and Q8_0 embeddings."""
+    linears = [kernels.weight_of(m) for block in model.model.layers for m in kernels.block_modules(block)[1]]
+    assert kernels.streamed(linears)[0] == kernels.BLOCK_TYPES[Q.Q4_1]
+    assert kernels.streamed([model.output_weight])[0] == kernels.BLOCK_TYPES[Q.Q8_0]
+
+
 def test_bf16_models_keep_no_blocks(tmp_path):
     """Their weights are rounded to bf16: the blocks no longer hold their values."""
     model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1, torch.bfloat16)
