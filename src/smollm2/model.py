@@ -271,9 +271,10 @@ class SmolLM2(nn.Module):
                 model = cls(ckpt.config)
             ckpt.check({k: v.shape for k, v in model.state_dict().items()})
             model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
+            model.to(device).eval()
             for name, (kind, blocks) in ckpt.blocks.items():
                 kernels.keep_blocks(model.get_parameter(name), kind, blocks)
-            return model.to(device).eval()
+            return model
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write config.json + model.safetensors that transformers' from_pretrained loads."""

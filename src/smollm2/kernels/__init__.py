@@ -135,9 +135,9 @@ def keep_blocks(weight: torch.Tensor, kind: int, blocks: torch.Tensor) -> None:
     gives them, while it stays as it is: the same float32 products from 4-5x fewer bytes, so a quantized GGUF
     decoded to float32 decodes a token nearly at the speed of its own format. (Changes through .data are
     not counted: assign new weights, or change them in place, instead.)"""
-    if (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 32 == 0
-            and blocks.shape == (weight.shape[0], weight.shape[1] // 32 * BLOCK_BYTES[kind])
-            and not weight.is_inference()):  # which would not count its changes
+    N, K = weight.shape if weight.dim() == 2 else (0, 1)
+    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and K % 32 == 0
+            and blocks.shape == (N, K // 32 * BLOCK_BYTES[kind]) and not weight.is_inference()):  # which counts no changes
         kept_blocks[weight] = Blocks(kind, blocks, version(weight), weight.data_ptr())
 
 
