@@ -8,7 +8,7 @@ from conftest import TINY, hf_copy, tiny_model
 
 import smollm2.generation.engine as engine
 from smollm2 import SmolError, Tokenizer
-from smollm2.generation import Sampling, stream
+from smollm2.generation import Conversation, Sampling, stream
 from smollm2.generation.sampling import Sampler
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
@@ -99,6 +99,34 @@ def test_stream_yields_the_tokens_generate_returns(tiny):
     prompt = [3, 1, 4, 1, 5]
     steps = [t for (t,) in stream(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)]
     assert steps == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
+
+
+def test_a_conversation_prefills_only_what_its_cache_does_not_hold(model, monkeypatch):
+    """Each call continues the cache where the prompt still matches it: the tokens are those of a fresh
+    call, and only the rest of the prompt is prefilled."""
+    widths = []
+    hidden_states = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda ids, *a: widths.append(ids.shape[1]) or hidden_states(ids, *a))
+
+    def turn(prompt, conversation):
+        widths.clear()
+        tokens = [t for (t,) in stream(model, [prompt], 8, eos_token_id=None, conversation=conversation)]
+        return tokens, widths[0]
+
+    conversation, first = Conversation(), [1, 504, 3458, 282, 4649, 314]
+    answer, prefilled = turn(first, conversation)
+    assert prefilled == 6 and conversation.tokens == first + answer[:-1]  # the last token was never fed
+    follow_up = first + answer + [28, 17, 30]
+    assert turn(follow_up, conversation) == (turn(follow_up, None)[0], 4)  # answer[-1] and the new 3
+    edited = first[:3] + [99, 100]  # shares 3 tokens with what the cache holds
+    assert turn(edited, conversation) == (turn(edited, None)[0], 2)
+
+
+def test_a_conversation_holds_one_row_decoded_eagerly(tiny):
+    with pytest.raises(SmolError, match="one prompt"):
+        next(stream(tiny, [[1, 2], [3, 4]], 2, conversation=Conversation()))
+    with pytest.raises(SmolError, match="without compile"):
+        next(stream(tiny, [[1, 2]], 2, conversation=Conversation(), compile=True))
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tiny):

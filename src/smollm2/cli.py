@@ -48,13 +48,14 @@ def sampling(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def print_stream(model, tokenizer, ids: list[int], args) -> list[int]:
+def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> list[int]:
     """Generate from one prompt, printing text as it comes; returns the new tokens (EOS excluded)."""
     from .generation import stream
 
     decoder = tokenizer.stream_decoder(skip_special_tokens=True)
     new = []
-    for (token,) in stream(model, [ids], args.max_new_tokens, compile=args.compile, **sampling(args)):
+    for (token,) in stream(model, [ids], args.max_new_tokens, compile=args.compile, conversation=conversation,
+                           **sampling(args)):
         if token is None or token in model.config.eos_token_ids:
             break
         new.append(token)
@@ -72,8 +73,12 @@ def generate(args):
 
 
 def chat(args):
+    from .generation import Conversation
+
     model, tokenizer = load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    # Each turn sends the whole history again; the cache keeps it, so only the new turn is prefilled.
+    conversation = None if args.compile else Conversation()  # --compile: each turn from the start
     turns = [args.prompt] if args.prompt is not None else None
     if turns is None:
         print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -100,7 +105,7 @@ def chat(args):
         messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         try:
-            answer = print_stream(model, tokenizer, ids, args)
+            answer = print_stream(model, tokenizer, ids, args, conversation)
         except SmolError:
             messages.pop()  # the turn that did not fit is not kept
             raise

@@ -40,6 +40,32 @@ def cache_length(n: int, limit: int, block: int = CACHE_BLOCK) -> int:
 CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
 
 
+class Conversation:
+    """One row's KV cache kept from one stream() call to the next, with the tokens it holds: a prompt that
+    starts with them (a chat's history, sent again each turn) prefills only the rest."""
+
+    def __init__(self):
+        self.cache = None  # KVCache of one row, or None
+        self.tokens: list[int] = []  # the tokens whose keys and values fill its first slots
+
+    def reuse(self, model, prompt: list[int], length: int):
+        """A cache of at least `length` slots, and how many of the prompt's first tokens it already holds
+        (at most all but the last, whose logits the next token needs)."""
+        same = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            same += 1
+        if self.cache is None or self.cache.max_len < length:  # grown in doublings, up to the context window
+            room = min(max(length, 2 * (self.cache.max_len if self.cache else 0)), model.config.max_position_embeddings)
+            grown = model.new_cache(1, room)
+            for new, old in zip(grown.k + grown.v, self.cache.k + self.cache.v if self.cache else []):
+                new[:, :, :same] = old[:, :, :same]
+            self.cache = grown
+        del self.tokens[same:]
+        return self.cache, same
+
+
 def prompt_rows(input_ids, vocab_size: int) -> list[list[int]]:
     """A (T,) or (B, T) tensor, a list of ids, or a list of id lists -> one list of ids per row, checked."""
     if isinstance(input_ids, torch.Tensor):
@@ -72,7 +98,7 @@ def eos_ids(eos_token_id, config) -> set[int]:
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
            stop: Sequence[str] = (), tokenizer=None, compile: bool | None = None,
-           **sampling) -> Iterator[list[int | None]]:
+           conversation: Conversation | None = None, **sampling) -> Iterator[list[int | None]]:
     """Yield, each step, the new token of every row (None for a row that has already stopped).
 
     sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
@@ -81,6 +107,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
     step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
     the compiled step runs on torch's kernels instead of smollm2.kernels, no faster than the eager step.
+    conversation: a Conversation whose cache this one prompt continues (eager, not compiled): the tokens it
+    shares with the previous call's are not prefilled again.
     """
     config = model.config
     rows = prompt_rows(input_ids, config.vocab_size)
@@ -99,7 +127,9 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     eos = eos_ids(eos_token_id, config)
     device = model.model.embed_tokens.weight.device
     if compile is None:
-        compile = device.type == "cuda"
+        compile = device.type == "cuda" and conversation is None
+    if conversation is not None and (B > 1 or compile):
+        raise SmolError("a conversation continues one prompt, decoded without compile")
     length = T + max_new_tokens
 
     # history: every row's tokens so far, left-aligned to column T; -1 where a row has none.
@@ -116,17 +146,19 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         length = cache_length(length, context)
         if attention_mask is not None:
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)
-    cache = model.new_cache(B, length)
+    cache, start = conversation.reuse(model, rows[0], length) if conversation else (model.new_cache(B, length), 0)
     if compile and device.type == "cuda":
         for t in cache.k + cache.v:  # a CUDA graph may update these in place only if they never move
             torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
-    for start in range(0, T, PREFILL_CHUNK):
+    for start in range(start, T, PREFILL_CHUNK):
         end = min(start + PREFILL_CHUNK, T)
         chunk = history[:, start:end].clamp(min=0)  # (B, chunk), padding as id 0
         # Attention reads only the slots filled so far (the first chunk of an unpadded prompt: plain causal).
         h = model.hidden_states(chunk, torch.arange(start, end, device=device), cache.view(length=end),
                                 None if attention_mask is None else attention_mask[:, :end])
+        if conversation:
+            conversation.tokens += rows[0][start:end]
     logits = model.logits(h[:, -1])  # (B, V): only the last position is needed
 
     sample = Sampler(sampler_config, B, device)
@@ -154,6 +186,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         logits = step_fn(model, next_ids[:, None], torch.tensor([pos], device=device),
                          cache if compile else cache.view(length=filled),
                          None if attention_mask is None else attention_mask[:, :filled])
+        if conversation:
+            conversation.tokens.append(new[0])
 
 
 def generate(model, input_ids, max_new_tokens: int = 128, **kwargs) -> torch.LongTensor:
