@@ -2,11 +2,11 @@
 decoding step in one call.
 
 They stream fp32, bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
-fraction of it, with no Python and no thread wake-ups between the ~10 operations of each layer; a row's
-result does not depend on how many rows share the call. The C source is
-compiled for this machine on first use (a second or so) into the user's cache; without a working C
-compiler everything runs on torch's own kernels, only slower. Everything else (many rows, gradients,
-torch.compile, other devices) runs on torch as well.
+fraction of it, with no Python and no thread wake-ups between the ~10 operations of each layer; a float32
+model read from GGUF Q4_1 / Q8_0 blocks streams those blocks instead, to the same bits. A row's result does
+not depend on how many rows share the call. The C source is compiled for this machine on first use (a
+second or so) into the user's cache; without a working C compiler everything runs on torch's own kernels,
+only slower. Everything else (many rows, gradients, torch.compile, other devices) runs on torch as well.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
 SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block
-BLOCK_BYTES = {3: 24, 4: 36}  # kernels.c's Q4_1 and Q8_0 blocks of 32, their scales in float32
+BLOCK_BYTES = {3: 24, 4: 36}  # as kernels.c: its Q4_1 and Q8_0 blocks of 32, their scales in float32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

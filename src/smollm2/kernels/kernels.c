@@ -30,7 +30,8 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
  * decoded (d * q needs at most 19 bits; adding m rounds once, as there), so streaming the blocks gives a
  * float32 model's results from 4-5x fewer bytes than its float32 weights. */
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
-#define BLOCK 32  /* weights per Q4_1 / Q8_0 block */
+#define BLOCK 32  /* weights per Q4_1 / Q8_0 block, */
+enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36 };  /* in this many bytes */
 #define LANES 16
 #define ROWS 4  /* weight rows per inner step, */
 #define COLS 4  /* times activation rows: 16 accumulators stay in registers */
@@ -111,7 +112,7 @@ static inline f32x16 load(const void *p, long i, int type) {
 static inline void load_block(const void *p, long i, int type, f32x16 *low, f32x16 *high) {
     float d, m;
     if (type == Q4_1) {
-        const uint8_t *block = (const uint8_t *)p + i * 24;
+        const uint8_t *block = (const uint8_t *)p + i * Q4_1_BYTES;
         memcpy(&d, block, 4), memcpy(&m, block + 4, 4);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const f32x16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -124,7 +125,7 @@ static inline void load_block(const void *p, long i, int type, f32x16 *low, f32x
         *high = d * load_u4(block + 8, 1) + m;
 #endif
     } else {
-        const uint8_t *block = (const uint8_t *)p + i * 36;
+        const uint8_t *block = (const uint8_t *)p + i * Q8_0_BYTES;
         memcpy(&d, block, 4);
         *low = d * load_i8((const int8_t *)block + 4);
         *high = d * load_i8((const int8_t *)block + 4 + LANES);
@@ -189,7 +190,7 @@ static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
 
 static inline long offset_of(long i, int type) {  /* where element i's bytes are */
-    return type == Q4_1 ? i / BLOCK * 24 : type == Q8_0 ? i / BLOCK * 36 : i * size_of(type);
+    return type == Q4_1 ? i / BLOCK * Q4_1_BYTES : type == Q8_0 ? i / BLOCK * Q8_0_BYTES : i * size_of(type);
 }
 
 /* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, ROWS). Inlined with
@@ -278,8 +279,8 @@ static void products(const void *x, int type, int count, const void *const *w, i
 }
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
- * are F32 or BF16, the weights F32, BF16 or I8 (with float32 scales); K is a multiple of 16, each N[m] of
- * ROWS. */
+ * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales), Q4_1 or Q8_0; K is a multiple of 16 (of
+ * BLOCK for Q4_1 and Q8_0), each N[m] of ROWS. */
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K) {
     void *ys[count];
