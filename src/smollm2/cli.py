@@ -77,8 +77,10 @@ def chat(args):
 
     model, tokenizer = load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    # Each turn sends the whole history again; the cache keeps it, so only the new turn is prefilled.
-    conversation = None if args.compile else Conversation()  # --compile: each turn from the start
+    # Each turn sends the whole history again; a conversation keeps its cache, so only the new turn is
+    # prefilled. It decodes eagerly: on CUDA, where the compiled step is the fast one, each turn starts afresh.
+    compiled = args.compile if args.compile is not None else args.device == "cuda"
+    conversation = None if compiled else Conversation()
     turns = [args.prompt] if args.prompt is not None else None
     if turns is None:
         print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)

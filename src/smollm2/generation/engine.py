@@ -51,17 +51,14 @@ class Conversation:
     def reuse(self, model, prompt: list[int], length: int):
         """A cache of at least `length` slots, and how many of the prompt's first tokens it already holds
         (at most all but the last, whose logits the next token needs)."""
-        same = 0
-        for a, b in zip(self.tokens, prompt[:-1]):
-            if a != b:
-                break
-            same += 1
+        same = next((i for i, (a, b) in enumerate(zip(self.tokens, prompt[:-1])) if a != b),
+                    min(len(self.tokens), len(prompt) - 1))
         if self.cache is None or self.cache.max_len < length:  # grown in doublings, up to the context window
-            room = min(max(length, 2 * (self.cache.max_len if self.cache else 0)), model.config.max_position_embeddings)
-            grown = model.new_cache(1, room)
-            for new, old in zip(grown.k + grown.v, self.cache.k + self.cache.v if self.cache else []):
-                new[:, :, :same] = old[:, :, :same]
-            self.cache = grown
+            old = self.cache
+            self.cache = model.new_cache(1, min(max(length, 2 * (old.max_len if old else 0)),
+                                                model.config.max_position_embeddings))
+            for new, kept in zip(self.cache.k + self.cache.v, old.k + old.v if old else []):
+                new[:, :, :same] = kept[:, :, :same]
         del self.tokens[same:]
         return self.cache, same
 
@@ -107,8 +104,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
     step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
     the compiled step runs on torch's kernels instead of smollm2.kernels, no faster than the eager step.
-    conversation: a Conversation whose cache this one prompt continues (eager, not compiled): the tokens it
-    shares with the previous call's are not prefilled again.
+    conversation: a Conversation whose cache this one prompt continues (compile=False on CUDA): the tokens
+    it shares with the previous call's are not prefilled again.
     """
     config = model.config
     rows = prompt_rows(input_ids, config.vocab_size)
@@ -127,7 +124,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     eos = eos_ids(eos_token_id, config)
     device = model.model.embed_tokens.weight.device
     if compile is None:
-        compile = device.type == "cuda" and conversation is None
+        compile = device.type == "cuda"
     if conversation is not None and (B > 1 or compile):
         raise SmolError("a conversation continues one prompt, decoded without compile")
     length = T + max_new_tokens
@@ -146,12 +143,12 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         length = cache_length(length, context)
         if attention_mask is not None:
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)
-    cache, start = conversation.reuse(model, rows[0], length) if conversation else (model.new_cache(B, length), 0)
+    cache, held = conversation.reuse(model, rows[0], length) if conversation else (model.new_cache(B, length), 0)
     if compile and device.type == "cuda":
         for t in cache.k + cache.v:  # a CUDA graph may update these in place only if they never move
             torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
-    for start in range(start, T, PREFILL_CHUNK):
+    for start in range(held, T, PREFILL_CHUNK):
         end = min(start + PREFILL_CHUNK, T)
         chunk = history[:, start:end].clamp(min=0)  # (B, chunk), padding as id 0
         # Attention reads only the slots filled so far (the first chunk of an unpadded prompt: plain causal).
