@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, tiny_model
 from gguf import GGMLQuantizationType as Q
-from test_checkpoints import gguf_tensors, write_gguf
+from gguf_files import gguf_tensors, write_gguf
 from torch.utils.weak import WeakIdKeyDictionary
 
 from smollm2 import SmolLM2, Tokenizer, kernels
