@@ -115,5 +115,6 @@ def test_bench_beside_transformers(tiny_dir, capsys):
     result = json.loads(capsys.readouterr().out)
     assert [r["system"] for r in result["results"]] == ["smollm2", "transformers"]
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in result["results"])
+    assert result["weights_read"] == "int8"  # what our decoding read: the quantized weights
     assert main(["bench", "--batch-size", "0"]) == 1
     assert "--batch-size" in one_error_line(capsys.readouterr().err)

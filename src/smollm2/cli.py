@@ -159,7 +159,7 @@ def perplexity(args):
 
 
 def bench(args):
-    from . import bench
+    from . import bench, kernels
     from .model import SmolLM2
 
     for flag, least in (("batch_size", 1), ("prompt_tokens", 1), ("new_tokens", 2), ("repeats", 1)):
@@ -168,13 +168,15 @@ def bench(args):
     model = load_model(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
     rows = [bench.bench_ours(model, prompt, args.new_tokens, args.repeats, compile=args.compile)]
+    weights_read = kernels.streamed_format(model.model.layers)  # by our decoding steps
     if args.compare == "transformers":
         if args.quantize:  # transformers gets the same checkpoint unquantized
             del model
             model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
         rows.append(bench.bench_transformers(model, prompt, args.new_tokens, args.repeats))
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
-                 compile=args.compile, device=args.device, threads=torch.get_num_threads(),
+                 weights_read=weights_read, compile=args.compile,
+                 device=args.device, threads=torch.get_num_threads(),
                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
         print(json.dumps({**setup, "results": bench.as_dict(rows)}))

@@ -244,6 +244,15 @@ def weight_of(module) -> torch.Tensor:
     return module._buffers["weight"] if weight is None else weight
 
 
+def streamed_format(layers) -> str:
+    """The format decoding on the CPU reads the blocks' linear weights in: the model's dtype, or the GGUF
+    blocks a float32 model keeps (for benchmarks to say what they measured)."""
+    weights = [weight_of(m) for block in layers for m in block_modules(block)[1]]
+    if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or compiled_library() is None:
+        return str(weights[0].dtype).removeprefix("torch.")
+    return ("float32", "bfloat16", "int8", "Q4_1 blocks", "Q8_0 blocks")[streamed(weights)[0]]  # kernels.c's numbers
+
+
 def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
     cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
