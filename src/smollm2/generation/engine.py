@@ -103,7 +103,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     once its text contains one of the `stop` strings (which needs `tokenizer`), or after max_new_tokens.
     compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
     step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
-    the compiled step runs on torch's kernels instead of smollm2.kernels, no faster than the eager step.
+    the compiled step runs on torch's kernels instead of smollm2.kernels, slower than the eager step.
     conversation: a Conversation whose cache this one prompt continues (compile=False on CUDA): the tokens
     it shares with the previous call's are not prefilled again.
     """
