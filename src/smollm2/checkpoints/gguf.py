@@ -66,7 +66,8 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     try:
         reader = GGUFReader(path)
         mapping = reader.data.base if isinstance(reader.data.base, mmap.mmap) else None  # np.memmap's own
-        tensors = [GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+        tensors = [GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), t.data)
+                   for t in reader.tensors]
         return GGUFFile({key: field.contents() for key, field in reader.fields.items()}, tensors, mapping)
     except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None

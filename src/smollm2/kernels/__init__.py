@@ -36,7 +36,8 @@ MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
 SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block
-BLOCK_BYTES = {3: 24, 4: 36}  # as kernels.c: its Q4_1 and Q8_0 blocks of 32, their scales in float32
+# kernels.c's type -> bytes a block of 32, its scales widened to float32
+BLOCK_BYTES = {BLOCK_TYPES[kind]: GGML_QUANT_SIZES[kind][1] + 2 * SCALES[kind] for kind in BLOCK_TYPES}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -107,6 +108,11 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+def version(t: torch.Tensor) -> int:
+    """Counts t's in-place changes (inference tensors count none)."""
+    return -1 if t.is_inference() else t._version
+
+
 class Blocks(NamedTuple):
     type: int  # kernels.c's Q4_1 or Q8_0
     data: torch.Tensor  # uint8 (N, K / 32 * block size), in kernels.c's layout
@@ -137,7 +143,8 @@ def keep_blocks(weight: torch.Tensor, kind: int, blocks: torch.Tensor) -> None:
     not counted: assign new weights, or change them in place, instead.)"""
     N, K = weight.shape if weight.dim() == 2 else (0, 1)
     if (weight.dtype == torch.float32 and weight.device.type == "cpu" and K % 32 == 0
-            and blocks.shape == (N, K // 32 * BLOCK_BYTES[kind]) and not weight.is_inference()):  # which counts no changes
+            and blocks.shape == (N, K // 32 * BLOCK_BYTES[kind])
+            and not weight.is_inference()):  # an inference tensor counts no changes
         kept_blocks[weight] = Blocks(kind, blocks, version(weight), weight.data_ptr())
 
 
@@ -161,11 +168,6 @@ class Plan(NamedTuple):
     c_sizes: ctypes.Array  # the same, for C
     weight_type: int
     float_scales: list  # what `scales` points into, kept alive here
-
-
-def version(t: torch.Tensor) -> int:
-    """Counts t's in-place changes (inference tensors count none)."""
-    return -1 if t.is_inference() else t._version
 
 
 plans: dict[tuple, tuple[list, object]] = {}  # by where the weights are: (weak references to them, plan)

@@ -327,9 +327,10 @@ static void rope(void *x, const void *cos, const void *sin, int type, long D) {
 }
 
 /* n query heads (n, D) of one row against their shared K/V head's slots: scores into p (n, S), then the
- * weighted sums of V, in float32; p holds MAX_GROUP * padded(S) floats. Each slot's key and value are read once for all n queries: at batch
- * 16 the cache, not the weights, is most of what a step reads. Slot s is seen where seen[s] != 0, or
- * with no mask up to `last`. Inlined with constant type, D and n, so the accumulators stay in registers. */
+ * weighted sums of V, in float32; p holds MAX_GROUP * padded(S) floats. Each slot's key and value are read
+ * once for all n queries: at batch 16 the cache, not the weights, is most of what a step reads. Slot s is
+ * seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type, D and n, so the
+ * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
                                                          const int type, long S, const long D, const int n,
                                                          long last, const uint8_t *seen, float *p, float *qv) {
