@@ -266,7 +266,7 @@ class SmolLM2(nn.Module):
 
         # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
         with torch.inference_mode(False):
-            ckpt = load_checkpoint(src, dtype)
+            ckpt = load_checkpoint(src, dtype, blocks=torch.device(device).type == "cpu")  # for the kernels
             with WithoutRandomInit():  # every weight is replaced below
                 model = cls(ckpt.config)
             ckpt.check({k: v.shape for k, v in model.state_dict().items()})

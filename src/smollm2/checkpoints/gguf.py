@@ -131,10 +131,10 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32, blocks: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    tensors, files, blocks = {}, {}, {}
+    tensors, files, kept_blocks = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)
         try:
@@ -147,15 +147,15 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         # float32 weights that the kernels can stream from their blocks instead: exactly equal, a few bits each
-        kept = block_layout(qtype, t.data) if dtype == torch.float32 else None
+        kept = block_layout(qtype, t.data) if blocks and dtype == torch.float32 else None
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
             kept = kept and (kept[0], unpermute(kept[1], heads))
         tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
         if kept:
-            blocks[name] = kept
+            kept_blocks[name] = kept
     reader.release_pages()  # every tensor above is a copy
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-        blocks.pop("lm_head.weight", None)
-    return Checkpoint(config, tensors, files, str(path), blocks)
+        kept_blocks.pop("lm_head.weight", None)
+    return Checkpoint(config, tensors, files, str(path), kept_blocks)
