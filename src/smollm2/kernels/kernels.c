@@ -250,8 +250,32 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (int j = 0; j < ROWS; j++) sums[(b + i) * ROWS + j] = sum_lanes(acc[i][j]);
 }
 
+/* Weight rows n..n+ROWS-1 as float32, into wide (ROWS, K): the values dot_block computes from them. */
+static inline __attribute__((always_inline)) void widen_rows(const void *w, const int w_type, long n, long K,
+                                                             float *wide) {
+    for (int j = 0; j < ROWS; j++)
+        if (w_type == Q4_1 || w_type == Q8_0) {
+            for (long k = 0; k < K; k += BLOCK) {
+                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH);
+                load_block(w, ((n + j) * K + k) / BLOCK, w_type, (f32x16 *)(wide + j * K + k),
+                           (f32x16 *)(wide + j * K + k + LANES));
+            }
+        } else {
+            for (long k = 0; k < K; k += LANES) {
+                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH);
+                *(f32x16 *)(wide + j * K + k) = load(w, (n + j) * K + k, w_type);
+            }
+        }
+}
+
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long n, long K, float *sums) {
+    if (w_type != F32 && B > COLS) {  /* widened once for the whole batch, not once per COLS activation rows */
+        float wide[ROWS * K] __attribute__((aligned(64)));
+        widen_rows(w, w_type, n, K, wide);
+        dot_rows_of(x, x_type, wide, F32, B, 0, K, sums);
+        return;
+    }
     long b = 0;
     for (; b + COLS <= B; b += COLS)  /* this block of weights stays in L1 across the batch */
         dot_block(x, x_type, w, w_type, b, COLS, n, K, sums);
@@ -278,9 +302,9 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
 
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
  * times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices of one input
- * (q, k and v: one pass). x and y are of `type`; with `add`, y += the product, each rounded as torch's
+ * (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as torch's
  * y + product would be. */
-static void products(const void *x, int type, int count, const void *const *w, int w_type,
+static void products(const void *x, int x_type, int type, int count, const void *const *w, int w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
@@ -290,7 +314,7 @@ static void products(const void *x, int type, int count, const void *const *w, i
         long n = row;
         while (n >= N[m]) n -= N[m++];
         float sums[B * ROWS];
-        dot_rows(x, type, w[m], w_type, B, n, K, sums);
+        dot_rows(x, x_type, w[m], w_type, B, n, K, sums);
         for (long b = 0; b < B; b++)
             for (int j = 0; j < ROWS; j++) {
                 long at = b * N[m] + n + j;
@@ -307,8 +331,12 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
             void *y, long B, const long *N, long K) {
     void *ys[count];
     for (int m = 0, before = 0; m < count; before += N[m++]) ys[m] = (char *)y + B * before * size_of(type);
+    /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values). */
+    float *wide = type == BF16 && B > COLS ? malloc(sizeof(float) * B * K) : NULL;
+    for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
 #pragma omp parallel
-    products(x, type, count, w, w_type, scale, ys, 0, B, N, K);
+    products(wide ? wide : x, wide ? F32 : type, type, count, w, w_type, scale, ys, 0, B, N, K);
+    free(wide);
 }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */
@@ -323,15 +351,15 @@ struct block {
 };
 
 /* Inside a parallel region: out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where
- * torch rounds: the normed x, then its product with the weight. */
-static void rms_norm(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
+ * torch rounds: the normed x, then its product with the weight. out is float32, holding values of `type`. */
+static void rms_norm(const void *x, const void *weight, float *out, int type, long R, long C, float eps) {
 #pragma omp for schedule(static)
     for (long r = 0; r < R; r++) {
         float squares = 0;
         for (long c = 0; c < C; c++) squares += element(x, r * C + c, type) * element(x, r * C + c, type);
         float inv = 1.0f / sqrtf(squares / C + eps);
         for (long c = 0; c < C; c++)
-            store(out, r * C + c, type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv));
+            out[r * C + c] = round_to(type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv));
     }
 }
 
@@ -353,7 +381,7 @@ static void rope(void *x, const void *cos, const void *sin, int type, long D) {
  * once for all n queries: at batch 16 the cache, not the weights, is most of what a step reads. Slot s is
  * seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type, D and n, so the
  * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
+static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, float *out,
                                                          const int type, long S, const long D, const int n,
                                                          long last, const uint8_t *seen, float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
@@ -396,7 +424,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         }
     }
     for (int j = 0; j < n; j++)
-        for (long d = 0; d < D; d++) store(out, j * D + d, type, o[j][d / LANES][d % LANES] / total[j]);
+        for (long d = 0; d < D; d++) out[j * D + d] = round_to(type, o[j][d / LANES][d % LANES] / total[j]);
 }
 
 #define ATTEND(n) (type == BF16 ? (D == 64 ? attend(q, k, v, out, BF16, S, 64, n, last, seen, p, qv)   \
@@ -404,7 +432,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
                                 : (D == 64 ? attend(q, k, v, out, F32, S, 64, n, last, seen, p, qv)    \
                                            : attend(q, k, v, out, F32, S, D, n, last, seen, p, qv)))
 
-static void attend_any(const void *q, const void *k, const void *v, void *out, int type, long S, long D, int n,
+static void attend_any(const void *q, const void *k, const void *v, float *out, int type, long S, long D, int n,
                        long last, const uint8_t *seen, float *p, float *qv) {
     switch (n) {
     case 1: ATTEND(1); break;
@@ -426,8 +454,9 @@ struct step {
     const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
 };
 
-/* Scratch for a layer's intermediate activations, of the step's type. */
-struct scratch { char *h, *q, *k, *v, *att, *a; };
+/* Scratch for a layer's intermediate activations: queries, keys and values of the step's type; the products'
+ * inputs in float32 (holding values of the step's type), read many times, widened once. */
+struct scratch { char *q, *k, *v; float *h, *att, *a; };
 
 /* One transformer block, inside a parallel region (every thread calls it):
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
@@ -442,7 +471,7 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
     const long size = size_of(type);
 
     rms_norm(s->x, w->attn_norm, m->h, type, R, C, w->eps);
-    products(m->h, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
+    products(m->h, F32, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
              R, (const long[]){H * D, KVH * D, KVH * D}, C);
 
@@ -474,11 +503,11 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         long r = i / (KVH * parts), kv_head = i / parts % KVH, first = kv_head * G + i % parts * n;
         long count = first + n <= (kv_head + 1) * G ? n : (kv_head + 1) * G - first;
         long b = r / T, kv = (b * s->stride_b + kv_head * s->stride_h) * size, at = (r * H + first) * D * size;
-        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at, type, S, D, count,
+        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at / size, type, S, D, count,
                    S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
-    products(m->att, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+    products(m->att, F32, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
     rms_norm(s->x, w->mlp_norm, m->h, type, R, C, w->eps);
 
@@ -487,8 +516,8 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
     for (long n = 0; n < I; n += ROWS) {
         float g[padded(R * ROWS)], u[R * ROWS];
         const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
-        dot_rows(m->h, type, w->gate_proj, w->w_type, R, n, C, g);
-        dot_rows(m->h, type, w->up_proj, w->w_type, R, n, C, u);
+        dot_rows(m->h, F32, w->gate_proj, w->w_type, R, n, C, g);
+        dot_rows(m->h, F32, w->up_proj, w->w_type, R, n, C, u);
         for (long i = 0; i < padded(R * ROWS); i++)
             g[i] = i >= R * ROWS ? 0 : round_to(type, gate_scale ? g[i] * gate_scale[n + i % ROWS] : g[i]);
         for (long i = 0; i < R * ROWS; i += LANES) {  /* silu(g) = g / (1 + e^-g), 16 at a time */
@@ -498,11 +527,11 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         for (long r = 0; r < R; r++)
             for (int j = 0; j < ROWS; j++) {
                 float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
-                store(m->a, r * I + n + j, type, round_to(type, g[r * ROWS + j]) * uv);
+                m->a[r * I + n + j] = round_to(type, round_to(type, g[r * ROWS + j]) * uv);
             }
     }
 
-    products(m->a, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+    products(m->a, F32, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, I);
 }
 
@@ -521,11 +550,11 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
         C = w[l].C > C ? w[l].C : C, I = w[l].I > I ? w[l].I : I, D = w[l].D > D ? w[l].D : D;
         QD = w[l].H * w[l].D > QD ? w[l].H * w[l].D : QD, KVD = w[l].KVH * w[l].D > KVD ? w[l].KVH * w[l].D : KVD;
     }
-    char *buffer = malloc(size * R * (C + 2 * QD + 2 * KVD + I));
+    char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I));
     if (!buffer) return -1;
     struct scratch m;
-    m.h = buffer, m.q = m.h + size * R * C, m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
-    m.att = m.v + size * R * KVD, m.a = m.att + size * R * QD;
+    m.h = (float *)buffer, m.att = m.h + R * C, m.a = m.att + R * QD;
+    m.q = (char *)(m.a + R * I), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
     int failed = 0;
 #pragma omp parallel
     {
