@@ -191,7 +191,7 @@ def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor
     def build():
         K, w_type = x.shape[-1], weights[0].dtype
         if not (K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
-                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 4 == 0 and w.is_contiguous() for w in weights)):
+                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
             return None
         float_scales = [None if s is None else s.float().contiguous() for s in scales]
         sizes = [w.shape[0] for w in weights]

@@ -19,6 +19,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
@@ -203,6 +204,18 @@ static inline void store(void *dst, long i, int type, float value) {
 
 static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
 
+static inline f32x16 round_lanes(int type, f32x16 v) {  /* round_to, 16 at a time */
+    if (type != BF16) return v;
+    u32x16 u = (u32x16)v, nan = (u32x16)(v != v);
+    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+    return (f32x16)((u & ~nan) | (0x7fc00000u & nan));
+}
+
+static inline void store_lanes(void *dst, long i, int type, f32x16 v) {  /* store, 16 at a time */
+    if (type == BF16) *(u16x16u *)((uint16_t *)dst + i) = __builtin_convertvector((u32x16)round_lanes(BF16, v) >> 16, u16x16);
+    else *(f32x16u *)((float *)dst + i) = v;
+}
+
 static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
@@ -211,7 +224,7 @@ static inline long offset_of(long i, int type) {  /* where element i's bytes are
     return type == Q4_1 ? i / BLOCK * Q4_1_BYTES : type == Q8_0 ? i / BLOCK * Q8_0_BYTES : i * size_of(type);
 }
 
-/* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, ROWS). Inlined with
+/* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, LANES), its first ROWS columns. Inlined with
  * constant c and types, so the accumulators live in registers and the loads are specialized. */
 static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
                                                             const int w_type, long b, const int c, long n, long K,
@@ -243,11 +256,12 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         }
     }
     if (c == COLS) {  /* all 16 at once: the same additions as sum_lanes, in a third of the instructions */
-        *(f32x16u *)(sums + b * ROWS) = sum_lanes16((const f32x16 *)acc);
+        f32x16 all = sum_lanes16((const f32x16 *)acc);
+        for (int i = 0; i < c; i++) memcpy(sums + (b + i) * LANES, (const float *)&all + i * ROWS, sizeof(float) * ROWS);
         return;
     }
     for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) sums[(b + i) * ROWS + j] = sum_lanes(acc[i][j]);
+        for (int j = 0; j < ROWS; j++) sums[(b + i) * LANES + j] = sum_lanes(acc[i][j]);
 }
 
 /* Weight rows n..n+ROWS-1 as float32, into wide (ROWS, K): the values dot_block computes from them. */
@@ -268,6 +282,7 @@ static inline __attribute__((always_inline)) void widen_rows(const void *w, cons
         }
 }
 
+/* sums (B, LANES), its first ROWS columns: every activation row against weight rows n..n+ROWS-1. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long n, long K, float *sums) {
     if (w_type != F32 && B > COLS) {  /* widened once for the whole batch, not once per COLS activation rows */
@@ -286,16 +301,17 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
     }
 }
 
-/* sums (B, ROWS): every activation row of x (B, K) against weight rows n..n+ROWS-1. */
+/* sums (B, LANES): every activation row of x (B, K) against weight rows n..n+LANES-1, ROWS at a time. */
 static void dot_rows(const void *x, int x_type, const void *w, int w_type, long B, long n, long K, float *sums) {
-#define DOT_ROWS(X)                                                       \
-    switch (w_type) {                                                     \
-    case F32: dot_rows_of(x, X, w, F32, B, n, K, sums); break;            \
-    case BF16: dot_rows_of(x, X, w, BF16, B, n, K, sums); break;          \
-    case I8: dot_rows_of(x, X, w, I8, B, n, K, sums); break;              \
-    case Q4_1: dot_rows_of(x, X, w, Q4_1, B, n, K, sums); break;          \
-    case Q8_0: dot_rows_of(x, X, w, Q8_0, B, n, K, sums); break;          \
-    }
+#define DOT_ROWS(X)                                                                                   \
+    for (int j = 0; j < LANES; j += ROWS)                                                             \
+        switch (w_type) {                                                                             \
+        case F32: dot_rows_of(x, X, w, F32, B, n + j, K, sums + j); break;                            \
+        case BF16: dot_rows_of(x, X, w, BF16, B, n + j, K, sums + j); break;                          \
+        case I8: dot_rows_of(x, X, w, I8, B, n + j, K, sums + j); break;                              \
+        case Q4_1: dot_rows_of(x, X, w, Q4_1, B, n + j, K, sums + j); break;                          \
+        case Q8_0: dot_rows_of(x, X, w, Q8_0, B, n + j, K, sums + j); break;                          \
+        }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS
 }
@@ -309,24 +325,24 @@ static void products(const void *x, int x_type, int type, int count, const void 
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
 #pragma omp for schedule(static)
-    for (long row = 0; row < total; row += ROWS) {
+    for (long row = 0; row < total; row += LANES) {
         int m = 0;
         long n = row;
         while (n >= N[m]) n -= N[m++];
-        float sums[B * ROWS];
+        float sums[B * LANES];
         dot_rows(x, x_type, w[m], w_type, B, n, K, sums);
-        for (long b = 0; b < B; b++)
-            for (int j = 0; j < ROWS; j++) {
-                long at = b * N[m] + n + j;
-                float value = scale[m] ? sums[b * ROWS + j] * scale[m][n + j] : sums[b * ROWS + j];
-                store(y[m], at, type, add ? element(y[m], at, type) + round_to(type, value) : value);
-            }
+        for (long b = 0; b < B; b++) {
+            f32x16 value = load_f32(sums + b * LANES);
+            if (scale[m]) value *= load_f32(scale[m] + n);
+            if (add) value = load(y[m], b * N[m] + n, type) + round_lanes(type, value);
+            store_lanes(y[m], b * N[m] + n, type, value);
+        }
     }
 }
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
  * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales), Q4_1 or Q8_0; K is a multiple of 16 (of
- * BLOCK for Q4_1 and Q8_0), each N[m] of ROWS. */
+ * BLOCK for Q4_1 and Q8_0), each N[m] of 16. */
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K) {
     void *ys[count];
@@ -513,22 +529,18 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
-    for (long n = 0; n < I; n += ROWS) {
-        float g[padded(R * ROWS)], u[R * ROWS];
-        const float *gate_scale = w->gate_proj_scale, *up_scale = w->up_proj_scale;
+    for (long n = 0; n < I; n += LANES) {
+        float g[R * LANES], u[R * LANES];
         dot_rows(m->h, F32, w->gate_proj, w->w_type, R, n, C, g);
         dot_rows(m->h, F32, w->up_proj, w->w_type, R, n, C, u);
-        for (long i = 0; i < padded(R * ROWS); i++)
-            g[i] = i >= R * ROWS ? 0 : round_to(type, gate_scale ? g[i] * gate_scale[n + i % ROWS] : g[i]);
-        for (long i = 0; i < R * ROWS; i += LANES) {  /* silu(g) = g / (1 + e^-g), 16 at a time */
-            f32x16 gv = load_f32(g + i);
-            *(f32x16u *)(g + i) = gv / (1.0f + exp_lanes(-gv));
+        for (long r = 0; r < R; r++) {
+            f32x16 gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
+            if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
+            if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
+            gv = round_lanes(type, gv), uv = round_lanes(type, uv);
+            f32x16 silu = round_lanes(type, gv / (1.0f + exp_lanes(-gv)));  /* g / (1 + e^-g) */
+            *(f32x16u *)(m->a + r * I + n) = round_lanes(type, silu * uv);
         }
-        for (long r = 0; r < R; r++)
-            for (int j = 0; j < ROWS; j++) {
-                float uv = round_to(type, up_scale ? u[r * ROWS + j] * up_scale[n + j] : u[r * ROWS + j]);
-                m->a[r * I + n + j] = round_to(type, round_to(type, g[r * ROWS + j]) * uv);
-            }
     }
 
     products(m->a, F32, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
