@@ -10,6 +10,7 @@ positions in float32 whatever the model dtype.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -65,20 +66,29 @@ class KVCache:
         shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.whole, self.rows, self.max_len = self, range(batch_size), max_len
         self.batch_index = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
 
     def view(self, rows: slice = slice(None), length: int | None = None) -> KVCache:
         """These rows and the first `length` slots, sharing storage: writes land in this cache, and
-        attention reads only those slots instead of the whole window."""
+        attention reads only those slots instead of the whole window. Its k, v and batch_index are sliced
+        when first used: a decoding step on the CPU's kernel uses none of them."""
         view = object.__new__(KVCache)
-        view.k = [k[rows, :, :length] for k in self.k]
-        view.v = [v[rows, :, :length] for v in self.v]
-        view.batch_index = torch.arange(view.k[0].shape[0], device=view.k[0].device)[:, None]
+        view.whole, view.rows = self.whole, self.rows[rows]
+        view.max_len = len(range(self.max_len)[:length])
         return view
+
+    @functools.cached_property
+    def k(self) -> list[torch.Tensor]:  # a view's; a whole cache holds its own
+        return [t[self.rows.start:self.rows.stop:self.rows.step, :, :self.max_len] for t in self.whole.k]
+
+    @functools.cached_property
+    def v(self) -> list[torch.Tensor]:
+        return [t[self.rows.start:self.rows.stop:self.rows.step, :, :self.max_len] for t in self.whole.v]
+
+    @functools.cached_property
+    def batch_index(self) -> torch.Tensor:
+        return torch.arange(len(self.rows), device=self.whole.k[0].device)[:, None]
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]), or input_pos[t] for every row when it is

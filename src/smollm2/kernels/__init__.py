@@ -295,7 +295,8 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     slots: (T,) or (B, T) cache slots of the rows."""
     B, T, C = x.shape
-    k, v = cache.k[0], cache.v[0]  # (B, KVH, S, D); every layer's alike
+    whole, rows, S = cache.whole, cache.rows, cache.max_len  # read in place: no view's tensors are made
+    k, v = whole.k[0], whole.v[0]  # (all rows, KVH, max_len, D); every layer's alike
     cos, sin = rope
     if not usable(x, B * T) or not (k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                                     and k.stride() == v.stride() and cos.dtype == x.dtype and cos.is_contiguous()
@@ -304,9 +305,9 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     found = blocks_plan(layers, x.dtype)
     if found is None:
         return None
-    weights, S = found[0], k.shape[2]
-    if len(cache.k) < len(layers) or (k.shape[0], k.shape[1], k.shape[3], C) != (B, weights[0].KVH, weights[0].D,
-                                                                                 weights[0].C):
+    weights = found[0]
+    if len(whole.k) < len(layers) or (len(rows), k.shape[1], k.shape[3], C) != (B, weights[0].KVH, weights[0].D,
+                                                                                weights[0].C):
         return None  # a cache or input of another shape than the model's
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
@@ -314,9 +315,11 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     x = x.contiguous().clone()  # the residual stream, updated in place
     if mask is not None:
         mask = mask.expand(B, 1, T, S).contiguous()
+    first = rows.start * k.stride(0) * k.element_size()  # bytes to this view's first row
+    k_rows, v_rows = ([t.data_ptr() + first for t in tensors[:len(layers)]] for tensors in (whole.k, whole.v))
     if compiled_library().blocks(weights, len(layers), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
                                  sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T,
-                                 pointers(cache.k[:len(layers)]), pointers(cache.v[:len(layers)]), S, k.stride(0),
-                                 k.stride(1), None if mask is None else mask.data_ptr()):
+                                 (ctypes.c_void_p * len(layers))(*k_rows), (ctypes.c_void_p * len(layers))(*v_rows), S,
+                                 k.stride(0) * rows.step, k.stride(1), None if mask is None else mask.data_ptr()):
         raise MemoryError("out of memory in the decoding kernel")
     return x
