@@ -113,6 +113,14 @@ def version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """[version(t) for t in tensors], in half the time when none is an inference tensor (the usual case)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # one is: it counts no changes
+        return [version(t) for t in tensors]
+
+
 class Blocks(NamedTuple):
     type: int  # kernels.c's Q4_1 or Q8_0
     data: torch.Tensor  # uint8 (N, K / 32 * block size), in kernels.c's layout
@@ -283,7 +291,7 @@ def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
 
     weights = [weight_of(m) for block in layers for modules in block_modules(block) for m in modules]
     # Flat: a tuple of ~800 numbers hashes in a third of the time of ~270 small tuples.
-    key = (dtype, *[t.data_ptr() for t in weights], *[version(t) for t in weights], *[t.shape for t in weights])
+    key = (dtype, *[t.data_ptr() for t in weights], *versions(weights), *[t.shape for t in weights])
     return cached(key, weights, build)
 
 
