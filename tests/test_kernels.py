@@ -125,6 +125,27 @@ def test_decoding_blocks_match_torch(name, dtype, T, padded, plain):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, T, H, KVH, D", [(1, 512, 9, 3, 64), (2, 37, 9, 3, 64), (1, 100, 4, 4, 128),
+                                             (3, 17, 8, 1, 64)])
+def test_prompt_attention_matches_torch(dtype, B, T, H, KVH, D):
+    """Causal attention of a prompt's rows against torch's, keys and values read in place from a longer cache."""
+    q = torch.randn(B, T, H, D, dtype=dtype)
+    k, v = (torch.randn(B, KVH, T + 5, D, dtype=dtype)[:, :, :T] for _ in range(2))
+    got = kernels.prompt_attention(q, k, v)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
+    q, k = torch.randn(1, 40, 4, 64), torch.randn(1, 2, 40, 64)
+    assert kernels.prompt_attention(q[:, :16], k[:, :, :16], k[:, :, :16]) is None  # a few rows: decoding
+    assert kernels.prompt_attention(q[..., :32], k[..., :32], k[..., :32]) is None  # head size off 64
+    with torch.inference_mode(False):  # training
+        assert kernels.prompt_attention(torch.randn(1, 40, 4, 64, requires_grad=True), k.clone(), k.clone()) is None
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_rows_block_does_not_depend_on_its_batch(dtype):
     model = tiny("gqa", dtype)

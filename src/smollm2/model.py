@@ -136,9 +136,10 @@ class Attention(nn.Module):
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
-        # enable_gqa shares each K/V head with its group of query heads without copying them.
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)  # (B, T, nh, hd)
+        y = kernels.prompt_attention(q, k, v) if mask is None else None  # a prompt on the CPU: the causal half
+        if y is None:  # enable_gqa shares each K/V head with its group of query heads without copying them.
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)  # (B, T, nh, hd)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 

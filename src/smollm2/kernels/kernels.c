@@ -578,3 +578,111 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     free(buffer);
     return failed ? -1 : 0;
 }
+
+/* A prompt's causal self-attention: every query sees the keys up to its own position. torch's kernel scores a
+ * prompt of up to 512 tokens against all of its keys, then masks half of them; here only the seen half is
+ * computed. Scores are outer products: a query's element times 64 keys' (K transposed once, to (D, slots)),
+ * so no dot product is summed across lanes; softmax and the weighted sum of V in float32, as in attend(). */
+#define Q_TILE 32  /* query rows (of one K/V head's group of heads) a thread takes at a time */
+
+/* p (4, P) from column s on: 4 query rows (4, D) against nv * 16 keys' columns of kt (D, P), times scale. */
+static inline __attribute__((always_inline)) void score_tile(const float *qf, const float *kt, long P, long D,
+                                                             long s, const int nv, float scale, float *p) {
+    f32x16 acc[4][4] = {{{0}}};
+    for (long d = 0; d < D; d++) {
+        f32x16 key[4];
+        for (int c = 0; c < nv; c++) key[c] = load_f32(kt + d * P + s + c * LANES);
+        for (int r = 0; r < 4; r++) {
+            f32x16 query = (f32x16){0} + qf[r * D + d];
+            for (int c = 0; c < nv; c++) acc[r][c] += query * key[c];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nv; c++) *(f32x16u *)(p + r * P + s + c * LANES) = acc[r][c] * scale;
+}
+
+/* out (B, T, H, D) = causal attention of q (B, T, H, D) over k, v (B, KVH, T, D) with element strides
+ * k_stride / v_stride (row, head, slot; D contiguous), query t at slot t; heads share K/V in groups of
+ * H / KVH. All of `type`; D a multiple of 64 up to MAX_HEAD_DIM. Returns 0, or -1 out of memory. */
+int prompt_attention(const void *q, const void *k, const void *v, void *out, int type, long B, long T, long H,
+                     long KVH, long D, const long *k_stride, const long *v_stride) {
+    const long G = H / KVH, rows = T * G, tiles = (rows + Q_TILE - 1) / Q_TILE, P = padded(T), size = size_of(type);
+    const float scale = 1.0f / sqrtf((float)D);
+    float *kt = malloc(sizeof(float) * B * KVH * D * P);  /* each head's K transposed, (D, P): zeros past T */
+    if (!kt) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < B * KVH * D; i++) {  /* row d of head (b, g)'s K transposed: whole lines written */
+            long b = i / (KVH * D), g = i / D % KVH, d = i % D;
+            float *row = kt + i * P;
+            for (long s = 0; s < P; s++)
+                row[s] = s < T ? element(k, b * k_stride[0] + g * k_stride[1] + s * k_stride[2] + d, type) : 0;
+        }
+        float *qf = malloc(sizeof(float) * Q_TILE * D), *p = malloc(sizeof(float) * Q_TILE * P);
+        if (!qf || !p) failed = 1;  /* a benign race, as in blocks() */
+#pragma omp for schedule(dynamic)
+        for (long i = 0; i < B * KVH * tiles; i++) {
+            if (!qf || !p) continue;
+            /* Rows r0.. of this group: row r is query t = r / G of head g * G + r % G. */
+            long b = i / (KVH * tiles), g = i / tiles % KVH, r0 = i % tiles * Q_TILE;
+            long n = rows - r0 < Q_TILE ? rows - r0 : Q_TILE, seen = padded((r0 + n - 1) / G + 1);
+            const float *kt_head = kt + (b * KVH + g) * D * P;
+            for (long r = 0; r < Q_TILE; r++)
+                for (long d = 0; d < D; d++)
+                    qf[r * D + d] = r < n ? element(q, ((b * T + (r0 + r) / G) * H + g * G + (r0 + r) % G) * D + d, type)
+                                          : 0;
+            float total[Q_TILE];
+            long s = 0;  /* keys outer: their block of kt stays in L1 for all the rows */
+            for (; s + 4 * LANES <= seen; s += 4 * LANES)
+                for (long r = 0; r < Q_TILE; r += 4) score_tile(qf + r * D, kt_head, P, D, s, 4, scale, p + r * P);
+            for (; s < seen; s += LANES)
+                for (long r = 0; r < Q_TILE; r += 4) score_tile(qf + r * D, kt_head, P, D, s, 1, scale, p + r * P);
+            const f32x16 slot = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            for (long r = 0; r < n; r++) {  /* softmax over the keys up to the query's position */
+                const float t = (float)((r0 + r) / G);  /* exact: T is far below 2^24 */
+                float *row = p + r * P;
+                const i32x16 minus_inf = (i32x16)((f32x16){0} - INFINITY);
+                i32x16 most = minus_inf;
+                for (long s = 0; s < seen; s += LANES) {
+                    i32x16 unseen = slot + (float)s > t;
+                    i32x16 score = ((i32x16)load_f32(row + s) & ~unseen) | (minus_inf & unseen);
+                    *(f32x16u *)(row + s) = (f32x16)score;
+                    i32x16 bigger = (f32x16)score > (f32x16)most;
+                    most = (score & bigger) | (most & ~bigger);
+                }
+                float top = ((f32x16)most)[0];
+                for (int l = 1; l < LANES; l++) top = ((f32x16)most)[l] > top ? ((f32x16)most)[l] : top;
+                f32x16 sum = {0};
+                for (long s = 0; s < seen; s += LANES) {
+                    f32x16 e = exp_lanes(load_f32(row + s) - top);
+                    *(f32x16u *)(row + s) = e;
+                    sum += e;
+                }
+                total[r] = sum_lanes(sum);
+            }
+            const char *v_head = (const char *)v + (b * v_stride[0] + g * v_stride[1]) * size;
+            for (long r = 0; r < n; r += 4)  /* 4 rows' weighted sums of V, 64 of D at a time */
+                for (long d0 = 0; d0 < D; d0 += 4 * LANES) {
+                    f32x16 acc[4][4] = {{{0}}};
+                    long last = (r0 + (r + 3 < n ? r + 3 : n - 1)) / G;
+                    for (long s = 0; s <= last; s++) {
+                        f32x16 value[4];
+                        for (int c = 0; c < 4; c++) value[c] = load(v_head, s * v_stride[2] + d0 + c * LANES, type);
+                        for (int j = 0; j < 4; j++) {
+                            f32x16 weight = (f32x16){0} + p[(r + j) * P + s];
+                            for (int c = 0; c < 4; c++) acc[j][c] += weight * value[c];
+                        }
+                    }
+                    for (int j = 0; j < 4 && r + j < n; j++) {
+                        long row = r0 + r + j, at = ((b * T + row / G) * H + g * G + row % G) * D + d0;
+                        for (int c = 0; c < 4; c++) store_lanes(out, at + c * LANES, type, acc[j][c] / total[r + j]);
+                    }
+                }
+        }
+        free(qf), free(p);
+    }
+    free(kt);
+    return failed ? -1 : 0;
+}
