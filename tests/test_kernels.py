@@ -138,6 +138,19 @@ def test_prompt_attention_matches_torch(dtype, B, T, H, KVH, D):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_elementwise_steps_match_torch(dtype):
+    gate, up = torch.randn(2, 40, 96, dtype=dtype), torch.randn(2, 40, 96, dtype=dtype)
+    x, angles = torch.randn(2, 40, 3, 64, dtype=dtype), torch.rand(2, 40, 1, 64) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
+    torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, **tol)
+    torch.testing.assert_close(kernels.rope(x, cos, sin), x * cos + torch.cat([-x2, x1], dim=-1) * sin, **tol)
+    assert kernels.silu_mul(gate[:, :8], up[:, :8]) is None  # a decoding step's few rows: kernels.blocks' work
+    assert kernels.rope(x[..., :16], cos[..., :16], sin[..., :16]) is None  # head size off 32
+
+
 def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
     q, k = torch.randn(1, 40, 4, 64), torch.randn(1, 2, 40, 64)
     assert kernels.prompt_attention(q[:, :16], k[:, :, :16], k[:, :, :16]) is None  # a few rows: decoding

@@ -52,6 +52,8 @@ def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Te
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, heads, hd); cos, sin: (B, T, 1, hd). Rotate-half layout: pairs are (i, i + hd/2).
+    if (y := kernels.rope(x, cos, sin)) is not None:  # a prompt on the CPU: one pass, not five
+        return y
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -153,7 +155,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        a = kernels.silu_mul(gate, up)  # a prompt on the CPU: one pass, not two
+        return self.down_proj(F.silu(gate) * up if a is None else a)  # SwiGLU
 
 
 class Block(nn.Module):

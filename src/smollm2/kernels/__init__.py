@@ -81,6 +81,8 @@ def compiled_library() -> ctypes.CDLL | None:
     lib.linear.argtypes = [p, i, i, p, i, p, p, n, p, n]  # as kernels.c
     lib.blocks.argtypes = [p, i, p, i, n, n, p, p, p, n, p, p, n, n, n, p]
     lib.prompt_attention.argtypes = [p, p, p, p, i, n, n, n, n, n, p, p]
+    lib.silu_mul.argtypes = [p, p, p, i, n]
+    lib.rope_rows.argtypes = [p, p, p, p, i, n, n, n]
     return lib
 
 
@@ -352,4 +354,34 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
                                            B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
                                            (ctypes.c_long * 3)(*v.stride()[:3])):
         raise MemoryError("out of memory in the prompt attention kernel")
+    return out
+
+
+def prompt_rows(*tensors: torch.Tensor) -> bool:
+    """Whether these (a prompt's activations, of one dtype, contiguous) go to the elementwise kernels: many rows
+    on the CPU, without gradients. A few rows are a decoding step's, which kernels.blocks runs whole."""
+    x = tensors[0]
+    return (enabled and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() > MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and compiled_library() is not None
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one pass, or None where the kernel does not run it."""
+    if not (prompt_rows(gate, up) and gate.shape == up.shape and gate.shape[-1] % 16 == 0):
+        return None
+    out = torch.empty_like(gate)
+    compiled_library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), TYPES[gate.dtype], gate.numel())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); or None."""
+    B, T, heads, D = x.shape
+    if not (prompt_rows(x, cos, sin) and cos.shape == sin.shape == (B, T, 1, D) and D % 32 == 0):
+        return None
+    out = torch.empty_like(x)
+    compiled_library().rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), TYPES[x.dtype], B * T,
+                                 heads, D)
     return out

@@ -686,3 +686,32 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
     free(kt);
     return failed ? -1 : 0;
 }
+
+/* A prompt's elementwise steps, 16 lanes at a time in one pass each, where torch makes several (each its own
+ * pass over memory and its own thread wake-up). Rounded where torch rounds; n a multiple of 16. */
+
+/* out = silu(gate) * up: silu's result rounded to `type`, then the product. */
+void silu_mul(const void *gate, const void *up, void *out, int type, long n) {
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i += LANES) {
+        f32x16 g = load(gate, i, type);
+        store_lanes(out, i, type, round_lanes(type, g / (1.0f + exp_lanes(-g))) * load(up, i, type));
+    }
+}
+
+/* out (R, heads, D) = x * cos + rotate_half(x) * sin, each row's (D,) angles shared by its heads; each product
+ * rounded, then their sum, as torch's. D a multiple of 32. */
+void rope_rows(const void *x, const void *cos, const void *sin, void *out, int type, long R, long heads, long D) {
+    const long half = D / 2;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < R * heads; i++) {
+        const long at = i * D, angle = i / heads * D;
+        for (long d = 0; d < half; d += LANES) {
+            f32x16 x1 = load(x, at + d, type), x2 = load(x, at + d + half, type);
+            store_lanes(out, at + d, type, round_lanes(type, x1 * load(cos, angle + d, type)) +
+                                               round_lanes(type, -x2 * load(sin, angle + d, type)));
+            store_lanes(out, at + d + half, type, round_lanes(type, x2 * load(cos, angle + d + half, type)) +
+                                                      round_lanes(type, x1 * load(sin, angle + d + half, type)));
+        }
+    }
+}
