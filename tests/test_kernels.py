@@ -147,6 +147,9 @@ def test_prompt_elementwise_steps_match_torch(dtype):
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, **tol)
     torch.testing.assert_close(kernels.rope(x, cos, sin), x * cos + torch.cat([-x2, x1], dim=-1) * sin, **tol)
+    weight = torch.randn(96, dtype=dtype)
+    h = gate.float() * torch.rsqrt(gate.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(kernels.rms_norm(gate, weight, 1e-5), weight * h.to(dtype), **tol)
     assert kernels.silu_mul(gate[:, :8], up[:, :8]) is None  # a decoding step's few rows: kernels.blocks' work
     assert kernels.rope(x[..., :16], cos[..., :16], sin[..., :16]) is None  # head size off 32
 

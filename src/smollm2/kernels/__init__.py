@@ -83,6 +83,7 @@ def compiled_library() -> ctypes.CDLL | None:
     lib.prompt_attention.argtypes = [p, p, p, p, i, n, n, n, n, n, p, p]
     lib.silu_mul.argtypes = [p, p, p, i, n]
     lib.rope_rows.argtypes = [p, p, p, p, i, n, n, n]
+    lib.norm_rows.argtypes = [p, p, p, i, n, n, ctypes.c_float]
     return lib
 
 
@@ -384,4 +385,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     out = torch.empty_like(x)
     compiled_library().rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), TYPES[x.dtype], B * T,
                                  heads, D)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / rms(x) over the last dimension in one pass, or None where the kernel does not run it."""
+    C = x.shape[-1]
+    if not (prompt_rows(x, weight) and C % 16 == 0 and weight.shape == (C,)):
+        return None
+    out = torch.empty_like(x)
+    compiled_library().norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype], x.numel() // C, C,
+                                 eps)
     return out

@@ -715,3 +715,18 @@ void rope_rows(const void *x, const void *cos, const void *sin, void *out, int t
         }
     }
 }
+
+/* out (R, C) = weight * (x / rms(x)) as rms_norm() computes it, 16 lanes at a time. */
+void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
+#pragma omp parallel for schedule(static)
+    for (long r = 0; r < R; r++) {
+        f32x16 squares = {0};
+        for (long c = 0; c < C; c += LANES) {
+            f32x16 v = load(x, r * C + c, type);
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum_lanes(squares) / C + eps);
+        for (long c = 0; c < C; c += LANES)
+            store_lanes(out, r * C + c, type, load(weight, c, type) * round_lanes(type, load(x, r * C + c, type) * inv));
+    }
+}
