@@ -12,6 +12,7 @@ import math
 import re
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,40 +45,57 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # elsewhere: the whole run's peak, KiB
 
 
-def timed(system: str, run, prompt: torch.Tensor, new_tokens: int, repeats: int) -> Speed:
-    """run(mark) generates new_tokens tokens per row, calling mark() as each step's tokens arrive."""
+def timed(systems: list[tuple[str, Callable]], prompt: torch.Tensor, new_tokens: int, repeats: int) -> list[Speed]:
+    """systems: (name, make) pairs, make() returning run(mark), which generates new_tokens tokens per row and
+    calls mark() as each step's tokens arrive. The systems take turns, a run each, so that a noisy stretch of
+    the machine falls on all of them alike; each figure is its system's best. make() is called at the
+    system's first turn, a warm-up (allocations, kernel choice, compilation) whose peak memory is reported:
+    what the system holds beside those made before it."""
     (B, T), device = prompt.shape, prompt.device.type
-    prefill = decode = math.inf
-    reset_peak_memory(device)
-    for attempt in range(repeats + 1):  # the first is a warm-up: allocations, kernel choice, compilation
-        marks = []
+    runs, peaks = {}, {}
+    prefill, decode = (dict.fromkeys((name for name, _ in systems), math.inf) for _ in range(2))
+    for attempt in range(repeats + 1):
+        for name, make in systems:
+            if not attempt:
+                runs[name] = make()
+                reset_peak_memory(device)
+            marks = []
 
-        def mark():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            marks.append(time.perf_counter())
+            def mark():
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                marks.append(time.perf_counter())
 
-        start = time.perf_counter()
-        run(mark)
-        if attempt:
-            prefill, decode = min(prefill, marks[0] - start), min(decode, marks[-1] - marks[0])
-    return Speed(system, B * T / prefill, B * (new_tokens - 1) / decode, peak_memory_mb(device))
+            start = time.perf_counter()
+            runs[name](mark)
+            if not attempt:
+                peaks[name] = peak_memory_mb(device)
+            else:
+                prefill[name] = min(prefill[name], marks[0] - start)
+                decode[name] = min(decode[name], marks[-1] - marks[0])
+    return [Speed(name, B * T / prefill[name], B * (new_tokens - 1) / decode[name], peaks[name]) for name, _ in systems]
 
 
 def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torch.Tensor:
     return torch.randint(0, vocab_size, (batch_size, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def bench_ours(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2, compile: bool | None = None) -> Speed:
+def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None):
+    """smollm2's run(mark): greedy, no EOS stop."""
     def run(mark):
         for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile):
             mark()
 
-    return timed("smollm2", run, prompt, new_tokens, repeats)
+    return run
 
 
-def bench_transformers(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2) -> Speed:
-    """transformers' LlamaForCausalLM (its default attention) on our model's weights, greedy generate."""
+def bench_ours(model, prompt: torch.Tensor, new_tokens: int, repeats: int = 2,
+               compile: bool | None = None) -> Speed:
+    return timed([("smollm2", lambda: ours(model, prompt, new_tokens, compile))], prompt, new_tokens, repeats)[0]
+
+
+def transformers(model, prompt: torch.Tensor, new_tokens: int):
+    """transformers' run(mark): its LlamaForCausalLM (default attention) on our model's weights, greedy generate."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
@@ -103,7 +121,7 @@ def bench_transformers(model, prompt: torch.Tensor, new_tokens: int, repeats: in
         hf.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                     do_sample=False, pad_token_id=0, streamer=Marks(mark))
 
-    return timed("transformers", run, prompt, new_tokens, repeats)
+    return run
 
 
 def table(rows: list[Speed]) -> str:

@@ -167,13 +167,15 @@ def bench(args):
             raise SmolError(f"--{flag.replace('_', '-')} must be at least {least}")
     model = load_model(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    rows = [bench.bench_ours(model, prompt, args.new_tokens, args.repeats, compile=args.compile)]
+    systems = [("smollm2", lambda: bench.ours(model, prompt, args.new_tokens, args.compile))]
     weights_read = kernels.streamed_format(model.model.layers)  # by our decoding steps
     if args.compare == "transformers":
-        if args.quantize:  # transformers gets the same checkpoint unquantized
-            del model
-            model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
-        rows.append(bench.bench_transformers(model, prompt, args.new_tokens, args.repeats))
+        def reference():  # the same checkpoint, unquantized, made at transformers' first turn
+            return SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device) \
+                if args.quantize else model
+
+        systems.append(("transformers", lambda: bench.transformers(reference(), prompt, args.new_tokens)))
+    rows = bench.timed(systems, prompt, args.new_tokens, args.repeats)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
                  weights_read=weights_read, compile=args.compile,
                  device=args.device, threads=torch.get_num_threads(),
