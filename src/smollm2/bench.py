@@ -3,7 +3,8 @@
 Every system is timed by one protocol on the same weights and the same random prompt: one generation of
 N tokens that marks the moment each step's tokens arrive. Prefill is the time to the first token (B*T
 tokens), decode the time from the first token to the last (B*(N-1) tokens). Each figure is the best of a
-few runs after a warm-up: these machines are noisy, so compare ratios from one run, not figures across runs.
+few runs after a warm-up, the systems taking turns: these machines are noisy, so compare ratios from one run,
+not figures across runs.
 """
 
 from __future__ import annotations

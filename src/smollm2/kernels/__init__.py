@@ -1,12 +1,14 @@
-"""CPU kernels for decoding (kernels.c): few-row matrix products, and all the transformer blocks of a
-decoding step in one call.
+"""CPU kernels (kernels.c): for decoding, few-row matrix products and all the transformer blocks of a
+decoding step in one call; for prompts, the causal attention and the elementwise steps around torch's products.
 
-They stream fp32, bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
+Decoding streams fp32, bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
 fraction of it, with no Python and no thread wake-ups between the ~10 operations of each layer; a float32
 model read from GGUF Q4_1 / Q8_0 blocks streams those blocks instead, to the same bits. A row's result does
-not depend on how many rows share the call. The C source is compiled for this machine on first use (a
-second or so) into the user's cache; without a working C compiler everything runs on torch's own kernels,
-only slower. Everything else (many rows, gradients, torch.compile, other devices) runs on torch as well.
+not depend on how many rows share the call. A prompt's attention computes only the causal half that torch's
+kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C source is compiled for
+this machine on first use (a second or so) into the user's cache; without a working C compiler everything
+runs on torch's own kernels, only slower. Everything else (a prompt's products, gradients, torch.compile,
+other devices) runs on torch as well.
 """
 
 from __future__ import annotations
@@ -90,8 +92,7 @@ def compiled_library() -> ctypes.CDLL | None:
 def usable(x: torch.Tensor, rows: int) -> bool:
     """Whether x, holding `rows` rows (tokens), goes to the kernels: decoding (a few rows) on the CPU.
 
-    Many rows (a prompt) stay on torch: its products are faster there, and its results are transformers'
-    to the last bit (the kernels' differ in the last bits: another order of summation). So do gradients."""
+    Many rows' products (a prompt's) stay on torch, whose BLAS is faster at those; so do gradients."""
     return (enabled and rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled_library() is not None)
 
