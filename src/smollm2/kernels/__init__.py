@@ -338,27 +338,6 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     return x
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """Causal attention of a prompt's rows, each query t seeing keys 0..t: q (B, T, H, D), k and v (B, KVH, T, D)
-    (a cache's first T slots, say) -> (B, T, H, D). Only the seen half is computed, where torch's kernel
-    scores every key of a prompt of up to 512 tokens, then masks half of them. None where the kernel does not
-    run it (few rows, gradients, other devices, head sizes off 64); then torch does."""
-    B, T, H, D = q.shape
-    KVH = k.shape[1]
-    if not (enabled and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled_library() is not None
-            and T > MAX_ROWS and D % 64 == 0 and D <= MAX_HEAD_DIM and H % KVH == 0
-            and k.shape == v.shape == (B, KVH, T, D) and k.dtype == v.dtype == q.dtype and q.is_contiguous()
-            and k.stride(-1) == v.stride(-1) == 1):
-        return None
-    out = torch.empty_like(q)
-    if compiled_library().prompt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype],
-                                           B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
-                                           (ctypes.c_long * 3)(*v.stride()[:3])):
-        raise MemoryError("out of memory in the prompt attention kernel")
-    return out
-
-
 def prompt_rows(*tensors: torch.Tensor) -> bool:
     """Whether these (a prompt's activations, of one dtype, contiguous) go to the elementwise kernels: many rows
     on the CPU, without gradients. A few rows are a decoding step's, which kernels.blocks runs whole."""
@@ -367,6 +346,25 @@ def prompt_rows(*tensors: torch.Tensor) -> bool:
             and x.numel() > MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and compiled_library() is not None
             and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors))
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Causal attention of a prompt's rows, each query t seeing keys 0..t: q (B, T, H, D), k and v (B, KVH, T, D)
+    (a cache's first T slots, say) -> (B, T, H, D). Only the seen half is computed, where torch's kernel
+    scores every key of a prompt of up to 512 tokens, then masks half of them. None where the kernel does not
+    run it (few rows, gradients, other devices, head sizes off 64); then torch does."""
+    B, T, H, D = q.shape
+    KVH = k.shape[1]
+    if not (prompt_rows(q) and T > MAX_ROWS and D % 64 == 0 and D <= MAX_HEAD_DIM and H % KVH == 0
+            and k.shape == v.shape == (B, KVH, T, D) and k.dtype == v.dtype == q.dtype
+            and k.stride(-1) == v.stride(-1) == 1):
+        return None
+    out = torch.empty_like(q)
+    if compiled_library().prompt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype],
+                                           B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
+                                           (ctypes.c_long * 3)(*v.stride()[:3])):
+        raise MemoryError("out of memory in the prompt attention kernel")
+    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
