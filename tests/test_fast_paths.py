@@ -68,8 +68,12 @@ def test_bf16_logits_follow_transformers_bf16(model, hf_model, tokens):
     # multiplies in float32, rounding once); single logits differ by bf16 noise, never by more than it.
     assert (ours - reference).abs().mean() <= 1.05 * (theirs - reference).abs().mean()
     assert (ours - theirs).abs().max() <= 2 * (theirs - reference).abs().max()
-    top1 = reference.argmax(-1)
-    assert (ours.argmax(-1) == top1).float().mean() >= (theirs.argmax(-1) == top1).float().mean() - 0.02
+    # The top token is kept wherever fp32's leads by more than bf16 noise (twice transformers' mean error);
+    # nearer ties fall either way, for transformers too, and differently on CPUs with and without bf16 arithmetic.
+    top2 = reference.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * (theirs - reference).abs().mean()
+    assert clear.float().mean() > 0.5
+    assert torch.equal(ours.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
 def test_bf16_generation_runs_batched():

@@ -44,9 +44,10 @@ def weights(dtype, N=96, K=64):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
-def test_linear_matches_torch(dtype, rows):
-    w, scale = weights(dtype)
-    x = torch.randn(rows, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+@pytest.mark.parametrize("K", [64, 80])  # 80: bf16 pairs end in a half step
+def test_linear_matches_torch(dtype, rows, K):
+    w, scale = weights(dtype, K=K)
+    x = torch.randn(rows, K).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     got = kernels.linear(x, [w], [scale])[0]
     want = F.linear(x.float(), w.float()) * (1 if scale is None else scale)
     assert got.dtype == x.dtype and got.shape == (rows, 96)
@@ -57,9 +58,10 @@ def test_linear_matches_torch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_a_rows_result_does_not_depend_on_its_batch(dtype):
-    w, scale = weights(dtype)
-    x = torch.randn(16, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+@pytest.mark.parametrize("K", [64, 80])
+def test_a_rows_result_does_not_depend_on_its_batch(dtype, K):
+    w, scale = weights(dtype, K=K)
+    x = torch.randn(16, K).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     batched = kernels.linear(x, [w], [scale])[0]
     for b in (0, 5, 15):
         assert torch.equal(kernels.linear(x[b:b + 1], [w], [scale])[0][0], batched[b])

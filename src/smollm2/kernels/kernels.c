@@ -81,6 +81,18 @@ static inline f32x16 load_i8(const int8_t *p) {
 }
 #endif
 
+/* With AVX512-BF16, a product of bf16 weights and bf16 activations multiplies 32 pairs an instruction, each
+ * pair's two products (exact in float32) added into its float32 lane: twice the rate of widening both sides
+ * to float32, from half the bytes of activations. The sums keep one fixed order whatever the rows. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_PAIRS 1
+static inline __m512bh load_pairs(const uint16_t *p, int full) {  /* 32 bf16s, or 16 and zeros */
+    return (__m512bh)(full ? _mm512_loadu_si512(p) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p)));
+}
+#else
+#define BF16_PAIRS 0
+#endif
+
 /* 16 of a Q4_1 block's 4-bit integers: bytes hold weights j (low half) and j + 16 (high half). (AVX-512 has a
  * faster way, in load_block.) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -242,6 +254,21 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                 for (int j = 0; j < ROWS; j++) acc[i][j] = acc[i][j] + x_low * low[j] + x_high * high[j];
             }
         }
+#if BF16_PAIRS
+    } else if (x_type == BF16 && w_type == BF16) {  /* no widening: the CPU multiplies bf16 pairs itself */
+        for (long k = 0; k < K; k += 2 * LANES) {
+            const int full = k + 2 * LANES <= K;
+            __m512bh wv[ROWS];
+            for (int j = 0; j < ROWS; j++) {
+                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH);
+                wv[j] = load_pairs((const uint16_t *)w + (n + j) * K + k, full);
+            }
+            for (int i = 0; i < c; i++) {
+                __m512bh xv = load_pairs((const uint16_t *)x + (b + i) * K + k, full);
+                for (int j = 0; j < ROWS; j++) acc[i][j] = (f32x16)_mm512_dpbf16_ps((__m512)acc[i][j], xv, wv[j]);
+            }
+        }
+#endif
     } else {
         for (long k = 0; k < K; k += LANES) {
             f32x16 wv[ROWS];
@@ -285,7 +312,8 @@ static inline __attribute__((always_inline)) void widen_rows(const void *w, cons
 /* sums (B, LANES), its first ROWS columns: every activation row against weight rows n..n+ROWS-1. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long n, long K, float *sums) {
-    if (w_type != F32 && B > COLS) {  /* widened once for the whole batch, not once per COLS activation rows */
+    if (w_type != F32 && B > COLS && !(BF16_PAIRS && w_type == BF16 && x_type == BF16)) {
+        /* widened once for the whole batch, not once per COLS activation rows */
         float wide[ROWS * K] __attribute__((aligned(64)));
         widen_rows(w, w_type, n, K, wide);
         dot_rows_of(x, x_type, wide, F32, B, 0, K, sums);
@@ -347,8 +375,9 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
             void *y, long B, const long *N, long K) {
     void *ys[count];
     for (int m = 0, before = 0; m < count; before += N[m++]) ys[m] = (char *)y + B * before * size_of(type);
-    /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values). */
-    float *wide = type == BF16 && B > COLS ? malloc(sizeof(float) * B * K) : NULL;
+    /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values); unless the
+     * CPU multiplies them with bf16 weights as they are. */
+    float *wide = type == BF16 && B > COLS && !(BF16_PAIRS && w_type == BF16) ? malloc(sizeof(float) * B * K) : NULL;
     for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
 #pragma omp parallel
     products(wide ? wide : x, wide ? F32 : type, type, count, w, w_type, scale, ys, 0, B, N, K);
@@ -367,15 +396,17 @@ struct block {
 };
 
 /* Inside a parallel region: out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where
- * torch rounds: the normed x, then its product with the weight. out is float32, holding values of `type`. */
-static void rms_norm(const void *x, const void *weight, float *out, int type, long R, long C, float eps) {
+ * torch rounds: the normed x, then its product with the weight. out is of out_type, holding values of `type`. */
+static void rms_norm(const void *x, const void *weight, void *out, int out_type, int type, long R, long C,
+                     float eps) {
 #pragma omp for schedule(static)
     for (long r = 0; r < R; r++) {
         float squares = 0;
         for (long c = 0; c < C; c++) squares += element(x, r * C + c, type) * element(x, r * C + c, type);
         float inv = 1.0f / sqrtf(squares / C + eps);
         for (long c = 0; c < C; c++)
-            out[r * C + c] = round_to(type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv));
+            store(out, r * C + c, out_type,
+                  round_to(type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv)));
     }
 }
 
@@ -397,8 +428,8 @@ static void rope(void *x, const void *cos, const void *sin, int type, long D) {
  * once for all n queries: at batch 16 the cache, not the weights, is most of what a step reads. Slot s is
  * seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type, D and n, so the
  * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, float *out,
-                                                         const int type, long S, const long D, const int n,
+static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
+                                                         int out_type, const int type, long S, const long D, const int n,
                                                          long last, const uint8_t *seen, float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
     const long P = padded(S);  /* p's rows, whole vectors: the slots past S score -inf */
@@ -440,15 +471,16 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         }
     }
     for (int j = 0; j < n; j++)
-        for (long d = 0; d < D; d++) out[j * D + d] = round_to(type, o[j][d / LANES][d % LANES] / total[j]);
+        for (long d = 0; d < D; d++) store(out, j * D + d, out_type, round_to(type, o[j][d / LANES][d % LANES] / total[j]));
 }
 
-#define ATTEND(n) (type == BF16 ? (D == 64 ? attend(q, k, v, out, BF16, S, 64, n, last, seen, p, qv)   \
-                                            : attend(q, k, v, out, BF16, S, D, n, last, seen, p, qv))  \
-                                : (D == 64 ? attend(q, k, v, out, F32, S, 64, n, last, seen, p, qv)    \
-                                           : attend(q, k, v, out, F32, S, D, n, last, seen, p, qv)))
+#define ATTEND(n) (type == BF16 ? (D == 64 ? attend(q, k, v, out, out_type, BF16, S, 64, n, last, seen, p, qv)   \
+                                            : attend(q, k, v, out, out_type, BF16, S, D, n, last, seen, p, qv))  \
+                                : (D == 64 ? attend(q, k, v, out, out_type, F32, S, 64, n, last, seen, p, qv)    \
+                                           : attend(q, k, v, out, out_type, F32, S, D, n, last, seen, p, qv)))
 
-static void attend_any(const void *q, const void *k, const void *v, float *out, int type, long S, long D, int n,
+static void attend_any(const void *q, const void *k, const void *v, void *out, int out_type, int type, long S, long D,
+                       int n,
                        long last, const uint8_t *seen, float *p, float *qv) {
     switch (n) {
     case 1: ATTEND(1); break;
@@ -471,8 +503,8 @@ struct step {
 };
 
 /* Scratch for a layer's intermediate activations: queries, keys and values of the step's type; the products'
- * inputs in float32 (holding values of the step's type), read many times, widened once. */
-struct scratch { char *q, *k, *v; float *h, *att, *a; };
+ * inputs (room for float32), read many times. */
+struct scratch { char *q, *k, *v, *h, *att, *a; };
 
 /* One transformer block, inside a parallel region (every thread calls it):
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
@@ -486,8 +518,11 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
     const long R = s->B * s->T, T = s->T, S = s->S, C = w->C, H = w->H, KVH = w->KVH, D = w->D, I = w->I;
     const long size = size_of(type);
 
-    rms_norm(s->x, w->attn_norm, m->h, type, R, C, w->eps);
-    products(m->h, F32, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
+    /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
+     * holding values of the step's type, widened once. */
+    const int in = BF16_PAIRS && type == BF16 && w->w_type == BF16 ? BF16 : F32;
+    rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
+    products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
              R, (const long[]){H * D, KVH * D, KVH * D}, C);
 
@@ -519,31 +554,32 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         long r = i / (KVH * parts), kv_head = i / parts % KVH, first = kv_head * G + i % parts * n;
         long count = first + n <= (kv_head + 1) * G ? n : (kv_head + 1) * G - first;
         long b = r / T, kv = (b * s->stride_b + kv_head * s->stride_h) * size, at = (r * H + first) * D * size;
-        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at / size, type, S, D, count,
+        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at / size * size_of(in), in, type,
+                   S, D, count,
                    S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
-    products(m->att, F32, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+    products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
-    rms_norm(s->x, w->mlp_norm, m->h, type, R, C, w->eps);
+    rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
     for (long n = 0; n < I; n += LANES) {
         float g[R * LANES], u[R * LANES];
-        dot_rows(m->h, F32, w->gate_proj, w->w_type, R, n, C, g);
-        dot_rows(m->h, F32, w->up_proj, w->w_type, R, n, C, u);
+        dot_rows(m->h, in, w->gate_proj, w->w_type, R, n, C, g);
+        dot_rows(m->h, in, w->up_proj, w->w_type, R, n, C, u);
         for (long r = 0; r < R; r++) {
             f32x16 gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
             if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
             gv = round_lanes(type, gv), uv = round_lanes(type, uv);
             f32x16 silu = round_lanes(type, gv / (1.0f + exp_lanes(-gv)));  /* g / (1 + e^-g) */
-            *(f32x16u *)(m->a + r * I + n) = round_lanes(type, silu * uv);
+            store_lanes(m->a, r * I + n, in, round_lanes(type, silu * uv));
         }
     }
 
-    products(m->a, F32, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+    products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, I);
 }
 
@@ -565,8 +601,8 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I));
     if (!buffer) return -1;
     struct scratch m;
-    m.h = (float *)buffer, m.att = m.h + R * C, m.a = m.att + R * QD;
-    m.q = (char *)(m.a + R * I), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
+    m.h = buffer, m.att = m.h + sizeof(float) * R * C, m.a = m.att + sizeof(float) * R * QD;
+    m.q = m.a + sizeof(float) * R * I, m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
     int failed = 0;
 #pragma omp parallel
     {
