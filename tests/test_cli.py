@@ -118,3 +118,5 @@ def test_bench_beside_transformers(tiny_dir, capsys):
     assert result["weights_read"] == "int8"  # what our decoding read: the quantized weights
     assert main(["bench", "--batch-size", "0"]) == 1
     assert "--batch-size" in one_error_line(capsys.readouterr().err)
+    assert main(["bench", "--model", str(tiny_dir / "missing")]) == 1  # found out in the system's own process
+    assert "missing" in one_error_line(capsys.readouterr().err)

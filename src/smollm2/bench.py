@@ -4,12 +4,16 @@ Every system is timed by one protocol on the same weights and the same random pr
 N tokens that marks the moment each step's tokens arrive. Prefill is the time to the first token (B*T
 tokens), decode the time from the first token to the last (B*(N-1) tokens). Each figure is the best of a
 few runs after a warm-up, the systems taking turns: these machines are noisy, so compare ratios from one run,
-not figures across runs.
+not figures across runs. `smollm2 bench` keeps each system in a process of its own (timed_apart), as their
+users run them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import multiprocessing
 import re
 import resource
 import time
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import SmolError
 from .generation import stream
 
 
@@ -46,35 +51,105 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # elsewhere: the whole run's peak, KiB
 
 
+def one_run(run: Callable, device: str) -> tuple[float, float]:
+    """run(mark) once: the seconds to its first mark (prefill) and from its first mark to its last (decode)."""
+    marks = []
+
+    def mark():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+
+    start = time.perf_counter()
+    run(mark)
+    return marks[0] - start, marks[-1] - marks[0]
+
+
+def warm_up(run: Callable, device: str) -> float:
+    """A first, untimed run (allocations, kernel choice, compilation); its peak memory: what the system holds,
+    from the moment it starts, beside what was there before."""
+    reset_peak_memory(device)
+    one_run(run, device)
+    return peak_memory_mb(device)
+
+
+def take_turns(runs: dict[str, Callable[[], tuple[float, float]]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Each system's best prefill and decode seconds over `repeats` runs of runs[name](); the systems take turns,
+    a run each, so that a noisy stretch of the machine falls on all of them alike."""
+    best = dict.fromkeys(runs, (math.inf, math.inf))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            prefill, decode = run()
+            best[name] = (min(best[name][0], prefill), min(best[name][1], decode))
+    return best
+
+
+def speeds(shape: tuple[int, int], new_tokens: int, best: dict, peaks: dict) -> list[Speed]:
+    (B, T), n = shape, new_tokens - 1
+    return [Speed(name, B * T / prefill, B * n / decode, peaks[name]) for name, (prefill, decode) in best.items()]
+
+
 def timed(systems: list[tuple[str, Callable]], prompt: torch.Tensor, new_tokens: int, repeats: int) -> list[Speed]:
     """systems: (name, make) pairs, make() returning run(mark), which generates new_tokens tokens per row and
-    calls mark() as each step's tokens arrive. The systems take turns, a run each, so that a noisy stretch of
-    the machine falls on all of them alike; each figure is its system's best. make() is called at the
-    system's first turn, a warm-up (allocations, kernel choice, compilation) whose peak memory is reported:
-    what the system holds beside those made before it."""
-    (B, T), device = prompt.shape, prompt.device.type
-    runs, peaks = {}, {}
-    prefill, decode = (dict.fromkeys((name for name, _ in systems), math.inf) for _ in range(2))
-    for attempt in range(repeats + 1):
-        for name, make in systems:
-            if not attempt:
-                runs[name] = make()
-                reset_peak_memory(device)
-            marks = []
+    calls mark() as each step's tokens arrive; all in this process, taking turns (see take_turns). Each is
+    warmed up by one run, whose peak memory is reported."""
+    device, runs, peaks = prompt.device.type, {}, {}
+    for name, make in systems:
+        run = make()
+        peaks[name] = warm_up(run, device)
+        runs[name] = functools.partial(one_run, run, device)
+    return speeds(prompt.shape, new_tokens, take_turns(runs, repeats), peaks)
 
-            def mark():
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                marks.append(time.perf_counter())
 
-            start = time.perf_counter()
-            runs[name](mark)
-            if not attempt:
-                peaks[name] = peak_memory_mb(device)
-            else:
-                prefill[name] = min(prefill[name], marks[0] - start)
-                decode[name] = min(decode[name], marks[-1] - marks[0])
-    return [Speed(name, B * T / prefill[name], B * (new_tokens - 1) / decode[name], peaks[name]) for name, _ in systems]
+def serve_runs(make: Callable, device: str, conn) -> None:
+    """A system's own process (see timed_apart): make() gives (run, facts); it is warmed up, its facts and peak
+    memory sent, then it runs once, timed, each time it is asked to."""
+    try:
+        run, facts = make()
+    except SmolError as e:  # bad input: the parent says it in one line
+        conn.send(e)
+        return
+    conn.send((facts, warm_up(run, device)))
+    while conn.recv():
+        conn.send(one_run(run, device))
+
+
+def timed_apart(systems: list[tuple[str, Callable]], shape: tuple[int, int], new_tokens: int, repeats: int,
+                device: str) -> tuple[list[Speed], dict]:
+    """As timed(), but each system in a process of its own, as its users run it: one system's memory churn
+    (pages it freed, which the next must fault in again: ~10% of a prefill) and peak do not fall on another.
+    Here make() returns (run, facts), facts a dict of what the system reports about itself; it runs in the
+    system's process, so it must be a module-level function or a functools.partial of one. Returns the
+    speeds and every system's facts, merged."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or CUDA state
+    processes, runs, peaks, facts = [], {}, {}, {}
+
+    def answer(conn, name: str):
+        try:
+            got = conn.recv()
+        except EOFError:
+            raise SmolError(f"bench: {name}'s process ended without an answer (its error is above)") from None
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    try:
+        for name, make in systems:  # one after another: each warm-up's peak is its own
+            conn, child = context.Pipe()
+            process = context.Process(target=serve_runs, args=(make, device, child), daemon=True)
+            process.start()
+            processes.append((process, conn))
+            more, peaks[name] = answer(conn, name)
+            facts.update(more)
+            runs[name] = functools.partial(lambda conn, name: conn.send(True) or answer(conn, name), conn, name)
+        return speeds(shape, new_tokens, take_turns(runs, repeats), peaks), facts
+    finally:
+        for process, conn in processes:
+            with contextlib.suppress(OSError):
+                conn.send(False)
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
 
 
 def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torch.Tensor:

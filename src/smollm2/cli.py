@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -158,26 +159,43 @@ def perplexity(args):
               f"(window {window}, stride {stride}), {result['tokens_per_s']:.1f} tokens/s")
 
 
-def bench(args):
+def bench_ours(args):
+    """smollm2's run and facts for bench, in the process that times it."""
     from . import bench, kernels
+
+    model = load_model(args)
+    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
+    return (bench.ours(model, prompt, args.new_tokens, args.compile),
+            dict(weights_read=kernels.streamed_format(model.model.layers)))  # what our decoding steps read
+
+
+def bench_transformers(args):
+    """transformers' run for bench on the same checkpoint (unquantized) and prompt, in the process that times it."""
+    from . import bench
     from .model import SmolLM2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
+    return bench.transformers(model, prompt, args.new_tokens), {}
+
+
+def bench(args):
+    from . import bench
 
     for flag, least in (("batch_size", 1), ("prompt_tokens", 1), ("new_tokens", 2), ("repeats", 1)):
         if getattr(args, flag) < least:
             raise SmolError(f"--{flag.replace('_', '-')} must be at least {least}")
-    model = load_model(args)
-    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    systems = [("smollm2", lambda: bench.ours(model, prompt, args.new_tokens, args.compile))]
-    weights_read = kernels.streamed_format(model.model.layers)  # by our decoding steps
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    systems = [("smollm2", functools.partial(bench_ours, args))]
     if args.compare == "transformers":
-        def reference():  # the same checkpoint, unquantized, made at transformers' first turn
-            return SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device) \
-                if args.quantize else model
-
-        systems.append(("transformers", lambda: bench.transformers(reference(), prompt, args.new_tokens)))
-    rows = bench.timed(systems, prompt, args.new_tokens, args.repeats)
+        systems.append(("transformers", functools.partial(bench_transformers, args)))
+    rows, facts = bench.timed_apart(systems, (args.batch_size, args.prompt_tokens), args.new_tokens, args.repeats,
+                                    args.device)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
-                 weights_read=weights_read, compile=args.compile,
+                 weights_read=facts["weights_read"], compile=args.compile,
                  device=args.device, threads=torch.get_num_threads(),
                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
