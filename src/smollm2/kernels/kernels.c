@@ -621,15 +621,35 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
  * so no dot product is summed across lanes; softmax and the weighted sum of V in float32, as in attend(). */
 #define Q_TILE 32  /* query rows (of one K/V head's group of heads) a thread takes at a time */
 
-/* p (4, P) from column s on: 4 query rows (4, D) against nv * 16 keys' columns of kt (D, P), times scale. */
-static inline __attribute__((always_inline)) void score_tile(const float *qf, const float *kt, long P, long D,
-                                                             long s, const int nv, float scale, float *p) {
+/* Element i of a head's row as one 32-bit word: a float32, or with bf16 pairs, elements i and i + 1. */
+static inline float word_at(const void *p, long i, int type, int pairs) {
+    if (!pairs) return element(p, i, type);
+    float word;
+    memcpy(&word, (const uint16_t *)p + i, sizeof word);
+    return word;
+}
+
+/* p (4, P) from column s on: 4 query rows (4, W) against nv * 16 keys' columns of kt (W, P), times scale. W
+ * words of D elements: floats, or with `pairs` bf16 pairs, each pair of products added by the CPU at once. */
+static inline __attribute__((always_inline)) void score_tile(const float *qf, const float *kt, long P, long W,
+                                                             long s, const int nv, float scale, float *p,
+                                                             const int pairs) {
     f32x16 acc[4][4] = {{{0}}};
-    for (long d = 0; d < D; d++) {
+    for (long d = 0; d < W; d++) {
         f32x16 key[4];
         for (int c = 0; c < nv; c++) key[c] = load_f32(kt + d * P + s + c * LANES);
         for (int r = 0; r < 4; r++) {
-            f32x16 query = (f32x16){0} + qf[r * D + d];
+#if BF16_PAIRS
+            if (pairs) {
+                int32_t word;
+                memcpy(&word, qf + r * W + d, sizeof word);
+                __m512bh query = (__m512bh)_mm512_set1_epi32(word);
+                for (int c = 0; c < nv; c++)
+                    acc[r][c] = (f32x16)_mm512_dpbf16_ps((__m512)acc[r][c], query, (__m512bh)(__m512i)key[c]);
+                continue;
+            }
+#endif
+            f32x16 query = (f32x16){0} + qf[r * W + d];
             for (int c = 0; c < nv; c++) acc[r][c] += query * key[c];
         }
     }
@@ -644,19 +664,21 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
                      long KVH, long D, const long *k_stride, const long *v_stride) {
     const long G = H / KVH, rows = T * G, tiles = (rows + Q_TILE - 1) / Q_TILE, P = padded(T), size = size_of(type);
     const float scale = 1.0f / sqrtf((float)D);
-    float *kt = malloc(sizeof(float) * B * KVH * D * P);  /* each head's K transposed, (D, P): zeros past T */
+    const int pairs = BF16_PAIRS && type == BF16;  /* scores from bf16 pairs: W = D / 2 words a row */
+    const long W = pairs ? D / 2 : D;
+    float *kt = malloc(sizeof(float) * B * KVH * W * P);  /* each head's K transposed, (W, P): zeros past T */
     if (!kt) return -1;
     int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (long i = 0; i < B * KVH * D; i++) {  /* row d of head (b, g)'s K transposed: whole lines written */
-            long b = i / (KVH * D), g = i / D % KVH, d = i % D;
+        for (long i = 0; i < B * KVH * W; i++) {  /* row d of head (b, g)'s K transposed: whole lines written */
+            long b = i / (KVH * W), g = i / W % KVH, d = i % W * (D / W);
             float *row = kt + i * P;
             for (long s = 0; s < P; s++)
-                row[s] = s < T ? element(k, b * k_stride[0] + g * k_stride[1] + s * k_stride[2] + d, type) : 0;
+                row[s] = s < T ? word_at(k, b * k_stride[0] + g * k_stride[1] + s * k_stride[2] + d, type, pairs) : 0;
         }
-        float *qf = malloc(sizeof(float) * Q_TILE * D), *p = malloc(sizeof(float) * Q_TILE * P);
+        float *qf = malloc(sizeof(float) * Q_TILE * W), *p = malloc(sizeof(float) * Q_TILE * P);
         if (!qf || !p) failed = 1;  /* a benign race, as in blocks() */
 #pragma omp for schedule(dynamic)
         for (long i = 0; i < B * KVH * tiles; i++) {
@@ -664,17 +686,22 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
             /* Rows r0.. of this group: row r is query t = r / G of head g * G + r % G. */
             long b = i / (KVH * tiles), g = i / tiles % KVH, r0 = i % tiles * Q_TILE;
             long n = rows - r0 < Q_TILE ? rows - r0 : Q_TILE, seen = padded((r0 + n - 1) / G + 1);
-            const float *kt_head = kt + (b * KVH + g) * D * P;
+            const float *kt_head = kt + (b * KVH + g) * W * P;
             for (long r = 0; r < Q_TILE; r++)
-                for (long d = 0; d < D; d++)
-                    qf[r * D + d] = r < n ? element(q, ((b * T + (r0 + r) / G) * H + g * G + (r0 + r) % G) * D + d, type)
+                for (long d = 0; d < W; d++)
+                    qf[r * W + d] = r < n ? word_at(q, ((b * T + (r0 + r) / G) * H + g * G + (r0 + r) % G) * D + d * (D / W),
+                                                    type, pairs)
                                           : 0;
             float total[Q_TILE];
             long s = 0;  /* keys outer: their block of kt stays in L1 for all the rows */
             for (; s + 4 * LANES <= seen; s += 4 * LANES)
-                for (long r = 0; r < Q_TILE; r += 4) score_tile(qf + r * D, kt_head, P, D, s, 4, scale, p + r * P);
+                for (long r = 0; r < Q_TILE; r += 4)
+                    pairs ? score_tile(qf + r * W, kt_head, P, W, s, 4, scale, p + r * P, 1)
+                          : score_tile(qf + r * W, kt_head, P, W, s, 4, scale, p + r * P, 0);
             for (; s < seen; s += LANES)
-                for (long r = 0; r < Q_TILE; r += 4) score_tile(qf + r * D, kt_head, P, D, s, 1, scale, p + r * P);
+                for (long r = 0; r < Q_TILE; r += 4)
+                    pairs ? score_tile(qf + r * W, kt_head, P, W, s, 1, scale, p + r * P, 1)
+                          : score_tile(qf + r * W, kt_head, P, W, s, 1, scale, p + r * P, 0);
             const f32x16 slot = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
             for (long r = 0; r < n; r++) {  /* softmax over the keys up to the query's position */
                 const float t = (float)((r0 + r) / G);  /* exact: T is far below 2^24 */
