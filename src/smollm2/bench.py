@@ -133,6 +133,10 @@ def timed_apart(systems: list[tuple[str, Callable]], shape: tuple[int, int], new
             raise got
         return got
 
+    def turn(conn, name: str) -> tuple[float, float]:
+        conn.send(True)
+        return answer(conn, name)
+
     try:
         for name, make in systems:  # one after another: each warm-up's peak is its own
             conn, child = context.Pipe()
@@ -141,7 +145,7 @@ def timed_apart(systems: list[tuple[str, Callable]], shape: tuple[int, int], new
             processes.append((process, conn))
             more, peaks[name] = answer(conn, name)
             facts.update(more)
-            runs[name] = functools.partial(lambda conn, name: conn.send(True) or answer(conn, name), conn, name)
+            runs[name] = functools.partial(turn, conn, name)
         return speeds(shape, new_tokens, take_turns(runs, repeats), peaks), facts
     finally:
         for process, conn in processes:
