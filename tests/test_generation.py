@@ -106,7 +106,8 @@ def test_a_conversation_prefills_only_what_its_cache_does_not_hold(model, monkey
     call, and only the rest of the prompt is prefilled."""
     widths = []
     hidden_states = model.hidden_states
-    monkeypatch.setattr(model, "hidden_states", lambda ids, *a: widths.append(ids.shape[1]) or hidden_states(ids, *a))
+    monkeypatch.setattr(model, "hidden_states",
+                        lambda ids, *a, **kw: widths.append(ids.shape[1]) or hidden_states(ids, *a, **kw))
 
     def turn(prompt, conversation):
         widths.clear()

@@ -350,3 +350,21 @@ def test_from_pretrained_builds_the_model_without_drawing_weights():
     with WithoutRandomInit():
         SmolLM2(TINY["bias"])
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("T", [7, 40])  # 7: a few rows (the CPU's decoding kernel), 40: a prompt
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_last_only_gives_the_last_position_and_the_whole_cache(T, padded):
+    model = tiny_model(GQA)
+    ids = random_ids(model.config, B=2, T=T)
+    mask = torch.ones(2, T, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0
+    full, last = model.new_cache(2, T + 5), model.new_cache(2, T + 5)
+    pos = torch.arange(T)
+    want = model.hidden_states(ids, pos, full.view(length=T), mask if padded else None)[:, -1:]
+    got = model.hidden_states(ids, pos, last.view(length=T), mask if padded else None, last_only=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(full.k + full.v, last.k + last.v):
+        assert torch.equal(a, b)  # every position's keys and values, of every layer

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, self.n_kv * hd, bias=bias)
         self.o_proj = Linear(self.n_heads * hd, config.hidden_size, bias=bias)
 
-    def forward(self, x, rope, mask, cache: KVCache | None, input_pos):
+    def forward(self, x, rope, mask, cache: KVCache | None, input_pos, last_only: bool = False):
         B, T, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
@@ -140,11 +140,14 @@ class Attention(nn.Module):
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
+        if last_only:  # every key is written; the last query alone sees them all, and needs no causal mask
+            q, mask = q[:, -1:], None if mask is None else mask[:, :, -1:]
         y = kernels.prompt_attention(q, k, v) if mask is None else None  # a prompt on the CPU: the causal half
         if y is None:  # enable_gqa shares each K/V head with its group of query heads without copying them.
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                               is_causal=mask is None and not last_only,
                                                enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)  # (B, T, nh, hd)
-        return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
+        return self.o_proj(y.reshape(B, q.shape[1], self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -169,8 +172,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, cache, input_pos):
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos)
+    def forward(self, x, rope, mask, cache, input_pos, last_only: bool = False):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos, last_only)
+        x = (x[:, -1:] if last_only else x) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,12 +220,15 @@ class SmolLM2(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def hidden_states(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None):
-        """The final normed hidden states, (B, T, C).
+    def hidden_states(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None,
+                      last_only: bool = False):
+        """The final normed hidden states, (B, T, C); with last_only, the last position's, (B, 1, C).
 
         input_ids: (B, T). input_pos: (T,) or (B, T) positions of these tokens, which are also their cache
         slots; default 0..T-1. attention_mask: (B, S) with 0 at padding, over every slot so far (as HF);
         positions then count real tokens only, so left-padded rows get the positions they would alone.
+        last_only: the last block computes its attention and MLP for the last position alone (llama.cpp does the
+        same): every other position's keys and values still reach the cache, and next-token logits need no more.
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -250,12 +257,13 @@ class SmolLM2(nn.Module):
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
         if cache is not None and (y := kernels.blocks(self.model.layers, x, rope, mask, cache, slots)) is not None:
-            return self.model.norm(y)  # decoding a few rows on the CPU: every block in one kernel call
-        for block in self.model.layers:
+            return self.model.norm(y[:, -1:] if last_only else y)  # a few rows on the CPU: one kernel call
+        for i, block in enumerate(self.model.layers):
+            last = last_only and i == len(self.model.layers) - 1
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, mask, cache, slots, use_reentrant=False)
+                x = checkpoint(block, x, rope, mask, cache, slots, last, use_reentrant=False)
             else:
-                x = block(x, rope, mask, cache, slots)
+                x = block(x, rope, mask, cache, slots, last)
         return self.model.norm(x)
 
     @property

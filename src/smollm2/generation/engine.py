@@ -153,7 +153,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         chunk = history[:, start:end].clamp(min=0)  # (B, chunk), padding as id 0
         # Attention reads only the slots filled so far (the first chunk of an unpadded prompt: plain causal).
         h = model.hidden_states(chunk, torch.arange(start, end, device=device), cache.view(length=end),
-                                None if attention_mask is None else attention_mask[:, :end])
+                                None if attention_mask is None else attention_mask[:, :end], last_only=True)
         if conversation:
             conversation.tokens += rows[0][start:end]
     logits = model.logits(h[:, -1])  # (B, V): only the last position is needed

@@ -208,7 +208,8 @@ class Scheduler:
         ids = torch.tensor([request.prompt], device=self.device)
         for start in range(0, T, PREFILL_CHUNK):
             chunk = ids[:, start:start + PREFILL_CHUNK]
-            h = self.model.hidden_states(chunk, torch.arange(start, start + chunk.shape[1], device=self.device), cache)
+            h = self.model.hidden_states(chunk, torch.arange(start, start + chunk.shape[1], device=self.device), cache,
+                                         last_only=True)
         self._accept(request, request.sampler(self.model.logits(h[:, -1]))[0].item())
 
     def _decode(self) -> None:
