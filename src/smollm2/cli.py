@@ -172,11 +172,8 @@ def bench_ours(args):
 def bench_transformers(args):
     """transformers' run for bench on the same checkpoint (unquantized) and prompt, in the process that times it."""
     from . import bench
-    from .model import SmolLM2
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model = load_model(argparse.Namespace(**{**vars(args), "quantize": None}))
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
     return bench.transformers(model, prompt, args.new_tokens), {}
 
