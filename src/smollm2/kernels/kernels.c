@@ -45,7 +45,6 @@ _Static_assert(ROWS * COLS == LANES, "sum_lanes16 adds up one accumulator per la
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif
-#define INTO_L2 1  /* __builtin_prefetch's locality for prefetcht2 */
 
 /* Widening loads: bf16 is the top half of a float32, so widening it is a shift. GCC's generic vector
  * conversions from narrow integers come out scalar, hence the intrinsics where the CPU has them. */
@@ -96,6 +95,10 @@ static inline __m512bh load_pairs(const uint16_t *p, int full) {  /* 32 bf16s, o
 #else
 #define BF16_PAIRS 0
 #endif
+
+static inline int as_pairs(int x_type, int w_type) {  /* whether x times w multiplies bf16 pairs as they are */
+    return BF16_PAIRS && x_type == BF16 && w_type == BF16;
+}
 
 /* 16 of a Q4_1 block's 4-bit integers: bytes hold weights j (low half) and j + 16 (high half). (AVX-512 has a
  * faster way, in load_block.) */
@@ -240,6 +243,10 @@ static inline long offset_of(long i, int type) {  /* where element i's bytes are
     return type == Q4_1 ? i / BLOCK * Q4_1_BYTES : type == Q8_0 ? i / BLOCK * Q8_0_BYTES : i * size_of(type);
 }
 
+static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahead of element i, into L2 */
+    __builtin_prefetch((const char *)w + offset_of(i, w_type) + PREFETCH, 0, 1);  /* locality 1: prefetcht2 */
+}
+
 /* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, LANES), its first ROWS columns. Inlined with
  * constant c and types, so the accumulators live in registers and the loads are specialized. */
 static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
@@ -250,7 +257,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (long k = 0; k < K; k += BLOCK) {
             f32x16 low[ROWS], high[ROWS];
             for (int j = 0; j < ROWS; j++) {
-                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH, 0, INTO_L2);
+                prefetch_weights(w, (n + j) * K + k, w_type);
                 load_block(w, ((n + j) * K + k) / BLOCK, w_type, &low[j], &high[j]);
             }
             for (int i = 0; i < c; i++) {
@@ -259,12 +266,12 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             }
         }
 #if BF16_PAIRS
-    } else if (x_type == BF16 && w_type == BF16) {  /* no widening: the CPU multiplies bf16 pairs itself */
+    } else if (as_pairs(x_type, w_type)) {  /* no widening: the CPU multiplies bf16 pairs itself */
         for (long k = 0; k < K; k += 2 * LANES) {
             const int full = k + 2 * LANES <= K;
             __m512bh wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
-                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH, 0, INTO_L2);
+                prefetch_weights(w, (n + j) * K + k, w_type);
                 wv[j] = load_pairs((const uint16_t *)w + (n + j) * K + k, full);
             }
             for (int i = 0; i < c; i++) {
@@ -277,7 +284,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (long k = 0; k < K; k += LANES) {
             f32x16 wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
-                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH, 0, INTO_L2);
+                prefetch_weights(w, (n + j) * K + k, w_type);
                 wv[j] = load(w, (n + j) * K + k, w_type);
             }
             for (int i = 0; i < c; i++) {
@@ -301,13 +308,13 @@ static inline __attribute__((always_inline)) void widen_rows(const void *w, cons
     for (int j = 0; j < ROWS; j++)
         if (w_type == Q4_1 || w_type == Q8_0) {
             for (long k = 0; k < K; k += BLOCK) {
-                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH, 0, INTO_L2);
+                prefetch_weights(w, (n + j) * K + k, w_type);
                 load_block(w, ((n + j) * K + k) / BLOCK, w_type, (f32x16 *)(wide + j * K + k),
                            (f32x16 *)(wide + j * K + k + LANES));
             }
         } else {
             for (long k = 0; k < K; k += LANES) {
-                __builtin_prefetch((const char *)w + offset_of((n + j) * K + k, w_type) + PREFETCH, 0, INTO_L2);
+                prefetch_weights(w, (n + j) * K + k, w_type);
                 *(f32x16 *)(wide + j * K + k) = load(w, (n + j) * K + k, w_type);
             }
         }
@@ -316,7 +323,7 @@ static inline __attribute__((always_inline)) void widen_rows(const void *w, cons
 /* sums (B, LANES), its first ROWS columns: every activation row against weight rows n..n+ROWS-1. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long n, long K, float *sums) {
-    if (w_type != F32 && B > COLS && !(BF16_PAIRS && w_type == BF16 && x_type == BF16)) {
+    if (w_type != F32 && B > COLS && !as_pairs(x_type, w_type)) {
         /* widened once for the whole batch, not once per COLS activation rows */
         float wide[ROWS * K] __attribute__((aligned(64)));
         widen_rows(w, w_type, n, K, wide);
@@ -381,7 +388,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     for (int m = 0, before = 0; m < count; before += N[m++]) ys[m] = (char *)y + B * before * size_of(type);
     /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values); unless the
      * CPU multiplies them with bf16 weights as they are. */
-    float *wide = type == BF16 && B > COLS && !(BF16_PAIRS && w_type == BF16) ? malloc(sizeof(float) * B * K) : NULL;
+    float *wide = type == BF16 && B > COLS && !as_pairs(type, w_type) ? malloc(sizeof(float) * B * K) : NULL;
     for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
 #pragma omp parallel
     products(wide ? wide : x, wide ? F32 : type, type, count, w, w_type, scale, ys, 0, B, N, K);
@@ -526,7 +533,7 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
 
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
-    const int in = BF16_PAIRS && type == BF16 && w->w_type == BF16 ? BF16 : F32;
+    const int in = as_pairs(type, w->w_type) ? BF16 : F32;
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
@@ -670,7 +677,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
                      long KVH, long D, const long *k_stride, const long *v_stride) {
     const long G = H / KVH, rows = T * G, tiles = (rows + Q_TILE - 1) / Q_TILE, P = padded(T), size = size_of(type);
     const float scale = 1.0f / sqrtf((float)D);
-    const int pairs = BF16_PAIRS && type == BF16;  /* scores from bf16 pairs: W = D / 2 words a row */
+    const int pairs = as_pairs(type, type);  /* scores from bf16 pairs: W = D / 2 words a row */
     const long W = pairs ? D / 2 : D;
     float *kt = malloc(sizeof(float) * B * KVH * W * P);  /* each head's K transposed, (W, P): zeros past T */
     if (!kt) return -1;
