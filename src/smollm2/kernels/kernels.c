@@ -45,6 +45,13 @@ _Static_assert(ROWS * COLS == LANES, "sum_lanes16 adds up one accumulator per la
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif
+/* Pins a loaded vector to a register. Without it GCC folds the activations' loads into the multiply-adds and
+ * loads each weight vector again for every activation row: twice the loads, and half the products a cycle. */
+#if defined(__x86_64__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) (void)(v)
+#endif
 
 /* Widening loads: bf16 is the top half of a float32, so widening it is a shift. GCC's generic vector
  * conversions from narrow integers come out scalar, hence the intrinsics where the CPU has them. */
@@ -262,6 +269,8 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             }
             for (int i = 0; i < c; i++) {
                 f32x16 x_low = load(x, (b + i) * K + k, x_type), x_high = load(x, (b + i) * K + k + LANES, x_type);
+                IN_REGISTER(x_low);
+                IN_REGISTER(x_high);
                 for (int j = 0; j < ROWS; j++) acc[i][j] = acc[i][j] + x_low * low[j] + x_high * high[j];
             }
         }
@@ -286,9 +295,11 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             for (int j = 0; j < ROWS; j++) {
                 prefetch_weights(w, (n + j) * K + k, w_type);
                 wv[j] = load(w, (n + j) * K + k, w_type);
+                IN_REGISTER(wv[j]);
             }
             for (int i = 0; i < c; i++) {
                 f32x16 xv = load(x, (b + i) * K + k, x_type);
+                IN_REGISTER(xv);
                 for (int j = 0; j < ROWS; j++) acc[i][j] += xv * wv[j];
             }
         }
