@@ -67,6 +67,18 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype, K):
         assert torch.equal(kernels.linear(x[b:b + 1], [w], [scale])[0][0], batched[b])
 
 
+@pytest.mark.parametrize("weight_type", [torch.float32, torch.int8])
+@pytest.mark.parametrize("rows", [17, 64, 130])  # 130: two blocks of 64 rows, and 2 more
+def test_a_float32_prompts_products_are_its_rows_decoded_alone(weight_type, rows):
+    w, scale = weights(weight_type)
+    x = torch.randn(rows, 64)
+    got = kernels.linear(x, [w], [scale])[0]
+    want = F.linear(x, w.float()) * (1 if scale is None else scale)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+    for b in {0, min(64, rows - 1), rows - 1}:
+        assert torch.equal(kernels.linear(x[b:b + 1], [w], [scale])[0][0], got[b])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_several_weights_in_one_pass(dtype):
     (wq, sq), (wk, sk) = weights(dtype), weights(dtype, N=32)
@@ -75,9 +87,9 @@ def test_several_weights_in_one_pass(dtype):
     assert torch.equal(q, kernels.linear(x, [wq], [sq])[0]) and torch.equal(k, kernels.linear(x, [wk], [sk])[0])
 
 
-def test_many_rows_stay_on_torch():
-    w, _ = weights(torch.float32)
-    x = torch.randn(kernels.MAX_ROWS + 1, 64)
+def test_a_bf16_prompts_products_stay_on_torch():
+    w, _ = weights(torch.bfloat16)
+    x = torch.randn(kernels.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
 
 

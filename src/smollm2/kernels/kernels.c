@@ -392,17 +392,27 @@ static void products(const void *x, int x_type, int type, int count, const void 
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
  * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales), Q4_1 or Q8_0; K is a multiple of 16 (of
- * BLOCK for Q4_1 and Q8_0), each N[m] of 16. */
+ * BLOCK for Q4_1 and Q8_0), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a time: a block's
+ * activations stay in L2 while every weight row streams past them. */
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 64
+#endif
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K) {
-    void *ys[count];
-    for (int m = 0, before = 0; m < count; before += N[m++]) ys[m] = (char *)y + B * before * size_of(type);
     /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values); unless the
      * CPU multiplies them with bf16 weights as they are. */
     float *wide = type == BF16 && B > COLS && !as_pairs(type, w_type) ? malloc(sizeof(float) * B * K) : NULL;
     for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
+    const int x_type = wide ? F32 : type;
 #pragma omp parallel
-    products(wide ? wide : x, wide ? F32 : type, type, count, w, w_type, scale, ys, 0, B, N, K);
+    for (long b = 0; b < B; b += ROW_BLOCK) {
+        const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
+        void *ys[count];
+        for (int m = 0, before = 0; m < count; before += N[m++])
+            ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
+        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, w_type, scale,
+                 ys, 0, rows, N, K);
+    }
     free(wide);
 }
 
