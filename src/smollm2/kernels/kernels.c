@@ -160,6 +160,10 @@ static inline void load_block(const void *p, long i, int type, f32x16 *low, f32x
     }
 }
 
+static inline f32x16 splat(float x) {  /* x in every lane: one broadcast (0 + x would add first, for -0's sake) */
+    return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
 static inline float sum_lanes(f32x16 v) {  /* halves added pairwise: a fixed order */
     f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -671,7 +675,10 @@ static inline __attribute__((always_inline)) void score_tile(const float *qf, co
     f32x16 acc[4][4] = {{{0}}};
     for (long d = 0; d < W; d++) {
         f32x16 key[4];
-        for (int c = 0; c < nv; c++) key[c] = load_f32(kt + d * P + s + c * LANES);
+        for (int c = 0; c < nv; c++) {
+            key[c] = load_f32(kt + d * P + s + c * LANES);
+            if (!pairs) IN_REGISTER(key[c]);  /* else GCC loads each key vector once per query row */
+        }
         for (int r = 0; r < 4; r++) {
 #if BF16_PAIRS
             if (pairs) {
@@ -683,7 +690,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *qf, co
                 continue;
             }
 #endif
-            f32x16 query = (f32x16){0} + qf[r * W + d];
+            f32x16 query = splat(qf[r * W + d]);
             for (int c = 0; c < nv; c++) acc[r][c] += query * key[c];
         }
     }
@@ -768,7 +775,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
                         f32x16 value[4];
                         for (int c = 0; c < 4; c++) value[c] = load(v_head, s * v_stride[2] + d0 + c * LANES, type);
                         for (int j = 0; j < 4; j++) {
-                            f32x16 weight = (f32x16){0} + p[(r + j) * P + s];
+                            f32x16 weight = splat(p[(r + j) * P + s]);
                             for (int c = 0; c < 4; c++) acc[j][c] += weight * value[c];
                         }
                     }
