@@ -87,9 +87,10 @@ def test_several_weights_in_one_pass(dtype):
     assert torch.equal(q, kernels.linear(x, [wq], [sq])[0]) and torch.equal(k, kernels.linear(x, [wk], [sk])[0])
 
 
-def test_a_bf16_prompts_products_stay_on_torch():
-    w, _ = weights(torch.bfloat16)
-    x = torch.randn(kernels.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype, K", [(torch.bfloat16, 64), (torch.float32, kernels.MAX_PROMPT_K + 16)])
+def test_prompts_products_the_kernel_leaves_to_torch(dtype, K):
+    w, _ = weights(dtype, K=K)
+    x = torch.randn(kernels.MAX_ROWS + 1, K, dtype=dtype)
     assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
 
 

@@ -34,6 +34,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 MAX_ROWS = 16  # decoding steps of up to 16 rows (one kernel call for all the blocks)
+# Past this many inputs a prompt's products go to BLAS, which splits them: the kernel's 4 weight rows outgrow L1
+# and its 64 activation rows L2 (K = 4096 and 8192 ran at 70-85% of sgemm's speed, K <= 2560 at 100-125%).
+MAX_PROMPT_K = 2560
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
@@ -98,9 +101,10 @@ def usable(x: torch.Tensor) -> bool:
 
 def multiplies(x: torch.Tensor, rows: int) -> bool:
     """Whether the kernel multiplies x, holding `rows` rows (tokens), by weights: a decoding step's few rows; a
-    prompt's many rows in float32, where it runs ~15% faster than BLAS (sgemm reaches ~85 of a 2-core Zen 4's
-    117 GMAC/s, the kernel ~100). A bf16 prompt stays on torch, whose bf16 BLAS is as fast."""
-    return (rows <= MAX_ROWS or x.dtype == torch.float32) and usable(x)
+    prompt's many rows in float32 with up to MAX_PROMPT_K inputs, where it runs ~15% faster than BLAS (sgemm
+    reaches ~85 of a 2-core Zen 4's 117 GMAC/s, the kernel ~100). A bf16 prompt stays on torch, whose bf16
+    BLAS is as fast."""
+    return (rows <= MAX_ROWS or (x.dtype == torch.float32 and x.shape[-1] <= MAX_PROMPT_K)) and usable(x)
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
