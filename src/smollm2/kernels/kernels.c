@@ -46,8 +46,9 @@ _Static_assert(ROWS * COLS == LANES, "sum_lanes16 adds up one accumulator per la
 #define PREFETCH 8192
 #endif
 /* Pins a loaded vector to a register. Without it GCC folds the activations' loads into the multiply-adds and
- * loads each weight vector again for every activation row: twice the loads, and half the products a cycle. */
-#if defined(__x86_64__)
+ * loads each weight vector again for every activation row: twice the loads, and half the products a cycle.
+ * (A 16-float vector fits one register only with AVX-512.) */
+#if defined(__AVX512F__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
 #define IN_REGISTER(v) (void)(v)
