@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/batch.py [--model SRC] [--dtype fp32|bf16] [--batch-sizes 1,4,8,16]
                                          [--prompt-tokens 128] [--new-tokens 128] [--rounds 3]
 
-Loads the model once (default: the embedded one), then runs `smollm2 bench`'s protocol (a random prompt per row, greedy, no
-EOS stop) at each batch size in turn, `--rounds` times, keeping each size's best decode figure: the rounds
-interleave the sizes, so a noisy stretch of the machine does not fall on one size alone. Prints decode
+Loads the model once (default: the embedded one), then runs `smollm2 bench`'s protocol (a random prompt per row,
+greedy, no EOS stop) at each batch size in turn, `--rounds` times, keeping each size's best decode figure: the
+rounds interleave the sizes, so a noisy stretch of the machine does not fall on one size alone. Prints decode
 tok/s summed over the rows and its ratio to batch 1.
 
 In fp32 the embedded model's weights stream as its file's Q4_1 blocks, which makes batch 1 ~2.7x faster than

@@ -321,9 +321,9 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     whole, rows, S = cache.whole, cache.rows, cache.max_len  # read in place: no view's tensors are made
     k, v = whole.k[0], whole.v[0]  # (all rows, KVH, max_len, D); every layer's alike
     cos, sin = rope
-    if B * T > MAX_ROWS or not usable(x) or not (k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-                                    and k.stride() == v.stride() and cos.dtype == x.dtype and cos.is_contiguous()
-                                    and sin.is_contiguous()):
+    if B * T > MAX_ROWS or not usable(x) or not (
+            k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
+            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()):
         return None
     found = blocks_plan(layers, x.dtype)
     if found is None:
