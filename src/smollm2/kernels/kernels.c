@@ -196,10 +196,10 @@ static inline f32x16 sum_lanes16(const f32x16 *v) {
 static inline f32x16 exp_lanes(f32x16 x) {
     i32x16 seen = x >= -87.3f, big = x > 88.0f;
     x = (f32x16)((i32x16)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
-    x = (f32x16)(((i32x16)x & ~big) | ((i32x16)((f32x16){0} + 88.0f) & big));
+    x = (f32x16)(((i32x16)x & ~big) | ((i32x16)splat(88.0f) & big));
     f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
     f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 e = (f32x16){0} + 1.9875691500e-4f;
+    f32x16 e = splat(1.9875691500e-4f);
     e = e * r + 1.3981999507e-3f;
     e = e * r + 8.3334519073e-3f;
     e = e * r + 4.1665795894e-2f;
@@ -748,7 +748,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
             for (long r = 0; r < n; r++) {  /* softmax over the keys up to the query's position */
                 const float t = (float)((r0 + r) / G);  /* exact: T is far below 2^24 */
                 float *row = p + r * P;
-                const i32x16 minus_inf = (i32x16)((f32x16){0} - INFINITY);
+                const i32x16 minus_inf = (i32x16)splat(-INFINITY);
                 i32x16 most = minus_inf;
                 for (long s = 0; s < seen; s += LANES) {
                     i32x16 unseen = slot + (float)s > t;
