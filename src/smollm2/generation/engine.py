@@ -32,6 +32,19 @@ def compiled_decode_step(device_type: str):
     return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
+def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Tensor:
+    """Prompt ids (B, T) into the cache from slot `start` on, PREFILL_CHUNK tokens at a time (bounded memory);
+    returns the last position's hidden state, (B, C). Each chunk's attention reads only the slots filled so far:
+    the first chunk of an unpadded prompt is plain causal, which the CPU kernel computes half of."""
+    T = ids.shape[1]
+    for begin in range(start, T, PREFILL_CHUNK):
+        end = min(begin + PREFILL_CHUNK, T)
+        h = model.hidden_states(ids[:, begin:end], torch.arange(begin, end, device=ids.device),
+                                cache.view(length=end), None if attention_mask is None else attention_mask[:, :end],
+                                last_only=True)
+    return h[:, -1]
+
+
 def cache_length(n: int, limit: int, block: int = CACHE_BLOCK) -> int:
     """n slots rounded up to a whole number of blocks (at most limit): fewer distinct cache shapes."""
     return min(-(-n // block) * block, limit)
@@ -148,15 +161,10 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
         for t in cache.k + cache.v:  # a CUDA graph may update these in place only if they never move
             torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
-    for start in range(held, T, PREFILL_CHUNK):
-        end = min(start + PREFILL_CHUNK, T)
-        chunk = history[:, start:end].clamp(min=0)  # (B, chunk), padding as id 0
-        # Attention reads only the slots filled so far (the first chunk of an unpadded prompt: plain causal).
-        h = model.hidden_states(chunk, torch.arange(start, end, device=device), cache.view(length=end),
-                                None if attention_mask is None else attention_mask[:, :end], last_only=True)
-        if conversation:
-            conversation.tokens += rows[0][start:end]
-    logits = model.logits(h[:, -1])  # (B, V): only the last position is needed
+    h = prefill(model, history[:, :T].clamp(min=0), cache, held, attention_mask)  # padding as id 0
+    if conversation:
+        conversation.tokens += rows[0][held:]
+    logits = model.logits(h)  # (B, V): only the last position is needed
 
     sample = Sampler(sampler_config, B, device)
     decoders = [tokenizer.stream_decoder() for _ in rows] if stop else []

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
-from ..generation.engine import PREFILL_CHUNK, cache_length, decode_step, prompt_rows
+from ..generation.engine import cache_length, decode_step, prefill, prompt_rows
 from ..generation.sampling import Sampler, Sampling
 
 log = logging.getLogger(__name__)
@@ -205,12 +205,8 @@ class Scheduler:
         self.active.append(request)  # first: should the prefill fail, the request is failed with the others
         T = len(request.prompt)
         cache = self.cache.view(slice(row, row + 1), self._length(T))
-        ids = torch.tensor([request.prompt], device=self.device)
-        for start in range(0, T, PREFILL_CHUNK):
-            chunk = ids[:, start:start + PREFILL_CHUNK]
-            h = self.model.hidden_states(chunk, torch.arange(start, start + chunk.shape[1], device=self.device), cache,
-                                         last_only=True)
-        self._accept(request, request.sampler(self.model.logits(h[:, -1]))[0].item())
+        h = prefill(self.model, torch.tensor([request.prompt], device=self.device), cache)
+        self._accept(request, request.sampler(self.model.logits(h))[0].item())
 
     def _decode(self) -> None:
         """One token for every request in flight at once, rows 0..n-1, each row at its own position."""
