@@ -23,5 +23,14 @@ run: install
 test: install
 	$(PY) -m pytest -q
 
+# The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu. Installs Debian's
+# cross compiler (its libgomp comes with it) and qemu-user where missing.
+.PHONY: test-arm
+test-arm: install
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user; }
+	$(PY) -m pytest -q tests/test_kernel_tiers.py
+
 clean:
 	rm -rf $(VENV)
