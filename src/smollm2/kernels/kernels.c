@@ -3,11 +3,15 @@
  * Decoding one token reads every weight once; a CPU does little arithmetic per weight byte, so the
  * speed is how fast the weights stream from memory. BLAS gemv/gemm is tuned for big products; for
  * bf16 and int8 weights it streams a fraction of the machine's bandwidth, and its summation order
- * depends on the number of rows. Here each output is one dot product of 16-lane partial sums added
+ * depends on the number of rows. Here each output is one dot product of LANES-wide partial sums added
  * in a fixed order, whatever the number of rows: a row's result does not depend on its batch.
  *
  * Compiled on the user's machine (-march=native) with GCC/Clang vector extensions, threaded with
- * OpenMP (the runtime torch already loaded, so its threads are shared, not doubled).
+ * OpenMP (the runtime torch already loaded, so its threads are shared, not doubled). Each instruction-set
+ * tier gets code of its own width: 16 floats a vector with AVX-512, 8 with AVX2, 4 with SSE2 and NEON, and
+ * product tiles sized for its registers (32 with AVX-512 and NEON, 16 with AVX2 and SSE2). The summation
+ * order follows the width, so tiers differ from each other by float rounding; within a tier, every guarantee
+ * above holds bit for bit.
  */
 #include <math.h>
 #include <omp.h>
@@ -15,15 +19,28 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+#define REGISTERS 32
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#define REGISTERS 16
+#elif defined(__aarch64__)
+#define LANES 4
+#define REGISTERS 32
+#else  /* SSE2, and any other CPU the vector extensions lower to */
+#define LANES 4
+#define REGISTERS 16
+#endif
+
+typedef float vf __attribute__((vector_size(4 * LANES)));  /* one register of floats */
+typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));  /* the same, at any float's address */
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * LANES)));
+typedef uint16_t vu16u __attribute__((vector_size(2 * LANES), aligned(2)));
+typedef int8_t vi8u __attribute__((vector_size(LANES), aligned(1)));
+typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 
 /* Element types, as the Python side numbers them. Q4_1 and Q8_0 hold GGUF's blocks of 32 weights: a float32
  * scale d (Q4_1: then an offset m; GGUF's float16 ones, converted exactly), then the 4-bit (Q4_1, two a
@@ -33,10 +50,9 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
 #define BLOCK 32  /* weights per Q4_1 / Q8_0 block, */
 enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36 };  /* in this many bytes */
-#define LANES 16
-#define ROWS 4  /* weight rows per inner step, */
-#define COLS 4  /* times activation rows: 16 accumulators stay in registers */
-_Static_assert(ROWS * COLS == LANES, "sum_lanes16 adds up one accumulator per lane");
+#define ROWS 4  /* weight rows per inner step, times */
+#define COLS (REGISTERS / 8)  /* activation rows: ROWS * COLS accumulators, ROWS weights, an input in registers */
+#define HELD (LANES == 16 ? ROWS : 1)  /* weight rows whose GGUF block is unpacked at once, as registers allow */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 4  /* query heads attended together against one K/V head */
 /* Weights are prefetched PREFETCH bytes ahead (rows are short: the hardware prefetcher alone starts too late),
@@ -46,49 +62,72 @@ _Static_assert(ROWS * COLS == LANES, "sum_lanes16 adds up one accumulator per la
 #define PREFETCH 8192
 #endif
 /* Pins a loaded vector to a register. Without it GCC folds the activations' loads into the multiply-adds and
- * loads each weight vector again for every activation row: twice the loads, and half the products a cycle.
- * (A 16-float vector fits one register only with AVX-512.) */
+ * loads each weight vector again for every activation row: twice the loads, and half the products a cycle. */
 #if defined(__AVX512F__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__SSE2__)
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define IN_REGISTER(v) __asm__("" : "+w"(v))
 #else
 #define IN_REGISTER(v) (void)(v)
 #endif
 
 /* Widening loads: bf16 is the top half of a float32, so widening it is a shift. GCC's generic vector
- * conversions from narrow integers come out scalar, hence the intrinsics where the CPU has them. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+ * conversions from narrow integers can come out scalar, hence the intrinsics where the CPU has them. */
+#if LANES == 16
 #include <immintrin.h>
-static inline f32x16 load_f32(const float *p) { return (f32x16)_mm512_loadu_ps(p); }
-static inline f32x16 load_bf16(const uint16_t *p) {
-    return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+static inline vf load_f32(const float *p) { return (vf)_mm512_loadu_ps(p); }
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
-static inline f32x16 load_i8(const int8_t *p) {
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+static inline vf load_i8(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-#elif defined(__AVX2__)
+#elif LANES == 8
 #include <immintrin.h>
-typedef union { f32x16 v; __m256 half[2]; } halves;
-static inline f32x16 load_f32(const float *p) { return *(const f32x16u *)p; }
-static inline f32x16 load_bf16(const uint16_t *p) {
-    halves r;
-    for (int i = 0; i < 2; i++)
-        r.half[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * i))), 16));
-    return r.v;
+static inline vf load_f32(const float *p) { return (vf)_mm256_loadu_ps(p); }
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 }
-static inline f32x16 load_i8(const int8_t *p) {
-    halves r;
-    for (int i = 0; i < 2; i++)
-        r.half[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
-    return r.v;
+static inline vf load_i8(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-#else
-static inline f32x16 load_f32(const float *p) { return *(const f32x16u *)p; }
-static inline f32x16 load_bf16(const uint16_t *p) {
-    return (f32x16)(__builtin_convertvector(*(const u16x16u *)p, u32x16) << 16);
+static inline vi load_u4(const uint8_t *p, int high) {  /* 8 bytes' low or high 4 bits */
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    if (high) bytes = _mm_srli_epi16(bytes, 4);
+    return (vi)_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(15)));
 }
-static inline f32x16 load_i8(const int8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(*(const i8x16u *)p, i32x16), f32x16);
+#elif defined(__SSE2__)  /* no widening moves before SSE4.1: a narrow integer goes to a lane's top by unpacking */
+#include <emmintrin.h>
+static inline vf load_f32(const float *p) { return (vf)_mm_loadu_ps(p); }
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+}
+static inline vf load_i8(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    __m128i bytes = _mm_cvtsi32_si128(four), top = _mm_unpacklo_epi16(_mm_setzero_si128(),
+                                                                      _mm_unpacklo_epi8(_mm_setzero_si128(), bytes));
+    return _mm_cvtepi32_ps(_mm_srai_epi32(top, 24));  /* each byte at its lane's top, sign-extended down */
+}
+static inline vi load_u4(const uint8_t *p, int high) {  /* 4 bytes' low or high 4 bits */
+    int32_t four;
+    memcpy(&four, p, 4);
+    __m128i bytes = _mm_cvtsi32_si128(high ? (four >> 4) & 0x0f0f0f0f : four & 0x0f0f0f0f);
+    return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(bytes, _mm_setzero_si128()), _mm_setzero_si128());
+}
+#else  /* NEON and others: the vector extensions' conversions (widening moves on NEON) */
+static inline vf load_f32(const float *p) { return *(const vfu *)p; }
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)(__builtin_convertvector(*(const vu16u *)p, vu) << 16);
+}
+static inline vf load_i8(const int8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const vi8u *)p, vi), vf);
+}
+static inline vi load_u4(const uint8_t *p, int high) {
+    vu8u bytes = *(const vu8u *)p;
+    return __builtin_convertvector(high ? bytes >> 4 : bytes & 15, vi);
 }
 #endif
 
@@ -108,27 +147,7 @@ static inline int as_pairs(int x_type, int w_type) {  /* whether x times w multi
     return BF16_PAIRS && x_type == BF16 && w_type == BF16;
 }
 
-/* 16 of a Q4_1 block's 4-bit integers: bytes hold weights j (low half) and j + 16 (high half). (AVX-512 has a
- * faster way, in load_block.) */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#elif defined(__AVX2__)
-static inline f32x16 load_u4(const uint8_t *p, int high) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    bytes = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(15));
-    halves r;
-    r.half[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    r.half[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    return r.v;
-}
-#else
-typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1)));
-static inline f32x16 load_u4(const uint8_t *p, int high) {
-    u8x16u bytes = (*(const u8x16u *)p >> (high ? 4 : 0)) & 15;
-    return __builtin_convertvector(__builtin_convertvector(bytes, i32x16), f32x16);
-}
-#endif
-
-static inline f32x16 load(const void *p, long i, int type) {
+static inline vf load(const void *p, long i, int type) {
     switch (type) {
     case BF16: return load_bf16((const uint16_t *)p + i);
     case I8: return load_i8((const int8_t *)p + i);
@@ -136,46 +155,72 @@ static inline f32x16 load(const void *p, long i, int type) {
     }
 }
 
-/* Block `i`'s 32 weights, as two vectors of 16. A Q4_1 block's weights take 16 values, d * q + m for q < 16:
- * with AVX-512 they are one register, and each weight is a lane permutation of it by its q. */
-static inline void load_block(const void *p, long i, int type, f32x16 *low, f32x16 *high) {
+#if LANES == 16
+#define EACH(f) f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), f(8), f(9), f(10), f(11), f(12), f(13), f(14), f(15)
+#elif LANES == 8
+#define EACH(f) f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7)
+#else
+#define EACH(f) f(0), f(1), f(2), f(3)
+#endif
+#define ZERO(l) 0
+#define SAME(l) l
+
+static inline vf splat(float x) {  /* x in every lane: one broadcast (0 + x would add first, for -0's sake) */
+    vf v = {x};
+    return __builtin_shufflevector(v, v, EACH(ZERO));
+}
+
+static inline vf iota(void) { return (vf){EACH(SAME)}; }  /* 0, 1, 2, ... */
+
+/* Block i's 32 weights as BLOCK / LANES vectors: d * q + m (Q4_1) or d * q (Q8_0). A Q4_1 block's bytes hold
+ * weights j (low 4 bits) and j + 16 (high); its weights take only 16 values, so with AVX-512 each weight is a
+ * lane permutation of those values by its q. */
+static inline __attribute__((always_inline)) void load_block(const void *p, long i, int type, vf *out) {
     float d, m;
     if (type == Q4_1) {
-        const uint8_t *block = (const uint8_t *)p + i * Q4_1_BYTES;
+        const uint8_t *block = (const uint8_t *)p + i * Q4_1_BYTES, *q = block + 8;
         memcpy(&d, block, 4), memcpy(&m, block + 4, 4);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        const f32x16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        __m512 values = (__m512)(d * q + m);
-        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
-        *low = (f32x16)_mm512_permutexvar_ps(bytes, values);  /* it reads each lane's low 4 bits */
-        *high = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+#if LANES == 16
+        __m512 values = (__m512)(splat(d) * iota() + m);
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        out[0] = (vf)_mm512_permutexvar_ps(bytes, values);  /* it reads each lane's low 4 bits */
+        out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 #else
-        *low = d * load_u4(block + 8, 0) + m;
-        *high = d * load_u4(block + 8, 1) + m;
+        for (int v = 0; v < BLOCK / LANES; v++)
+            out[v] = splat(d) * __builtin_convertvector(load_u4(q + v * LANES % 16, v * LANES >= 16), vf) + m;
 #endif
-    } else {
-        const uint8_t *block = (const uint8_t *)p + i * Q8_0_BYTES;
-        memcpy(&d, block, 4);
-        *low = d * load_i8((const int8_t *)block + 4);
-        *high = d * load_i8((const int8_t *)block + 4 + LANES);
+        return;
     }
+    const uint8_t *block = (const uint8_t *)p + i * Q8_0_BYTES;
+    memcpy(&d, block, 4);
+    for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(d) * load_i8((const int8_t *)block + 4 + v * LANES);
 }
 
-static inline f32x16 splat(float x) {  /* x in every lane: one broadcast (0 + x would add first, for -0's sake) */
-    return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-}
-
-static inline float sum_lanes(f32x16 v) {  /* halves added pairwise: a fixed order */
-    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+/* Lanes added pairwise, halves first: a fixed order. */
+static inline float sum_lanes(vf v) {
+#if LANES == 16
+    typedef float half __attribute__((vector_size(32)));
+    half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif LANES == 8
+    vf a = v;
+#endif
+#if LANES >= 8
+    typedef float quarter __attribute__((vector_size(16)));
+    quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+    vf b = v;
+#endif
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* sum_lanes of 16 vectors, lane i of the result from v[i]: each step adds the same pairs as sum_lanes, two
- * vectors' halves a time. */
-static inline f32x16 sum_lanes16(const f32x16 *v) {
-    f32x16 a[8], b[4], c[2];
+/* sum_lanes of LANES vectors, lane i of the result from v[i]: each step adds the same pairs as sum_lanes, two
+ * vectors' halves at a time (for ROWS * COLS = LANES accumulators). */
+#if LANES == 16
+#define SUM_ALL 1
+_Static_assert(ROWS * COLS == LANES, "one lane a tile's accumulator");
+static inline vf sum_lanes_of(const vf *v) {
+    vf a[8], b[4], c[2];
     for (int p = 0; p < 8; p++)
         a[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -188,26 +233,42 @@ static inline f32x16 sum_lanes16(const f32x16 *v) {
     return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-
-/* e^x in 16 lanes, for softmax and SiLU: e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2/2, and e^r a degree-6
+#elif LANES == 8
+#define SUM_ALL 1
+_Static_assert(ROWS * COLS == LANES, "one lane a tile's accumulator");
+static inline vf sum_lanes_of(const vf *v) {
+    vf b[4], c[2];
+    for (int p = 0; p < 4; p++)
+        b[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * p], v[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int p = 0; p < 2; p++)
+        c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(b[2 * p], b[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+#define SUM_ALL 0
+#endif
+/* e^x in every lane, for softmax and SiLU: e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2/2, and e^r a degree-6
  * polynomial (Cephes' expf), within 1 ulp of e^x (measured over [-87.3, 88]); 0 below -87.3, near the smallest
  * normal, and e^88 above 88 (finite: 2^n stays a float). expf one lane at a time was a third of batch-16
  * attention. */
-static inline f32x16 exp_lanes(f32x16 x) {
-    i32x16 seen = x >= -87.3f, big = x > 88.0f;
-    x = (f32x16)((i32x16)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
-    x = (f32x16)(((i32x16)x & ~big) | ((i32x16)splat(88.0f) & big));
-    f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
-    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 e = splat(1.9875691500e-4f);
+static inline vf exp_lanes(vf x) {
+    vi seen = x >= -87.3f, big = x > 88.0f;
+    x = (vf)((vi)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
+    x = (vf)(((vi)x & ~big) | ((vi)splat(88.0f) & big));
+    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf e = splat(1.9875691500e-4f);
     e = e * r + 1.3981999507e-3f;
     e = e * r + 8.3334519073e-3f;
     e = e * r + 4.1665795894e-2f;
     e = e * r + 1.6666665459e-1f;
     e = e * r + 5.0000001201e-1f;
     e = e * r * r + r + 1.0f;
-    f32x16 two_to_n = (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
-    return (f32x16)((i32x16)(e * two_to_n) & seen);
+    vf two_to_n = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return (vf)((vi)(e * two_to_n) & seen);
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -235,16 +296,16 @@ static inline void store(void *dst, long i, int type, float value) {
 
 static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
 
-static inline f32x16 round_lanes(int type, f32x16 v) {  /* round_to, 16 at a time */
+static inline vf round_lanes(int type, vf v) {  /* round_to, 16 at a time */
     if (type != BF16) return v;
-    u32x16 u = (u32x16)v, nan = (u32x16)(v != v);
+    vu u = (vu)v, nan = (vu)(v != v);
     u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
-    return (f32x16)((u & ~nan) | (0x7fc00000u & nan));
+    return (vf)((u & ~nan) | (0x7fc00000u & nan));
 }
 
-static inline void store_lanes(void *dst, long i, int type, f32x16 v) {  /* store, 16 at a time */
-    if (type == BF16) *(u16x16u *)((uint16_t *)dst + i) = __builtin_convertvector((u32x16)round_lanes(BF16, v) >> 16, u16x16);
-    else *(f32x16u *)((float *)dst + i) = v;
+static inline void store_lanes(void *dst, long i, int type, vf v) {  /* store, 16 at a time */
+    if (type == BF16) *(vu16u *)((uint16_t *)dst + i) = __builtin_convertvector((vu)round_lanes(BF16, v) >> 16, vu16);
+    else *(vfu *)((float *)dst + i) = v;
 }
 
 static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
@@ -264,21 +325,22 @@ static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahe
 static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
                                                             const int w_type, long b, const int c, long n, long K,
                                                             float *sums) {
-    f32x16 acc[COLS][ROWS] = {{{0}}};
-    if (w_type == Q4_1 || w_type == Q8_0) {  /* a block at a time; the same sums in the same order */
-        for (long k = 0; k < K; k += BLOCK) {
-            f32x16 low[ROWS], high[ROWS];
-            for (int j = 0; j < ROWS; j++) {
-                prefetch_weights(w, (n + j) * K + k, w_type);
-                load_block(w, ((n + j) * K + k) / BLOCK, w_type, &low[j], &high[j]);
+    vf acc[COLS][ROWS] = {{{0}}};
+    if (w_type == Q4_1 || w_type == Q8_0) {  /* a block at a time: each lane's sums in the float32 weights' order */
+        for (long k = 0; k < K; k += BLOCK)
+            for (int j0 = 0; j0 < ROWS; j0 += HELD) {
+                vf wv[HELD][BLOCK / LANES];
+                for (int j = 0; j < HELD; j++) {
+                    prefetch_weights(w, (n + j0 + j) * K + k, w_type);
+                    load_block(w, ((n + j0 + j) * K + k) / BLOCK, w_type, wv[j]);
+                }
+                for (int i = 0; i < c; i++)
+                    for (int v = 0; v < BLOCK / LANES; v++) {
+                        vf xv = load(x, (b + i) * K + k + v * LANES, x_type);
+                        IN_REGISTER(xv);
+                        for (int j = 0; j < HELD; j++) acc[i][j0 + j] += xv * wv[j][v];
+                    }
             }
-            for (int i = 0; i < c; i++) {
-                f32x16 x_low = load(x, (b + i) * K + k, x_type), x_high = load(x, (b + i) * K + k + LANES, x_type);
-                IN_REGISTER(x_low);
-                IN_REGISTER(x_high);
-                for (int j = 0; j < ROWS; j++) acc[i][j] = acc[i][j] + x_low * low[j] + x_high * high[j];
-            }
-        }
 #if BF16_PAIRS
     } else if (as_pairs(x_type, w_type)) {  /* no widening: the CPU multiplies bf16 pairs itself */
         for (long k = 0; k < K; k += 2 * LANES) {
@@ -290,30 +352,32 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             }
             for (int i = 0; i < c; i++) {
                 __m512bh xv = load_pairs((const uint16_t *)x + (b + i) * K + k, full);
-                for (int j = 0; j < ROWS; j++) acc[i][j] = (f32x16)_mm512_dpbf16_ps((__m512)acc[i][j], xv, wv[j]);
+                for (int j = 0; j < ROWS; j++) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, wv[j]);
             }
         }
 #endif
     } else {
         for (long k = 0; k < K; k += LANES) {
-            f32x16 wv[ROWS];
+            vf wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
                 prefetch_weights(w, (n + j) * K + k, w_type);
                 wv[j] = load(w, (n + j) * K + k, w_type);
                 IN_REGISTER(wv[j]);
             }
             for (int i = 0; i < c; i++) {
-                f32x16 xv = load(x, (b + i) * K + k, x_type);
+                vf xv = load(x, (b + i) * K + k, x_type);
                 IN_REGISTER(xv);
                 for (int j = 0; j < ROWS; j++) acc[i][j] += xv * wv[j];
             }
         }
     }
-    if (c == COLS) {  /* all 16 at once: the same additions as sum_lanes, in a third of the instructions */
-        f32x16 all = sum_lanes16((const f32x16 *)acc);
+#if SUM_ALL
+    if (c == COLS) {  /* all at once: the same additions as sum_lanes, in a third of the instructions */
+        vf all = sum_lanes_of((const vf *)acc);
         for (int i = 0; i < c; i++) memcpy(sums + (b + i) * LANES, (const float *)&all + i * ROWS, sizeof(float) * ROWS);
         return;
     }
+#endif
     for (int i = 0; i < c; i++)
         for (int j = 0; j < ROWS; j++) sums[(b + i) * LANES + j] = sum_lanes(acc[i][j]);
 }
@@ -325,13 +389,12 @@ static inline __attribute__((always_inline)) void widen_rows(const void *w, cons
         if (w_type == Q4_1 || w_type == Q8_0) {
             for (long k = 0; k < K; k += BLOCK) {
                 prefetch_weights(w, (n + j) * K + k, w_type);
-                load_block(w, ((n + j) * K + k) / BLOCK, w_type, (f32x16 *)(wide + j * K + k),
-                           (f32x16 *)(wide + j * K + k + LANES));
+                load_block(w, ((n + j) * K + k) / BLOCK, w_type, (vf *)(wide + j * K + k));
             }
         } else {
             for (long k = 0; k < K; k += LANES) {
                 prefetch_weights(w, (n + j) * K + k, w_type);
-                *(f32x16 *)(wide + j * K + k) = load(w, (n + j) * K + k, w_type);
+                *(vf *)(wide + j * K + k) = load(w, (n + j) * K + k, w_type);
             }
         }
 }
@@ -349,10 +412,12 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
     long b = 0;
     for (; b + COLS <= B; b += COLS)  /* this block of weights stays in L1 across the batch */
         dot_block(x, x_type, w, w_type, b, COLS, n, K, sums);
-    switch (B - b) {
+    switch (B - b) {  /* the rest, fewer than COLS */
     case 1: dot_block(x, x_type, w, w_type, b, 1, n, K, sums); break;
+#if COLS == 4
     case 2: dot_block(x, x_type, w, w_type, b, 2, n, K, sums); break;
     case 3: dot_block(x, x_type, w, w_type, b, 3, n, K, sums); break;
+#endif
     }
 }
 
@@ -387,7 +452,7 @@ static void products(const void *x, int x_type, int type, int count, const void 
         float sums[B * LANES];
         dot_rows(x, x_type, w[m], w_type, B, n, K, sums);
         for (long b = 0; b < B; b++) {
-            f32x16 value = load_f32(sums + b * LANES);
+            vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
             if (add) value = load(y[m], b * N[m] + n, type) + round_lanes(type, value);
             store_lanes(y[m], b * N[m] + n, type, value);
@@ -481,9 +546,9 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
             for (int j = 0; j < n; j++) p[j * P + s] = -INFINITY;
             continue;
         }
-        f32x16 acc[MAX_GROUP] = {{0}};
+        vf acc[MAX_GROUP] = {{0}};
         for (long d = 0; d < D; d += LANES) {
-            f32x16 key = load(k, s * D + d, type);
+            vf key = load(k, s * D + d, type);
             for (int j = 0; j < n; j++) acc[j] += load_f32(qv + j * D + d) * key;
         }
         for (int j = 0; j < n; j++) {
@@ -492,19 +557,19 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         }
     }
     for (int j = 0; j < n; j++) {
-        f32x16 sum = {0};
+        vf sum = {0};
         for (long s = 0; s < P; s += LANES) {
-            f32x16 e = exp_lanes(load_f32(p + j * P + s) - top[j]);
-            *(f32x16u *)(p + j * P + s) = e;
+            vf e = exp_lanes(load_f32(p + j * P + s) - top[j]);
+            *(vfu *)(p + j * P + s) = e;
             sum += e;
         }
         total[j] = sum_lanes(sum);
     }
-    f32x16 o[MAX_GROUP][MAX_HEAD_DIM / LANES] = {{{0}}};
+    vf o[MAX_GROUP][MAX_HEAD_DIM / LANES] = {{{0}}};
     for (long s = 0; s < S; s++) {
         if (seen ? !seen[s] : s > last) continue;
         for (long d = 0; d < D; d += LANES) {
-            f32x16 value = load(v, s * D + d, type);
+            vf value = load(v, s * D + d, type);
             for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * P + s] * value;
         }
     }
@@ -608,11 +673,11 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         dot_rows(m->h, in, w->gate_proj, w->w_type, R, n, C, g);
         dot_rows(m->h, in, w->up_proj, w->w_type, R, n, C, u);
         for (long r = 0; r < R; r++) {
-            f32x16 gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
+            vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
             if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
             gv = round_lanes(type, gv), uv = round_lanes(type, uv);
-            f32x16 silu = round_lanes(type, gv / (1.0f + exp_lanes(-gv)));  /* g / (1 + e^-g) */
+            vf silu = round_lanes(type, gv / (1.0f + exp_lanes(-gv)));  /* g / (1 + e^-g) */
             store_lanes(m->a, r * I + n, in, round_lanes(type, silu * uv));
         }
     }
@@ -655,10 +720,11 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
 
 /* A prompt's causal self-attention: every query sees the keys up to its own position. torch's kernel scores a
  * prompt of up to 512 tokens against all of its keys, then masks half of them; here only the seen half is
- * computed. Scores are outer products: a query's element times 64 keys' (K transposed once, to (D, slots);
- * in bf16 with AVX512-BF16, a pair of elements times 64 keys' pairs), so no dot product is summed across
+ * computed. Scores are outer products: a query's element times KEYS vectors of keys' (K transposed once, to
+ * (D, slots); in bf16 with AVX512-BF16, a pair of elements times 64 keys' pairs), so no dot product is summed across
  * lanes; softmax and the weighted sum of V in float32, as in attend(). */
 #define Q_TILE 32  /* query rows (of one K/V head's group of heads) a thread takes at a time */
+#define KEYS COLS  /* vectors of keys (of V's elements) a tile of 4 query rows takes at once: 4 * KEYS sums */
 
 /* Element i of a head's row as one 32-bit word: a float32, or with bf16 pairs, elements i and i + 1. */
 static inline float word_at(const void *p, long i, int type, int pairs) {
@@ -668,14 +734,14 @@ static inline float word_at(const void *p, long i, int type, int pairs) {
     return word;
 }
 
-/* p (4, P) from column s on: 4 query rows (4, W) against nv * 16 keys' columns of kt (W, P), times scale. W
+/* p (4, P) from column s on: 4 query rows (4, W) against nv * LANES keys' columns of kt (W, P), times scale. W
  * words of D elements: floats, or with `pairs` bf16 pairs, each pair of products added by the CPU at once. */
 static inline __attribute__((always_inline)) void score_tile(const float *qf, const float *kt, long P, long W,
                                                              long s, const int nv, float scale, float *p,
                                                              const int pairs) {
-    f32x16 acc[4][4] = {{{0}}};
+    vf acc[4][KEYS] = {{{0}}};
     for (long d = 0; d < W; d++) {
-        f32x16 key[4];
+        vf key[KEYS];
         for (int c = 0; c < nv; c++) {
             key[c] = load_f32(kt + d * P + s + c * LANES);
             if (!pairs) IN_REGISTER(key[c]);  /* else GCC loads each key vector once per query row */
@@ -687,16 +753,16 @@ static inline __attribute__((always_inline)) void score_tile(const float *qf, co
                 memcpy(&word, qf + r * W + d, sizeof word);
                 __m512bh query = (__m512bh)_mm512_set1_epi32(word);
                 for (int c = 0; c < nv; c++)
-                    acc[r][c] = (f32x16)_mm512_dpbf16_ps((__m512)acc[r][c], query, (__m512bh)(__m512i)key[c]);
+                    acc[r][c] = (vf)_mm512_dpbf16_ps((__m512)acc[r][c], query, (__m512bh)(__m512i)key[c]);
                 continue;
             }
 #endif
-            f32x16 query = splat(qf[r * W + d]);
+            vf query = splat(qf[r * W + d]);
             for (int c = 0; c < nv; c++) acc[r][c] += query * key[c];
         }
     }
     for (int r = 0; r < 4; r++)
-        for (int c = 0; c < nv; c++) *(f32x16u *)(p + r * P + s + c * LANES) = acc[r][c] * scale;
+        for (int c = 0; c < nv; c++) *(vfu *)(p + r * P + s + c * LANES) = acc[r][c] * scale;
 }
 
 /* out (B, T, H, D) = causal attention of q (B, T, H, D) over k, v (B, KVH, T, D) with element strides
@@ -736,53 +802,53 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
                                           : 0;
             float total[Q_TILE];
             long s = 0;  /* keys outer: their block of kt stays in L1 for all the rows */
-            for (; s + 4 * LANES <= seen; s += 4 * LANES)
+            for (; s + KEYS * LANES <= seen; s += KEYS * LANES)
                 for (long r = 0; r < Q_TILE; r += 4)
-                    pairs ? score_tile(qf + r * W, kt_head, P, W, s, 4, scale, p + r * P, 1)
-                          : score_tile(qf + r * W, kt_head, P, W, s, 4, scale, p + r * P, 0);
+                    pairs ? score_tile(qf + r * W, kt_head, P, W, s, KEYS, scale, p + r * P, 1)
+                          : score_tile(qf + r * W, kt_head, P, W, s, KEYS, scale, p + r * P, 0);
             for (; s < seen; s += LANES)
                 for (long r = 0; r < Q_TILE; r += 4)
                     pairs ? score_tile(qf + r * W, kt_head, P, W, s, 1, scale, p + r * P, 1)
                           : score_tile(qf + r * W, kt_head, P, W, s, 1, scale, p + r * P, 0);
-            const f32x16 slot = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            const vf slot = iota();
             for (long r = 0; r < n; r++) {  /* softmax over the keys up to the query's position */
                 const float t = (float)((r0 + r) / G);  /* exact: T is far below 2^24 */
                 float *row = p + r * P;
-                const i32x16 minus_inf = (i32x16)splat(-INFINITY);
-                i32x16 most = minus_inf;
+                const vi minus_inf = (vi)splat(-INFINITY);
+                vi most = minus_inf;
                 for (long s = 0; s < seen; s += LANES) {
-                    i32x16 unseen = slot + (float)s > t;
-                    i32x16 score = ((i32x16)load_f32(row + s) & ~unseen) | (minus_inf & unseen);
-                    *(f32x16u *)(row + s) = (f32x16)score;
-                    i32x16 bigger = (f32x16)score > (f32x16)most;
+                    vi unseen = slot + (float)s > t;
+                    vi score = ((vi)load_f32(row + s) & ~unseen) | (minus_inf & unseen);
+                    *(vfu *)(row + s) = (vf)score;
+                    vi bigger = (vf)score > (vf)most;
                     most = (score & bigger) | (most & ~bigger);
                 }
-                float top = ((f32x16)most)[0];
-                for (int l = 1; l < LANES; l++) top = ((f32x16)most)[l] > top ? ((f32x16)most)[l] : top;
-                f32x16 sum = {0};
+                float top = ((vf)most)[0];
+                for (int l = 1; l < LANES; l++) top = ((vf)most)[l] > top ? ((vf)most)[l] : top;
+                vf sum = {0};
                 for (long s = 0; s < seen; s += LANES) {
-                    f32x16 e = exp_lanes(load_f32(row + s) - top);
-                    *(f32x16u *)(row + s) = e;
+                    vf e = exp_lanes(load_f32(row + s) - top);
+                    *(vfu *)(row + s) = e;
                     sum += e;
                 }
                 total[r] = sum_lanes(sum);
             }
             const char *v_head = (const char *)v + (b * v_stride[0] + g * v_stride[1]) * size;
-            for (long r = 0; r < n; r += 4)  /* 4 rows' weighted sums of V, 64 of D at a time */
-                for (long d0 = 0; d0 < D; d0 += 4 * LANES) {
-                    f32x16 acc[4][4] = {{{0}}};
+            for (long r = 0; r < n; r += 4)  /* 4 rows' weighted sums of V, KEYS * LANES of D at a time */
+                for (long d0 = 0; d0 < D; d0 += KEYS * LANES) {
+                    vf acc[4][KEYS] = {{{0}}};
                     long last = (r0 + (r + 3 < n ? r + 3 : n - 1)) / G;
                     for (long s = 0; s <= last; s++) {
-                        f32x16 value[4];
-                        for (int c = 0; c < 4; c++) value[c] = load(v_head, s * v_stride[2] + d0 + c * LANES, type);
+                        vf value[KEYS];
+                        for (int c = 0; c < KEYS; c++) value[c] = load(v_head, s * v_stride[2] + d0 + c * LANES, type);
                         for (int j = 0; j < 4; j++) {
-                            f32x16 weight = splat(p[(r + j) * P + s]);
-                            for (int c = 0; c < 4; c++) acc[j][c] += weight * value[c];
+                            vf weight = splat(p[(r + j) * P + s]);
+                            for (int c = 0; c < KEYS; c++) acc[j][c] += weight * value[c];
                         }
                     }
                     for (int j = 0; j < 4 && r + j < n; j++) {
                         long row = r0 + r + j, at = ((b * T + row / G) * H + g * G + row % G) * D + d0;
-                        for (int c = 0; c < 4; c++) store_lanes(out, at + c * LANES, type, acc[j][c] / total[r + j]);
+                        for (int c = 0; c < KEYS; c++) store_lanes(out, at + c * LANES, type, acc[j][c] / total[r + j]);
                     }
                 }
         }
@@ -799,7 +865,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
 void silu_mul(const void *gate, const void *up, void *out, int type, long n) {
 #pragma omp parallel for schedule(static)
     for (long i = 0; i < n; i += LANES) {
-        f32x16 g = load(gate, i, type);
+        vf g = load(gate, i, type);
         store_lanes(out, i, type, round_lanes(type, g / (1.0f + exp_lanes(-g))) * load(up, i, type));
     }
 }
@@ -812,7 +878,7 @@ void rope_rows(const void *x, const void *cos, const void *sin, void *out, int t
     for (long i = 0; i < R * heads; i++) {
         const long at = i * D, angle = i / heads * D;
         for (long d = 0; d < half; d += LANES) {
-            f32x16 x1 = load(x, at + d, type), x2 = load(x, at + d + half, type);
+            vf x1 = load(x, at + d, type), x2 = load(x, at + d + half, type);
             store_lanes(out, at + d, type, round_lanes(type, x1 * load(cos, angle + d, type)) +
                                                round_lanes(type, -x2 * load(sin, angle + d, type)));
             store_lanes(out, at + d + half, type, round_lanes(type, x2 * load(cos, angle + d + half, type)) +
@@ -825,9 +891,9 @@ void rope_rows(const void *x, const void *cos, const void *sin, void *out, int t
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
 #pragma omp parallel for schedule(static)
     for (long r = 0; r < R; r++) {
-        f32x16 squares = {0};
+        vf squares = {0};
         for (long c = 0; c < C; c += LANES) {
-            f32x16 v = load(x, r * C + c, type);
+            vf v = load(x, r * C + c, type);
             squares += v * v;
         }
         float inv = 1.0f / sqrtf(sum_lanes(squares) / C + eps);
