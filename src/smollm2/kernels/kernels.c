@@ -93,11 +93,7 @@ static inline vf load_bf16(const uint16_t *p) {
 static inline vf load_i8(const int8_t *p) {
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline vi load_u4(const uint8_t *p, int high) {  /* 8 bytes' low or high 4 bits */
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
-    if (high) bytes = _mm_srli_epi16(bytes, 4);
-    return (vi)_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(15)));
-}
+static inline vi load_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 #elif defined(__SSE2__)  /* no widening moves before SSE4.1: a narrow integer goes to a lane's top by unpacking */
 #include <emmintrin.h>
 static inline vf load_f32(const float *p) { return (vf)_mm_loadu_ps(p); }
@@ -111,10 +107,10 @@ static inline vf load_i8(const int8_t *p) {
                                                                       _mm_unpacklo_epi8(_mm_setzero_si128(), bytes));
     return _mm_cvtepi32_ps(_mm_srai_epi32(top, 24));  /* each byte at its lane's top, sign-extended down */
 }
-static inline vi load_u4(const uint8_t *p, int high) {  /* 4 bytes' low or high 4 bits */
+static inline vi load_u8(const uint8_t *p) {
     int32_t four;
     memcpy(&four, p, 4);
-    __m128i bytes = _mm_cvtsi32_si128(high ? (four >> 4) & 0x0f0f0f0f : four & 0x0f0f0f0f);
+    __m128i bytes = _mm_cvtsi32_si128(four);
     return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(bytes, _mm_setzero_si128()), _mm_setzero_si128());
 }
 #else  /* NEON and others: the vector extensions' conversions (widening moves on NEON) */
@@ -125,10 +121,7 @@ static inline vf load_bf16(const uint16_t *p) {
 static inline vf load_i8(const int8_t *p) {
     return __builtin_convertvector(__builtin_convertvector(*(const vi8u *)p, vi), vf);
 }
-static inline vi load_u4(const uint8_t *p, int high) {
-    vu8u bytes = *(const vu8u *)p;
-    return __builtin_convertvector(high ? bytes >> 4 : bytes & 15, vi);
-}
+static inline vi load_u8(const uint8_t *p) { return __builtin_convertvector(*(const vu8u *)p, vi); }
 #endif
 
 /* With AVX512-BF16, a product of bf16 weights and bf16 activations multiplies 32 pairs an instruction, each
@@ -186,8 +179,11 @@ static inline __attribute__((always_inline)) void load_block(const void *p, long
         out[0] = (vf)_mm512_permutexvar_ps(bytes, values);  /* it reads each lane's low 4 bits */
         out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 #else
-        for (int v = 0; v < BLOCK / LANES; v++)
-            out[v] = splat(d) * __builtin_convertvector(load_u4(q + v * LANES % 16, v * LANES >= 16), vf) + m;
+        for (int v = 0; v < 16 / LANES; v++) {  /* a byte's two weights from one widened load */
+            vi bytes = load_u8(q + v * LANES);
+            out[v] = splat(d) * __builtin_convertvector(bytes & 15, vf) + m;
+            out[v + 16 / LANES] = splat(d) * __builtin_convertvector(bytes >> 4, vf) + m;
+        }
 #endif
         return;
     }
