@@ -309,7 +309,7 @@ def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype, monkeypatch):
     gguf-py does (and, for Q4_K/Q5_K/Q6_K, as a transcription of ggml's C code does), and as transformers.
     The logits are compared on torch's path, whose roundings are transformers': the crafted weights are
     large (logits up to ~70), so the kernels' other summation orders move them by ~1e-3."""
-    monkeypatch.setattr(kernels, "enabled", False)
+    monkeypatch.setattr(kernels.choices, "mode", "off")
     config = dataclasses.replace(GQA, hidden_size=256, intermediate_size=256, num_hidden_layers=1, head_dim=None,
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     model = tiny_model(config)

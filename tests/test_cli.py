@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import DATA
 
-from smollm2 import Tokenizer
+from smollm2 import Tokenizer, kernels
 from smollm2.cli import main
 
 
@@ -120,3 +120,23 @@ def test_bench_beside_transformers(tiny_dir, capsys):
     assert "--batch-size" in one_error_line(capsys.readouterr().err)
     assert main(["bench", "--model", str(tiny_dir / "missing")]) == 1  # found out in the system's own process
     assert "missing" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
+def test_bench_says_what_ran_each_operation(tiny_dir, capsys, monkeypatch, tmp_path):
+    """Measured in smollm2's own process (SMOLLM2_KERNELS=auto), its choices come back with its speeds."""
+    built = kernels.cache_dir() / f"kernels-{kernels.build_key()}.so"
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / built.name).symlink_to(built)  # not built again: only the choices' file is new
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SMOLLM2_KERNELS", "auto")
+    args = ["bench", "--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kernels"] == "auto"
+    steps = [c for c in result["kernel_choices"] if c["op"] == "blocks"]  # an 8-token prompt is a step, too
+    assert [c["rows"] for c in steps] == [8, 1] and all(c["winner"] in ("kernel", "torch") for c in steps)
+    assert steps[1]["text"].startswith("decode step, 2 blocks, 1 row, float32 reading float32: ")
+    assert list(tmp_path.glob("smollm2/choices-*.json"))
+    assert main(args) == 0  # decided by the file this time
+    assert steps[1]["text"].split(":")[0] in capsys.readouterr().out

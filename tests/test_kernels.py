@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import platform
 import subprocess
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from smollm2 import SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.engine import decode_step
 from smollm2.generation.quantize import quantize_int8
+from smollm2.kernels.choosing import Choices, Key
 
 pytestmark = pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
 
@@ -34,8 +37,13 @@ def inference():
 def plain(monkeypatch):
     """Run the code inside with torch's kernels only."""
     def off():
-        monkeypatch.setattr(kernels, "enabled", False)
+        monkeypatch.setattr(kernels.choices, "mode", "off")
     return off
+
+
+def on_torch():
+    """plain() for a kernel's function: says that it ran."""
+    return "torch"
 
 
 def weights(dtype, N=96, K=64):
@@ -150,7 +158,7 @@ def test_prompt_attention_matches_torch(dtype, B, T, H, KVH, D):
     """Causal attention of a prompt's rows against torch's, keys and values read in place from a longer cache."""
     q = torch.randn(B, T, H, D, dtype=dtype)
     k, v = (torch.randn(B, KVH, T + 5, D, dtype=dtype)[:, :, :T] for _ in range(2))
-    got = kernels.prompt_attention(q, k, v)
+    got = kernels.prompt_attention(q, k, v, on_torch)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
     torch.testing.assert_close(got.float(), want.float(), **tol)
@@ -163,21 +171,23 @@ def test_prompt_elementwise_steps_match_torch(dtype):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
-    torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, **tol)
-    torch.testing.assert_close(kernels.rope(x, cos, sin), x * cos + torch.cat([-x2, x1], dim=-1) * sin, **tol)
+    torch.testing.assert_close(kernels.silu_mul(gate, up, on_torch), F.silu(gate) * up, **tol)
+    torch.testing.assert_close(kernels.rope(x, cos, sin, on_torch), x * cos + torch.cat([-x2, x1], dim=-1) * sin,
+                               **tol)
     weight = torch.randn(96, dtype=dtype)
     h = gate.float() * torch.rsqrt(gate.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(kernels.rms_norm(gate, weight, 1e-5), weight * h.to(dtype), **tol)
-    assert kernels.silu_mul(gate[:, :8], up[:, :8]) is None  # a decoding step's few rows: kernels.blocks' work
-    assert kernels.rope(x[..., :16], cos[..., :16], sin[..., :16]) is None  # head size off 32
+    torch.testing.assert_close(kernels.rms_norm(gate, weight, 1e-5, on_torch), weight * h.to(dtype), **tol)
+    assert kernels.silu_mul(gate[:, :8], up[:, :8], on_torch) == "torch"  # a decoding step's few rows: blocks' work
+    assert kernels.rope(x[..., :16], cos[..., :16], sin[..., :16], on_torch) == "torch"  # head size off 32
 
 
 def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
     q, k = torch.randn(1, 40, 4, 64), torch.randn(1, 2, 40, 64)
-    assert kernels.prompt_attention(q[:, :16], k[:, :, :16], k[:, :, :16]) is None  # a few rows: decoding
-    assert kernels.prompt_attention(q[..., :32], k[..., :32], k[..., :32]) is None  # head size off 64
+    assert kernels.prompt_attention(q[:, :16], k[:, :, :16], k[:, :, :16], on_torch) == "torch"  # a few rows
+    assert kernels.prompt_attention(q[..., :32], k[..., :32], k[..., :32], on_torch) == "torch"  # head size off 64
     with torch.inference_mode(False):  # training
-        assert kernels.prompt_attention(torch.randn(1, 40, 4, 64, requires_grad=True), k.clone(), k.clone()) is None
+        assert kernels.prompt_attention(torch.randn(1, 40, 4, 64, requires_grad=True), k.clone(), k.clone(),
+                                        on_torch) == "torch"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
@@ -313,3 +323,130 @@ def test_the_kernels_compile_for_other_x86_cpus(march, tmp_path):
     built = subprocess.run([os.environ.get("CC", "cc"), *flags, str(kernels.SOURCE), "-o", str(tmp_path / "k.so"),
                             "-lm"], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
+
+
+# The choice between kernel and torch: in "auto" mode the faster runs, measured on the first call of each kind.
+
+KEY = Key("rms_norm", "float32", None, 64, 2, (96,))
+
+
+def measuring(tmp_path) -> Choices:
+    return Choices("auto", lambda: tmp_path / "choices.json")
+
+
+def side(name: str, calls: list, seconds: float = 0.0):
+    """A kernel() or plain() that takes `seconds`, notes each call in `calls` and returns its name."""
+    def run():
+        calls.append(name)
+        time.sleep(seconds)
+        return name
+    return run
+
+
+def test_the_faster_side_is_picked_and_runs_last(tmp_path):
+    choices, calls = measuring(tmp_path), []
+    assert choices.pick(KEY, side("kernel", calls, 0.002), side("torch", calls)) == "torch"
+    assert calls[-1] == "torch"  # what it writes (a KV cache) is what stays
+    assert choices.made[KEY].winner == "torch" and choices.made[KEY].kernel_s > choices.made[KEY].torch_s >= 0
+    assert (calls.count("kernel"), calls.count("torch")) == (1 + 3, 1 + 3 + 1)  # warm-up, timed runs, winner
+    prompt = KEY._replace(rows=128)
+    assert choices.pick(prompt, side("kernel", calls), side("torch", calls, 0.002)) == "kernel"
+    assert calls[-1] == "kernel" and choices.made[prompt].winner == "kernel"
+
+
+def test_a_known_kind_is_not_measured_again(tmp_path):
+    choices = measuring(tmp_path)
+    choices.pick(KEY, side("kernel", []), side("torch", [], 0.002))
+    calls = []
+    assert [choices.pick(KEY, side("kernel", calls), side("torch", calls)) for _ in range(3)] == ["kernel"] * 3
+    assert calls == ["kernel"] * 3
+    later = measuring(tmp_path)  # another process: the file's choice
+    assert later.pick(KEY, side("kernel", calls), side("torch", calls)) == "kernel"
+    assert calls == ["kernel"] * 4 and later.made == choices.made
+
+
+def test_choices_round_trip_through_their_file(tmp_path):
+    ours, theirs = measuring(tmp_path), measuring(tmp_path)  # two processes, each measuring its own kinds
+    product = Key("linear", "bfloat16", "Q4_1 blocks", 1, 4, (576, 576, 192, 192))
+    step = Key("blocks", "float32", "int8", 16, 4, (30, 576, 9, 3, 64, 1536))
+    ours.pick(KEY, side("kernel", []), side("torch", [], 0.002))
+    ours.pick(product, side("kernel", [], 0.002), side("torch", []))
+    theirs.pick(step, side("kernel", []), side("torch", [], 0.002))
+    assert measuring(tmp_path).read() == {**ours.made, **theirs.made}  # each kept the other's
+    assert [choice["text"] for choice in ours.report()] == [
+        f"RMSNorm of 96, 33-64 rows, float32: kernel (kernel {ours.made[KEY].kernel_s * 1e3:.3g} ms vs torch "
+        f"{ours.made[KEY].torch_s * 1e3:.3g} ms)",
+        f"product 576 -> 576+192+192, 1 row, bfloat16 reading Q4_1 blocks: torch (kernel "
+        f"{ours.made[product].kernel_s * 1e3:.3g} ms vs torch {ours.made[product].torch_s * 1e3:.3g} ms)"]
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1]", '{"op": "rms_norm"}', '[{"op": "rms_norm"}]',
+                                  '[{"op": "rms_norm", "dtype": "float32", "weights": null, "rows": 64, "threads": 2, '
+                                  '"sizes": [96], "winner": "neither", "kernel_s": 1, "torch_s": 2}]'])
+def test_a_corrupt_file_is_measured_again(tmp_path, text):
+    (tmp_path / "choices.json").write_text(text)
+    choices, calls = measuring(tmp_path), []
+    assert choices.pick(KEY, side("kernel", calls), side("torch", calls, 0.002)) == "kernel"
+    assert calls.count("torch") == 1 + 3
+    assert measuring(tmp_path).read() == choices.made  # and written anew
+
+
+def test_a_file_that_cannot_be_written_does_not_stop_inference(tmp_path):
+    (tmp_path / "a-file").write_text("")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for where in (lambda: tmp_path / "a-file" / "choices.json", no_home):
+        choices = Choices("auto", where)
+        assert choices.pick(KEY, side("kernel", []), side("torch", [], 0.002)) == "kernel"
+        assert choices.made[KEY].winner == "kernel"  # for this process still
+
+
+def test_the_modes_do_what_they_say(tmp_path):
+    for mode, ran in (("on", "kernel"), ("off", "torch")):
+        choices, calls = Choices(mode, lambda: tmp_path / "choices.json"), []
+        slow_kernel = choices.pick(KEY, side("kernel", calls, 0.002), side("torch", calls))
+        slow_torch = choices.pick(KEY, side("kernel", calls), side("torch", calls, 0.002))
+        assert slow_kernel == slow_torch == ran and calls == [ran, ran] and not choices.made
+    for mode in ("auto", "on"):  # a kernel that cannot run: torch, and nothing decided
+        choices = Choices(mode, lambda: tmp_path / "choices.json")
+        assert choices.pick(KEY, lambda: None, on_torch) == "torch" and not choices.made
+    assert not (tmp_path / "choices.json").exists()
+    choices = measuring(tmp_path)
+    with choices.forced(False):
+        assert choices.pick(KEY, side("kernel", []), on_torch) == "torch"
+    with choices.forced(True):
+        assert choices.pick(KEY, side("kernel", []), on_torch) == "kernel"
+    assert choices.mode == "auto" and not choices.made
+
+
+def test_torch_always_leaves_every_kernel_unused():
+    x, w, model = torch.randn(2, 40, 96), torch.randn(32, 96), tiny("gqa", "float32")
+    cache = model.new_cache(1, 8)
+
+    def decoding_step():
+        return kernels.blocks(model.model.layers, torch.randn(1, 1, 64), (torch.ones(1, 1, 1, 16),) * 2, None,
+                              cache.view(length=1), torch.tensor([0]), on_torch)
+
+    with kernels.choices.forced(False):
+        assert kernels.rms_norm(x, torch.ones(96), 1e-5, on_torch) == "torch"
+        assert kernels.silu_mul(x, x, on_torch) == "torch"
+        assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
+        assert decoding_step() is None  # the model runs its own loop
+    assert decoding_step().shape == (1, 1, 64)  # the kernel always, as tests run
+
+
+def test_measured_choices_give_the_kernels_tokens(monkeypatch, tmp_path):
+    """A tiny model whose heads fit every kernel generates the same tokens when its operations are measured
+    (on the first call of each kind), and whichever side won each."""
+    model = tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64))
+    prompts = [list(range(5, 29)), list(range(40, 64))]  # 24 tokens each: a prompt's kernels run too
+    want = generate(model, prompts, 8, eos_token_id=None)  # the kernels wherever they run
+    monkeypatch.setattr(kernels, "choices", measuring(tmp_path))
+    assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
+    made = kernels.choices.made
+    assert {key.op for key in made} == {"linear", "blocks", "prompt_attention", "rms_norm", "rope", "silu_mul"}
+    for winner in ("kernel", "torch"):
+        kernels.choices.made = {key: choice._replace(winner=winner) for key, choice in made.items()}
+        assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)

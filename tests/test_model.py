@@ -101,7 +101,7 @@ def test_rope_angles_float32_from_integer_positions_in_bf16():
 def test_rmsnorm_accumulates_in_float32_for_bf16(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    monkeypatch.setattr(kernels, "enabled", False)  # the formula itself; tests/test_kernels.py checks the kernel
+    monkeypatch.setattr(kernels.choices, "mode", "off")  # the formula itself; tests/test_kernels.py checks the kernel
 
     torch.manual_seed(0)
     dim = 576

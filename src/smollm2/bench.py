@@ -109,7 +109,8 @@ def serve_runs(make: Callable, device: str, conn) -> None:
     except SmolError as e:  # bad input: the parent says it in one line
         conn.send(e)
         return
-    conn.send((facts, warm_up(run, device)))
+    peak = warm_up(run, device)
+    conn.send((facts(), peak))
     while conn.recv():
         conn.send(one_run(run, device))
 
@@ -118,9 +119,9 @@ def timed_apart(systems: list[tuple[str, Callable]], shape: tuple[int, int], new
                 device: str) -> tuple[list[Speed], dict]:
     """As timed(), but each system in a process of its own, as its users run it: one system's memory churn
     (pages it freed, which the next must fault in again: ~10% of a prefill) and peak do not fall on another.
-    Here make() returns (run, facts), facts a dict of what the system reports about itself; it runs in the
-    system's process, so it must be a module-level function or a functools.partial of one. Returns the
-    speeds and every system's facts, merged."""
+    Here make() returns (run, facts), facts() a dict of what the system reports about itself after its warm-up
+    run (the choices it made in it, say); make runs in the system's process, so it must be a module-level
+    function or a functools.partial of one. Returns the speeds and every system's facts, merged."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or CUDA state
     processes, runs, peaks, facts = [], {}, {}, {}
 

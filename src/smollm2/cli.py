@@ -165,8 +165,12 @@ def bench_ours(args):
 
     model = load_model(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    return (bench.ours(model, prompt, args.new_tokens, args.compile),
-            dict(weights_read=kernels.streamed_format(model.model.layers)))  # what our decoding steps read
+
+    def facts():  # after the warm-up run, which chose between the kernels and torch
+        return dict(weights_read=kernels.streamed_format(model.model.layers),  # what our decoding steps read
+                    kernels=kernels.choices.mode, kernel_choices=kernels.choices.report())
+
+    return bench.ours(model, prompt, args.new_tokens, args.compile), facts
 
 
 def bench_transformers(args):
@@ -175,7 +179,7 @@ def bench_transformers(args):
 
     model = load_model(argparse.Namespace(**{**vars(args), "quantize": None}))
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    return bench.transformers(model, prompt, args.new_tokens), {}
+    return bench.transformers(model, prompt, args.new_tokens), lambda: {}
 
 
 def bench(args):
@@ -193,13 +197,16 @@ def bench(args):
                                     args.device)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
                  weights_read=facts["weights_read"], compile=args.compile,
-                 device=args.device, threads=torch.get_num_threads(),
+                 device=args.device, threads=torch.get_num_threads(), kernels=facts["kernels"],
                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
-        print(json.dumps({**setup, "results": bench.as_dict(rows)}))
+        print(json.dumps({**setup, "results": bench.as_dict(rows), "kernel_choices": facts["kernel_choices"]}))
     else:
         print(", ".join(f"{k}={v}" for k, v in setup.items()))
         print(bench.table(rows))
+        if facts["kernel_choices"]:
+            print("smollm2's operations, on the kernel or torch, whichever was faster here:")
+            print("\n".join(f"  {choice['text']}" for choice in facts["kernel_choices"]))
 
 
 def serve(args):

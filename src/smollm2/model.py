@@ -31,8 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := kernels.rms_norm(x, self.weight, self.eps)) is not None:  # a prompt on the CPU: one pass, not six
-            return y
+        return kernels.rms_norm(x, self.weight, self.eps, lambda: self.plain(x))  # a CPU prompt: one pass, not six
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         # Accumulate in float32: bf16 squares lose most of their digits.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -54,10 +55,11 @@ def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Te
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, heads, hd); cos, sin: (B, T, 1, hd). Rotate-half layout: pairs are (i, i + hd/2).
-    if (y := kernels.rope(x, cos, sin)) is not None:  # a prompt on the CPU: one pass, not five
-        return y
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def plain():
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    return kernels.rope(x, cos, sin, plain)  # a prompt on the CPU: one pass, not five
 
 
 class KVCache:
@@ -142,11 +144,14 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
         if last_only:  # every key is written; the last query alone sees them all, and needs no causal mask
             q, mask = q[:, -1:], None if mask is None else mask[:, :, -1:]
-        y = kernels.prompt_attention(q, k, v) if mask is None else None  # a prompt on the CPU: the causal half
-        if y is None:  # enable_gqa shares each K/V head with its group of query heads without copying them.
+
+        def plain():  # enable_gqa shares each K/V head with its group of query heads without copying them.
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                is_causal=mask is None and not last_only,
-                                               enable_gqa=self.n_kv != self.n_heads).transpose(1, 2)  # (B, T, nh, hd)
+                                               enable_gqa=self.n_kv != self.n_heads)
+            return y.transpose(1, 2)  # (B, T, nh, hd)
+
+        y = plain() if mask is not None else kernels.prompt_attention(q, k, v, plain)  # a CPU prompt: the causal half
         return self.o_proj(y.reshape(B, q.shape[1], self.n_heads * self.head_dim))
 
 
@@ -160,8 +165,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.gate_proj, self.up_proj)
-        a = kernels.silu_mul(gate, up)  # a prompt on the CPU: one pass, not two
-        return self.down_proj(F.silu(gate) * up if a is None else a)  # SwiGLU
+        return self.down_proj(kernels.silu_mul(gate, up, lambda: F.silu(gate) * up))  # SwiGLU; a CPU prompt: one pass
 
 
 class Block(nn.Module):
@@ -256,15 +260,20 @@ class SmolLM2(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
-        if cache is not None and (y := kernels.blocks(self.model.layers, x, rope, mask, cache, slots)) is not None:
+        if cache is not None and (y := kernels.blocks(self.model.layers, x, rope, mask, cache, slots,
+                                                      lambda: self.blocks(x, rope, mask, cache, slots))) is not None:
             return self.model.norm(y[:, -1:] if last_only else y)  # a few rows on the CPU: one kernel call
+        return self.model.norm(self.blocks(x, rope, mask, cache, slots, last_only))
+
+    def blocks(self, x, rope, mask, cache, slots, last_only: bool = False) -> torch.Tensor:
+        """The residual stream after every block, one after another (see hidden_states)."""
         for i, block in enumerate(self.model.layers):
             last = last_only and i == len(self.model.layers) - 1
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, rope, mask, cache, slots, last, use_reentrant=False)
             else:
                 x = block(x, rope, mask, cache, slots, last)
-        return self.model.norm(x)
+        return x
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -9,6 +9,9 @@ causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*u
 source is compiled for this machine on first use (a second or so) into the user's cache; without a working C
 compiler everything runs on torch's own kernels, only slower. Everything else (a bf16 prompt's products,
 gradients, torch.compile, other devices) runs on torch as well.
+
+Where a kernel is slower than torch's code on this machine, torch's runs instead: the first call of each kind
+times both (choosing.py). SMOLLM2_KERNELS=on runs the kernels wherever they can run, =off never.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import tempfile
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .choosing import Choices, Key, rows_bucket
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # The instruction set the kernels are built for: this CPU's own by default; SMOLLM2_MARCH=x86-64-v3 (AVX2) or
@@ -47,9 +53,10 @@ SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16
 # kernels.c's type -> bytes a block of 32, its scales widened to float32
 BLOCK_BYTES = {BLOCK_TYPES[kind]: GGML_QUANT_SIZES[kind][1] + 2 * SCALES[kind] for kind in BLOCK_TYPES}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 blocks", "Q8_0 blocks")  # by kernels.c's type
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-enabled = True  # False: torch's kernels everywhere (the plain path, which tests compare against)
 
 
 def cache_dir() -> Path:
@@ -64,13 +71,30 @@ def cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
+def build_key() -> str:
+    """What a build of the kernels depends on: their source, the compiler and its flags, the CPU."""
+    return hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([os.environ.get("CC", "cc"), *FLAGS]).encode(),
+                                      cpu_signature().encode()])).hexdigest()[:16]
+
+
+def initial_mode() -> str:
+    """SMOLLM2_KERNELS: auto (the faster of kernel and torch, measured), on (the kernel wherever it runs) or off."""
+    mode = os.environ.get("SMOLLM2_KERNELS", "auto")
+    if mode not in ("auto", "on", "off"):
+        warnings.warn(f"smollm2: SMOLLM2_KERNELS={mode!r} is none of auto, on, off; using auto", stacklevel=2)
+        return "auto"
+    return mode
+
+
+# Which operations run on the kernels; measured choices are kept for this build and this torch (the other side).
+choices = Choices(initial_mode(), lambda: cache_dir() / f"choices-{build_key()}-torch-{torch.__version__}.json")
+
+
 @functools.cache
 def compiled_library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(),
-                                     cpu_signature().encode()])).hexdigest()[:16]
     try:
-        path = cache_dir() / f"kernels-{key}.so"
+        path = cache_dir() / f"kernels-{build_key()}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then renamed: never a half-written file
@@ -97,8 +121,8 @@ def compiled_library() -> ctypes.CDLL | None:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can compute with x: inference (no gradients, no torch.compile) on the CPU, in float32
-    or bf16."""
-    return (enabled and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    or bf16, unless they are off."""
+    return (choices.mode != "off" and x.device.type == "cpu" and x.dtype in DTYPES
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled_library() is not None)
 
 
@@ -233,20 +257,29 @@ def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor
 def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
     """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
 
-    Several weights of one input (q, k and v) stream in one pass."""
+    Several weights of one input (q, k and v) stream in one pass. Torch multiplies (torch_linear) where the
+    kernel cannot or is the slower."""
     scales = scales or [None] * len(weights)
     rows = x.numel() // x.shape[-1]
     found = plan(x, weights, scales) if multiplies(x, rows) else None
-    if found is None:
+
+    def plain():
         return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
-    sizes = found.sizes
-    x = x.contiguous()
-    y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-    compiled_library().linear(x.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
-                              found.scales, y.data_ptr(), rows, found.c_sizes, x.shape[-1])
-    if len(sizes) == 1:
-        return [y.view(*x.shape[:-1], sizes[0])]
-    return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
+
+    if found is None:
+        return plain()
+    sizes, contiguous = found.sizes, x.contiguous()
+
+    def kernel():
+        y = torch.empty(rows * sum(sizes), dtype=x.dtype)
+        compiled_library().linear(contiguous.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
+                                  found.scales, y.data_ptr(), rows, found.c_sizes, x.shape[-1])
+        if len(sizes) == 1:
+            return [y.view(*x.shape[:-1], sizes[0])]
+        return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
+
+    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[found.weight_type], rows_bucket(rows),
+                            torch.get_num_threads(), (x.shape[-1], *sizes)), kernel, plain)
 
 
 class BlockWeights(ctypes.Structure):
@@ -278,7 +311,7 @@ def streamed_format(layers) -> str:
     weights = [weight_of(m) for block in layers for m in block_modules(block)[1]]
     if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or compiled_library() is None:
         return str(weights[0].dtype).removeprefix("torch.")
-    return ("float32", "bfloat16", "int8", "Q4_1 blocks", "Q8_0 blocks")[streamed(weights)[0]]  # kernels.c's numbers
+    return WEIGHT_FORMATS[streamed(weights)[0]]
 
 
 def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
@@ -313,10 +346,12 @@ def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
     return cached(key, weights, build)
 
 
-def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor) -> torch.Tensor | None:
+def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor,
+           plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
     parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
-    kernel cannot run them; then torch does.
+    kernel cannot run them. plain() is the model's own loop over the blocks (the same residual stream and
+    cache writes): on torch's kernels alone, it runs instead where it is the faster.
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     slots: (T,) or (B, T) cache slots of the rows."""
@@ -338,17 +373,27 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
         return None
-    x = x.contiguous().clone()  # the residual stream, updated in place
-    if mask is not None:
-        mask = mask.expand(B, 1, T, S).contiguous()
+    full_mask = None if mask is None else mask.expand(B, 1, T, S).contiguous()
     first = rows.start * k.stride(0) * k.element_size()  # bytes to this view's first row
-    k_rows, v_rows = ([t.data_ptr() + first for t in tensors[:len(layers)]] for tensors in (whole.k, whole.v))
-    if compiled_library().blocks(weights, len(layers), x.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
-                                 sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T,
-                                 (ctypes.c_void_p * len(layers))(*k_rows), (ctypes.c_void_p * len(layers))(*v_rows), S,
-                                 k.stride(0) * rows.step, k.stride(1), None if mask is None else mask.data_ptr()):
-        raise MemoryError("out of memory in the decoding kernel")
-    return x
+    k_rows, v_rows = ((ctypes.c_void_p * len(layers))(*[t.data_ptr() + first for t in tensors[:len(layers)]])
+                      for tensors in (whole.k, whole.v))
+
+    def kernel():
+        y = x.contiguous().clone()  # the residual stream, updated in place
+        if compiled_library().blocks(weights, len(layers), y.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
+                                     sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T, k_rows, v_rows,
+                                     S, k.stride(0) * rows.step, k.stride(1),
+                                     None if full_mask is None else full_mask.data_ptr()):
+            raise MemoryError("out of memory in the decoding kernel")
+        return y
+
+    def torch_loop():
+        with choices.forced(False):
+            return plain()
+
+    w = weights[0]
+    return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
+                            torch.get_num_threads(), (len(layers), w.C, w.H, w.KVH, w.D, w.I)), kernel, torch_loop)
 
 
 def prompt_rows(*tensors: torch.Tensor) -> bool:
@@ -359,51 +404,75 @@ def prompt_rows(*tensors: torch.Tensor) -> bool:
             and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors))
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     plain: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Causal attention of a prompt's rows, each query t seeing keys 0..t: q (B, T, H, D), k and v (B, KVH, T, D)
     (a cache's first T slots, say) -> (B, T, H, D). Only the seen half is computed, where torch's kernel
-    scores every key of a prompt of up to 512 tokens, then masks half of them. None where the kernel does not
-    run it (few rows, gradients, other devices, head sizes off 64); then torch does."""
+    scores every key of a prompt of up to 512 tokens, then masks half of them. plain(), torch's, runs where the
+    kernel does not (few rows, gradients, other devices, head sizes off 64) or is the slower."""
     B, T, H, D = q.shape
     KVH = k.shape[1]
     if not (prompt_rows(q) and T > MAX_ROWS and D % 64 == 0 and D <= MAX_HEAD_DIM and H % KVH == 0
             and k.shape == v.shape == (B, KVH, T, D) and k.dtype == v.dtype == q.dtype
             and k.stride(-1) == v.stride(-1) == 1):
-        return None
-    out = torch.empty_like(q)
-    if compiled_library().prompt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), TYPES[q.dtype],
-                                           B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
-                                           (ctypes.c_long * 3)(*v.stride()[:3])):
-        raise MemoryError("out of memory in the prompt attention kernel")
-    return out
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(q)
+        if compiled_library().prompt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                               TYPES[q.dtype], B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
+                                               (ctypes.c_long * 3)(*v.stride()[:3])):
+            raise MemoryError("out of memory in the prompt attention kernel")
+        return out
+
+    # Its length, not its rows, sizes a prompt's attention (each query sees up to T keys).
+    return choices.pick(Key("prompt_attention", DTYPES[q.dtype], None, rows_bucket(T), torch.get_num_threads(),
+                            (B, H, KVH, D)), kernel, plain)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up in one pass, or None where the kernel does not run it."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """silu(gate) * up in one pass; plain(), torch's, where the kernel does not run it or is the slower."""
     if not (prompt_rows(gate, up) and gate.shape == up.shape and gate.shape[-1] % 16 == 0):
-        return None
-    out = torch.empty_like(gate)
-    compiled_library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), TYPES[gate.dtype], gate.numel())
-    return out
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(gate)
+        compiled_library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), TYPES[gate.dtype], gate.numel())
+        return out
+
+    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, rows_bucket(gate.numel() // gate.shape[-1]),
+                            torch.get_num_threads(), (gate.shape[-1],)), kernel, plain)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); or None."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); plain(), torch's,
+    where the kernel does not run it or is the slower."""
     B, T, heads, D = x.shape
     if not (prompt_rows(x, cos, sin) and cos.shape == sin.shape == (B, T, 1, D) and D % 32 == 0):
-        return None
-    out = torch.empty_like(x)
-    compiled_library().rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), TYPES[x.dtype], B * T,
-                                 heads, D)
-    return out
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(x)
+        compiled_library().rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), TYPES[x.dtype],
+                                     B * T, heads, D)
+        return out
+
+    return choices.pick(Key("rope", DTYPES[x.dtype], None, rows_bucket(B * T), torch.get_num_threads(), (heads, D)),
+                        kernel, plain)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / rms(x) over the last dimension in one pass, or None where the kernel does not run it."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension in one pass; plain(), torch's, where the kernel does not run
+    it or is the slower."""
     C = x.shape[-1]
     if not (prompt_rows(x, weight) and C % 16 == 0 and weight.shape == (C,)):
-        return None
-    out = torch.empty_like(x)
-    compiled_library().norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype], x.numel() // C, C,
-                                 eps)
-    return out
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(x)
+        compiled_library().norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype], x.numel() // C,
+                                     C, eps)
+        return out
+
+    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, rows_bucket(x.numel() // C), torch.get_num_threads(),
+                            (C,)), kernel, plain)
