@@ -17,30 +17,42 @@ prefill tok/s = T / (time to the first token), decode tok/s = (N-1) / (first tok
 real use) instead of from an empty context.
 llama.cpp runs with its defaults otherwise (F16 KV cache, no flash attention).
 
-llama-cpp-python is not a project dependency; install it in a throwaway venv and borrow it:
-    python3.11 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install llama-cpp-python
-    PYTHONPATH=/tmp/llamacpp-venv/lib/python3.11/site-packages .venv/bin/python benchmarks/llamacpp.py [--json]
+--tier names the x86 instruction set both sides are built for, to compare code a CPU of that tier runs:
+native (this CPU's own, the default), x86-64-v3 (AVX2, FMA, F16C) or x86-64 (SSE2). Ours: SMOLLM2_MARCH,
+the -march of the C kernels; torch's own kernels (a bf16 prompt's products among them) still pick this CPU's
+widest at run time, as the header's "torch dispatch" says. llama.cpp: a llama-cpp-python compiled from source
+for the tier (the native one with -march=native; the others with exactly the tier's extensions, one CPU
+backend, no run-time dispatch to wider variants), each in a venv of its own under
+$XDG_CACHE_HOME/smollm2/llamacpp-<tier> (~/.cache/...). llama-cpp-python is not a project dependency: --build
+makes that venv (pip, CMake and a C++ compiler; minutes), then a run borrows its llama_cpp:
+    .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 --build
+    .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 [--json]
+The header prints llama.cpp's llama_print_system_info(), which names the instructions it was compiled with.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llama_cpp
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 
-from smollm2 import SmolLM2, bench
-from smollm2.checkpoints import default_model_path
-from smollm2.checkpoints.gguf import hf_name
-from smollm2.generation.quantize import quantize_int8
+# smollm2 and llama_cpp are imported inside the functions, once main has chosen the tier: smollm2.kernels reads
+# SMOLLM2_MARCH when it is imported, and llama_cpp comes from the tier's venv.
+if TYPE_CHECKING:
+    from smollm2 import SmolLM2, bench
 
 THREADS = 2
 CHECK_IDS = [1, 504, 3458, 282, 4760, 314, 216, 1345]  # a few tokens whose logits the written files must give back
@@ -48,6 +60,23 @@ TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0, "q4_1": 2.0}  # max |logit di
 FILE_TYPES = {"f32": (Q.F32, LlamaFileType.ALL_F32), "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
               "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)}
 ORIGINAL = "q4_1"  # the embedded file as it is
+
+# llama.cpp's CMake options per tier. One CPU backend compiled in (no GGML_BACKEND_DL, no GGML_CPU_ALL_VARIANTS):
+# otherwise it would load the widest variant this CPU runs, whatever the tier.
+ONE_BACKEND = ["-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF"]
+WIDER = ["AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16"]
+V3 = ["SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"]  # x86-64-v3, as far as ggml's options go
+CMAKE_ARGS = {
+    "native": ["-DGGML_NATIVE=ON", *ONE_BACKEND],
+    "x86-64-v3": ["-DGGML_NATIVE=OFF", *ONE_BACKEND, *(f"-DGGML_{x}=ON" for x in V3),
+                  *(f"-DGGML_{x}=OFF" for x in WIDER)],
+    "x86-64": ["-DGGML_NATIVE=OFF", *ONE_BACKEND, *(f"-DGGML_{x}=OFF" for x in V3 + WIDER)],
+}
+# The x86 extensions llama_print_system_info() names (those a build has, "= 1"; it leaves out the others), and
+# those a tier's build may have: a check that the venv holds that tier's build.
+X86_FEATURES = ["SSE3", "SSSE3", "AVX", "AVX_VNNI", "AVX2", "F16C", "FMA", "BMI2", "AVX512", "AVX512_VBMI",
+                "AVX512_VNNI", "AVX512_BF16", "AMX_INT8"]
+TIER_FEATURES = {"x86-64-v3": {"SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2"}, "x86-64": set()}
 
 
 def log(*args) -> None:
@@ -61,6 +90,8 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def write_gguf(model: SmolLM2, original: Path, precision: str, path: Path) -> None:
     """The model's weights at `precision` (1-D norms stay F32, as llama.cpp's converter keeps them)."""
+    from smollm2.checkpoints.gguf import hf_name
+
     qtype, file_type = FILE_TYPES[precision]
     reader = GGUFReader(original)
     writer = GGUFWriter(path, arch=reader.fields["general.architecture"].contents())  # it writes the arch itself
@@ -97,6 +128,8 @@ def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> s
 @torch.inference_mode()
 def validate(model: SmolLM2, path: Path, precision: str) -> str:
     """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within rounding."""
+    from smollm2 import SmolLM2
+
     ids = torch.tensor([CHECK_IDS])
     return check(f"smollm2 reading {path.name}", SmolLM2.from_pretrained(path)(ids), model(ids), TOLERANCE[precision])
 
@@ -104,6 +137,10 @@ def validate(model: SmolLM2, path: Path, precision: str) -> str:
 def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: int, ref: torch.Tensor,
                    tolerance: float) -> bench.Speed:
     """ref: the original model's last logits after CHECK_IDS, to check that llama.cpp reads the file alike."""
+    import llama_cpp
+
+    from smollm2 import bench
+
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS,
                           n_batch=512, verbose=False)
     ids = prompt[0].tolist()
@@ -134,6 +171,9 @@ def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: i
 
 
 def ours(precision: str, path: Path) -> SmolLM2:
+    from smollm2 import SmolLM2
+    from smollm2.generation.quantize import quantize_int8
+
     if precision == "f16":
         return SmolLM2.from_pretrained(dtype=torch.bfloat16)
     if precision == "f32":
@@ -146,8 +186,46 @@ def speeds(s: bench.Speed) -> dict:  # peak memory is left out: one process hold
     return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s}
 
 
+def venv_dir(tier: str) -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smollm2" / f"llamacpp-{tier}"
+
+
+def site_packages(venv: Path) -> Path:
+    return Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+
+
+def system_info(tier: str) -> str:
+    """llama.cpp's llama_print_system_info(), after checking that it has no extension beyond the tier; the
+    extensions it leaves out are appended as "= 0", for the reader."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode().strip()
+    on = set(re.findall(r"(\w+) = 1", info))
+    if tier in TIER_FEATURES and (beyond := [x for x in X86_FEATURES if x in on - TIER_FEATURES[tier]]):
+        raise SystemExit(f"llama.cpp was built with {', '.join(beyond)}, beyond {tier}: {info}")
+    off = [x for x in X86_FEATURES if x not in on]
+    return info + (f" (= 0: {', '.join(off)})" if off else "")
+
+
+def build(tier: str, venv: Path) -> int:
+    """A fresh venv holding llama-cpp-python compiled for the tier. The venv takes this Python's version, whose
+    site-packages a run borrows."""
+    log(f"building llama-cpp-python for {tier} into {venv} (CMAKE_ARGS={' '.join(CMAKE_ARGS[tier])})")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    # --no-cache-dir: pip would otherwise reuse the wheel it built for another tier, cached by version alone
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
+                    "llama-cpp-python"], env={**os.environ, "CMAKE_ARGS": " ".join(CMAKE_ARGS[tier])}, check=True)
+    sys.path.append(str(site_packages(venv)))
+    print(system_info(tier))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tier", choices=list(CMAKE_ARGS), default="native",
+                   help="the x86 instruction set both sides are built for (default: this CPU's own)")
+    p.add_argument("--build", action="store_true",
+                   help="build llama-cpp-python for --tier into its venv (replacing it), then exit")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
@@ -159,7 +237,26 @@ def main() -> int:
         p.error(f"unknown precisions {sorted(unknown)}; choose from {[*FILE_TYPES, ORIGINAL]}")
     if args.prompt_tokens + args.new_tokens > 1024:
         p.error("--prompt-tokens + --new-tokens must fit llama.cpp's 1024-token context")
+    venv = venv_dir(args.tier)
+    if args.build:
+        return build(args.tier, venv)
+    if not (site_packages(venv) / "llama_cpp").is_dir():
+        p.error(f"no llama.cpp built for {args.tier} in {venv}: run {sys.argv[0]} --tier {args.tier} --build")
+
+    os.environ["SMOLLM2_MARCH"] = args.tier  # before smollm2.kernels is imported, which reads it
+    # Last on the path: the project's own packages (numpy, ...) stay first, llama_cpp comes from the venv
+    sys.path.append(str(site_packages(venv)))
+    import llama_cpp
+
+    from smollm2 import SmolLM2, bench, kernels
+    from smollm2.checkpoints import default_model_path
+
+    if not Path(llama_cpp.__file__).is_relative_to(venv):
+        raise SystemExit(f"llama_cpp is imported from {llama_cpp.__file__}, not from {venv}: "
+                         "another installation (PYTHONPATH?) shadows the tier's")
+    llamacpp_info = system_info(args.tier)
     torch.set_num_threads(THREADS)
+    ours_built = f"-march={kernels.MARCH}" if kernels.compiled_library() else "unavailable: torch's kernels"
 
     original = default_model_path()
     model = SmolLM2.from_pretrained()
@@ -184,13 +281,18 @@ def main() -> int:
             if precision != ORIGINAL:
                 path.unlink()
 
+    torch_dispatch = torch.backends.cpu.get_cpu_capability()
     setup = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-             "threads": THREADS, "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__}
+             "threads": THREADS, "tier": args.tier, "smollm2_kernels": ours_built, "torch": torch.__version__,
+             "torch_dispatch": torch_dispatch, "llama_cpp_python": llama_cpp.__version__,
+             "llama_cpp_system_info": llamacpp_info}
     if args.json:
         print(json.dumps({**setup, "results": results}, indent=2))
         return 0
-    print(f"pp{args.prompt_tokens}/tg{args.new_tokens}, batch 1, {THREADS} threads, best of {args.repeats} "
-          f"(torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}); tok/s, ratio = smollm2 / llama.cpp")
+    print(f"pp{args.prompt_tokens}/tg{args.new_tokens}, batch 1, {THREADS} threads, best of {args.repeats}, "
+          f"tier {args.tier}; tok/s, ratio = smollm2 / llama.cpp")
+    print(f"smollm2:   kernels {ours_built} (torch {torch.__version__}, torch dispatch {torch_dispatch})")
+    print(f"llama.cpp: built for {args.tier} (llama-cpp-python {llama_cpp.__version__}): {llamacpp_info}")
     print(f"{'precision':<10}{'smollm2 pp':>12}{'smollm2 tg':>12}{'llama.cpp pp':>14}{'llama.cpp tg':>14}"
           f"{'pp ratio':>10}{'tg ratio':>10}")
     for r in results:
@@ -198,7 +300,6 @@ def main() -> int:
         print(f"{r['precision']:<10}{s['prefill_tok_s']:>12.1f}{s['decode_tok_s']:>12.1f}{l['prefill_tok_s']:>14.1f}"
               f"{l['decode_tok_s']:>14.1f}{r['prefill_ratio']:>9.2f}x{r['decode_ratio']:>9.2f}x")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
