@@ -21,7 +21,7 @@ from smollm2 import SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.engine import decode_step
 from smollm2.generation.quantize import quantize_int8
-from smollm2.kernels.choosing import Choices, Key
+from smollm2.kernels.choosing import Choices, Key, rows_bucket
 
 pytestmark = pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
 
@@ -367,7 +367,7 @@ def test_a_known_kind_is_not_measured_again(tmp_path):
 
 def test_choices_round_trip_through_their_file(tmp_path):
     ours, theirs = measuring(tmp_path), measuring(tmp_path)  # two processes, each measuring its own kinds
-    product = Key("linear", "bfloat16", "Q4_1 blocks", 1, 4, (576, 576, 192, 192))
+    product = Key("linear", "bfloat16", "Q4_1 blocks", 16, 4, (576, 576, 192, 192))
     step = Key("blocks", "float32", "int8", 16, 4, (30, 576, 9, 3, 64, 1536))
     ours.pick(KEY, side("kernel", []), side("torch", [], 0.002))
     ours.pick(product, side("kernel", [], 0.002), side("torch", []))
@@ -376,7 +376,7 @@ def test_choices_round_trip_through_their_file(tmp_path):
     assert [choice["text"] for choice in ours.report()] == [
         f"RMSNorm of 96, 33-64 rows, float32: kernel (kernel {ours.made[KEY].kernel_s * 1e3:.3g} ms vs torch "
         f"{ours.made[KEY].torch_s * 1e3:.3g} ms)",
-        f"product 576 -> 576+192+192, 1 row, bfloat16 reading Q4_1 blocks: torch (kernel "
+        f"product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 blocks: torch (kernel "
         f"{ours.made[product].kernel_s * 1e3:.3g} ms vs torch {ours.made[product].torch_s * 1e3:.3g} ms)"]
 
 
@@ -450,3 +450,9 @@ def test_measured_choices_give_the_kernels_tokens(monkeypatch, tmp_path):
     for winner in ("kernel", "torch"):
         kernels.choices.made = {key: choice._replace(winner=winner) for key, choice in made.items()}
         assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
+
+
+def test_every_decoding_batch_is_one_kind():
+    """A row decodes to the same bits whatever its batch only if every batch size runs on the same side."""
+    assert {rows_bucket(rows) for rows in range(1, kernels.MAX_ROWS + 1)} == {kernels.MAX_ROWS}
+    assert [rows_bucket(rows) for rows in (17, 300, 512, 513)] == [32, 512, 512, 1024]

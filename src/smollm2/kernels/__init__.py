@@ -6,7 +6,7 @@ fraction of it, with no Python and no thread wake-ups between the ~10 operations
 model read from GGUF Q4_1 / Q8_0 blocks streams those blocks instead, to the same bits. A row's result does
 not depend on how many rows share the call, a prompt's included. A prompt's attention computes only the
 causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C
-source is compiled for this machine on first use (a second or so) into the user's cache; without a working C
+source is compiled for this machine on first use (a few seconds) into the user's cache; without a working C
 compiler everything runs on torch's own kernels, only slower. Everything else (a bf16 prompt's products,
 gradients, torch.compile, other devices) runs on torch as well.
 
@@ -22,6 +22,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import warnings
 import weakref
@@ -42,7 +43,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # x86-64 (SSE2) builds what a CPU of that tier runs, to test and time it here.
 MARCH = os.environ.get("SMOLLM2_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-MAX_ROWS = 16  # decoding steps of up to 16 rows (one kernel call for all the blocks)
+MAX_ROWS = 16  # decoding steps of up to 16 rows (one kernel call for all the blocks); choosing.DECODING_ROWS
 # Past this many inputs a prompt's products go to BLAS, which splits them: the kernel's 4 weight rows outgrow L1
 # and its 64 activation rows L2 (K = 4096 and 8192 ran at 70-85% of sgemm's speed, K <= 2560 at 100-125%).
 MAX_PROMPT_K = 2560
@@ -97,6 +98,8 @@ def compiled_library() -> ctypes.CDLL | None:
         path = cache_dir() / f"kernels-{build_key()}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
+            print(f"smollm2: building the CPU kernels for this machine (-march={MARCH}), once: a few seconds",
+                  file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then renamed: never a half-written file
                 built = Path(tmp) / path.name
                 subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,

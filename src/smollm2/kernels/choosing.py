@@ -26,7 +26,7 @@ class Key(NamedTuple):
     op: str  # linear, blocks (a decoding step), prompt_attention, rms_norm, rope or silu_mul
     dtype: str  # the activations'
     weights: str | None  # the format a product's weights are streamed in (kernels.WEIGHT_FORMATS)
-    rows: int  # rows (tokens; a prompt's attention: its length), up to a power of two: 1, 2, 4, 8, 16, 32...
+    rows: int  # rows (tokens; a prompt's attention: its length), as rows_bucket() groups them
     threads: int  # torch.get_num_threads()
     sizes: tuple[int, ...]  # the rest of the shape, as describe() reads it
 
@@ -37,9 +37,14 @@ class Choice(NamedTuple):
     torch_s: float
 
 
+DECODING_ROWS = 16  # as kernels.MAX_ROWS
+
+
 def rows_bucket(rows: int) -> int:
-    """rows rounded up to a power of two: prompts of 300 and 500 tokens are one kind, not two."""
-    return 1 << max(rows - 1, 0).bit_length()
+    """A decoding step's 1-16 rows are one kind: the kernel gives a row the same bits whatever its batch, which
+    holds only if every batch size runs on the same side. A prompt's rows rounded up to a power of two: prompts
+    of 300 and 500 tokens are one kind, not two."""
+    return DECODING_ROWS if rows <= DECODING_ROWS else 1 << (rows - 1).bit_length()
 
 
 def describe(key: Key, choice: Choice) -> str:
@@ -57,7 +62,7 @@ def describe(key: Key, choice: Choice) -> str:
             what = f"RoPE, {heads} heads of {D}"
         case "silu_mul", (I,):
             what = f"SiLU*up of {I}"
-    rows = {1: "1 row", 2: "2 rows"}.get(key.rows, f"{key.rows // 2 + 1}-{key.rows} rows")  # the bucket's range
+    rows = f"{1 if key.rows == DECODING_ROWS else key.rows // 2 + 1}-{key.rows} rows"  # the bucket's range
     weights = f" reading {key.weights}" if key.weights else ""
     return (f"{what}, {rows}, {key.dtype}{weights}: {choice.winner} "
             f"(kernel {choice.kernel_s * 1e3:.3g} ms vs torch {choice.torch_s * 1e3:.3g} ms)")
