@@ -111,9 +111,9 @@ def test_perplexity_bad_files(tmp_path, capsys):
 
 def test_bench_beside_transformers(tiny_dir, capsys):
     assert main(["bench", "--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1",
-                 "--compare", "transformers", "--quantize", "int8", "--json"]) == 0
+                 "--compare", "transformers", "--compare", "torch", "--quantize", "int8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["system"] for r in result["results"]] == ["smollm2", "transformers"]
+    assert [r["system"] for r in result["results"]] == ["smollm2", "transformers", "smollm2 (torch)"]
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in result["results"])
     assert result["weights_read"] == "int8"  # what our decoding read: the quantized weights
     assert main(["bench", "--batch-size", "0"]) == 1

@@ -206,12 +206,12 @@ def transformers(model, prompt: torch.Tensor, new_tokens: int):
 
 
 def table(rows: list[Speed]) -> str:
-    lines = [f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>11}"]
-    lines += [f"{r.system:<14}{r.prefill_tok_s:>15.1f}{r.decode_tok_s:>15.1f}{r.peak_memory_mb:>11.0f}" for r in rows]
-    if len(rows) == 2:
-        ours, ref = rows
-        lines.append(f"{'ratio':<14}{ours.prefill_tok_s / ref.prefill_tok_s:>14.2f}x"
-                     f"{ours.decode_tok_s / ref.decode_tok_s:>14.2f}x")
+    """The systems' speeds, then the first one's ratio to each other."""
+    lines = [f"{'system':<18}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>11}"]
+    lines += [f"{r.system:<18}{r.prefill_tok_s:>15.1f}{r.decode_tok_s:>15.1f}{r.peak_memory_mb:>11.0f}" for r in rows]
+    ours = rows[0]
+    lines += [f"{'ratio to ' + ref.system:<18}{ours.prefill_tok_s / ref.prefill_tok_s:>14.2f}x"
+              f"{ours.decode_tok_s / ref.decode_tok_s:>14.2f}x" for ref in rows[1:]]
     return "\n".join(lines)
 
 

@@ -173,6 +173,15 @@ def bench_ours(args):
     return bench.ours(model, prompt, args.new_tokens, args.compile), facts
 
 
+def bench_torch(args):
+    """smollm2's own model on torch's kernels alone (SMOLLM2_KERNELS=off): what the kernels must beat."""
+    from . import kernels
+
+    kernels.choices.mode = "off"
+    run, _ = bench_ours(args)
+    return run, lambda: {}
+
+
 def bench_transformers(args):
     """transformers' run for bench on the same checkpoint (unquantized) and prompt, in the process that times it."""
     from . import bench
@@ -191,8 +200,8 @@ def bench(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     systems = [("smollm2", functools.partial(bench_ours, args))]
-    if args.compare == "transformers":
-        systems.append(("transformers", functools.partial(bench_transformers, args)))
+    others = {"torch": ("smollm2 (torch)", bench_torch), "transformers": ("transformers", bench_transformers)}
+    systems += [(others[name][0], functools.partial(others[name][1], args)) for name in dict.fromkeys(args.compare)]
     rows, facts = bench.timed_apart(systems, (args.batch_size, args.prompt_tokens), args.new_tokens, args.repeats,
                                     args.device)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
@@ -335,7 +344,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--new-tokens", type=int, default=128)
     c.add_argument("--batch-size", type=int, default=1)
     c.add_argument("--repeats", type=int, default=2, help="timed runs after a warm-up; the best counts")
-    c.add_argument("--compare", choices=("transformers",), help="time transformers on the same weights too")
+    c.add_argument("--compare", choices=("torch", "transformers"), action="append", default=[],
+                   help="time beside ours: transformers on the same weights, or torch (our model, every kernel off); "
+                        "repeatable")
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=bench)
 
