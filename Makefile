@@ -20,8 +20,15 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/smollm2 chat --temperature 0 -p "$(PROMPT)"
 
+# Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
+# AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch.
+LOWER_TIERS ?= x86-64-v3 x86-64
 test: install
 	$(PY) -m pytest -q
+	@if [ "$$(uname -m)" = x86_64 ]; then for tier in $(LOWER_TIERS); do \
+		echo "kernels built for -march=$$tier:"; \
+		SMOLLM2_MARCH=$$tier $(PY) -m pytest -q tests/test_kernels.py tests/test_fast_paths.py || exit 1; \
+	done; fi
 
 # The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu. Installs Debian's
 # cross compiler (its libgomp comes with it) and qemu-user where missing.

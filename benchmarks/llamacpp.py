@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -67,7 +68,10 @@ ONE_BACKEND = ["-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF"]
 WIDER = ["AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16"]
 V3 = ["SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"]  # x86-64-v3, as far as ggml's options go
 CMAKE_ARGS = {
-    "native": ["-DGGML_NATIVE=ON", *ONE_BACKEND],
+    # Without AMX: ggml's AMX matrix products (Q4_1, Q8_0) died with a general protection fault at ldtilecfg on a
+    # CPU that reports AMX (a Sapphire Rapids VM); an explicit -mno-* wins over -march=native in GCC.
+    "native": ["-DGGML_NATIVE=ON", *ONE_BACKEND, *(f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                                                   for lang in ("C", "CXX"))],
     "x86-64-v3": ["-DGGML_NATIVE=OFF", *ONE_BACKEND, *(f"-DGGML_{x}=ON" for x in V3),
                   *(f"-DGGML_{x}=OFF" for x in WIDER)],
     "x86-64": ["-DGGML_NATIVE=OFF", *ONE_BACKEND, *(f"-DGGML_{x}=OFF" for x in V3 + WIDER)],
@@ -216,7 +220,7 @@ def build(tier: str, venv: Path) -> int:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     # --no-cache-dir: pip would otherwise reuse the wheel it built for another tier, cached by version alone
     subprocess.run([str(venv / "bin" / "pip"), "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
-                    "llama-cpp-python"], env={**os.environ, "CMAKE_ARGS": " ".join(CMAKE_ARGS[tier])}, check=True)
+                    "llama-cpp-python"], env={**os.environ, "CMAKE_ARGS": shlex.join(CMAKE_ARGS[tier])}, check=True)
     sys.path.append(str(site_packages(venv)))
     print(system_info(tier))
     return 0

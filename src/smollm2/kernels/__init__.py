@@ -57,7 +57,10 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 blocks", "Q8_0 blocks")  # by kernels.c's type
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
-NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
+# holds torch to an AVX2 CPU's code, whose bf16 products are emulated).
+NATIVE_BF16 = ((torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+               and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2"))
 
 
 def cache_dir() -> Path:
@@ -87,8 +90,10 @@ def initial_mode() -> str:
     return mode
 
 
-# Which operations run on the kernels; measured choices are kept for this build and this torch (the other side).
-choices = Choices(initial_mode(), lambda: cache_dir() / f"choices-{build_key()}-torch-{torch.__version__}.json")
+# Which operations run on the kernels; measured choices are kept for this build and this torch (the other side),
+# as it dispatches on this CPU (ATEN_CPU_CAPABILITY can hold it to a lower tier).
+choices = Choices(initial_mode(), lambda: cache_dir() / (f"choices-{build_key()}-torch-{torch.__version__}-"
+                                                         f"{torch.backends.cpu.get_cpu_capability()}.json"))
 
 
 @functools.cache
