@@ -140,3 +140,78 @@ def test_bench_says_what_ran_each_operation(tiny_dir, capsys, monkeypatch, tmp_p
     assert list(tmp_path.glob("smollm2/choices-*.json"))
     assert main(args) == 0  # decided by the file this time
     assert step["text"].split(":")[0] in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--threads", "-1", "hi"], "--threads"),
+    (["generate", "--threads", "2147483648", "hi"], "--threads"),
+    (["chat", "--threads", "100000", "-p", "hi"], "--threads"),
+    (["generate", "--seed", str(2**64), "hi"], "--seed"),
+    (["generate", "--seed", "-1", "hi"], "--seed"),
+    (["serve", "--port", "70000"], "--port"),
+    (["train", "--seed", str(10**30), "--config", "tiny", "--data", "d", "--out", "o"], "--seed"),
+])
+def test_out_of_range_numbers_are_refused_before_anything_runs(capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    assert message in one_error_line(capsys.readouterr().err)
+
+
+def test_an_output_directory_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    for args in (["finetune", "--data", "d"], ["train", "--config", "tiny", "--data", "d"], ["prepare", "f"]):
+        for out in ("file", "file/run"):
+            with pytest.raises(SystemExit) as exit:
+                main([*args, "--out", str(tmp_path / out)])
+            assert exit.value.code == 2
+            assert f"{tmp_path / 'file'} exists and is not a directory" in one_error_line(capsys.readouterr().err)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_text_that_is_not_utf8(tiny_dir, capsys):
+    prompt = "caf\udce9"  # b"caf\xe9" (Latin-1) as Python decodes a command-line argument that is not UTF-8
+    assert main(["generate", "--model", str(tiny_dir), prompt]) == 1
+    assert "the prompt is not valid UTF-8 text" in one_error_line(capsys.readouterr().err)
+    assert main(["chat", "--model", str(tiny_dir), "-p", prompt]) == 1
+    assert "--prompt is not valid UTF-8 text" in one_error_line(capsys.readouterr().err)
+    assert main(["chat", "--model", str(tiny_dir), "--system", prompt, "-p", "hi"]) == 1
+    assert "--system is not valid UTF-8 text" in one_error_line(capsys.readouterr().err)
+
+
+def test_serve_says_where_it_cannot_listen(tiny_dir, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", str(tiny_dir), "--port", port]) == 1
+        assert f"--port {port}: cannot listen there: Address already in use" in one_error_line(capsys.readouterr().err)
+    assert main(["serve", "--model", str(tiny_dir), "--host", "no-such-host.invalid"]) == 1
+    assert "--host no-such-host.invalid --port 8000: cannot listen there" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_vanishing_temperature_decodes_greedily(tiny_dir, capsys):
+    answers = []
+    for temperature in ("0", "1e-45", "5e-324"):
+        assert main(["generate", "--model", str(tiny_dir), "--max-new-tokens", "8", "--temperature", temperature,
+                     "The capital of France is"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0].strip() and answers[1] == answers[2] == answers[0]
+
+
+def test_a_trainer_state_replaced_by_a_pickle(tiny_dir, tmp_path, capsys):
+    import pickle
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello."}]}) + "\n")
+    args = ["finetune", "--model", str(tiny_dir), "--data", str(chats), "--out", str(tmp_path / "run"),
+            "--seq-len", "64", "--batch-size", "1", "--save-every", "1", "--eval-every", "100"]
+    assert main([*args, "--steps", "1"]) == 0
+    (trainer,) = (tmp_path / "run" / "checkpoints").glob("step-*/trainer.pt")
+    trainer.write_bytes(pickle.dumps(print))  # what unpickling would run
+    capsys.readouterr()
+    assert main([*args, "--steps", "2", "--resume"]) == 1
+    assert f"{trainer}: not a trainer state" in one_error_line(capsys.readouterr().err)

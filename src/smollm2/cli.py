@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,61 @@ import torch.nn.functional as F
 from .errors import SmolError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
+MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, reporting bad usage as one line like every other error (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def whole_number(low: int, high: int):
+    """An argparse type: an integer from `low` to `high`, so out-of-range values fail before anything runs."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def directory(text: str) -> Path:
+    """An argparse type: a directory to create or reuse; an existing file on its way is not one."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} exists and is not a directory")
+    return path
+
+
+def utf8(text: str, what: str) -> str:
+    """`text` if it can be UTF-8; arguments and input that were not UTF-8 arrive holding lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SmolError(f"{what} is not valid UTF-8 text (character {e.start + 1})") from None
+    return text
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail in one line, before the model loads, where the server could not listen: bind each address the
+    host resolves to, as uvicorn will, and let go again."""
+    try:
+        for family, kind, protocol, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                     flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, protocol) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+    except OSError as e:  # socket.gaierror too: a host name that does not resolve
+        raise SmolError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
 
 
 def load_model(args):
@@ -66,6 +123,7 @@ def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> l
 
 
 def generate(args):
+    utf8(args.prompt, "the prompt")
     model, tokenizer = load(args)
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -76,6 +134,8 @@ def generate(args):
 def chat(args):
     from .generation import Conversation
 
+    utf8(args.system or "", "--system")
+    utf8(args.prompt or "", "--prompt")
     model, tokenizer = load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     # Each turn sends the whole history again; a conversation keeps its cache, so only the new turn is
@@ -92,10 +152,12 @@ def chat(args):
             text = turns.pop()
         else:
             try:
-                text = input("> ")
+                text = utf8(input("> "), "the message")
             except EOFError:
                 print(file=sys.stderr)
                 return
+            except UnicodeDecodeError:  # a stdin that decodes strictly
+                raise SmolError("the message is not valid UTF-8 text") from None
             if text.strip() in ("/exit", "/quit"):
                 return
             if text.strip() == "/reset":
@@ -230,6 +292,7 @@ def serve(args):
         raise SmolError("--compile is not supported by serve")
     if args.max_batch_size < 1:
         raise SmolError("--max-batch-size must be at least 1")
+    check_address(args.host, args.port)
     model, tokenizer = load(args)
     name = args.model or "SmolLM2-135M-Instruct"
     app = create_app(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size,
@@ -301,7 +364,7 @@ def finetune(args):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
+    p = Parser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     model = argparse.ArgumentParser(add_help=False)
@@ -309,7 +372,8 @@ def parser() -> argparse.ArgumentParser:
                                        "SmolLM2-135M-Instruct)")
     model.add_argument("--dtype", choices=DTYPES, default="fp32")
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    model.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    model.add_argument("--threads", type=whole_number(1, MAX_THREADS),
+                       help=f"CPU threads, 1 to {MAX_THREADS} (default: torch's choice)")
     model.add_argument("--quantize", choices=("int8",), help="int8 weight-only linear layers")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
@@ -321,7 +385,7 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-p", type=float, default=0.9)
     sample.add_argument("--min-p", type=float)
     sample.add_argument("--repetition-penalty", type=float, default=1.0)
-    sample.add_argument("--seed", type=int)
+    sample.add_argument("--seed", type=whole_number(0, MAX_SEED))
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
@@ -352,7 +416,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("serve", parents=[model], help="an OpenAI-compatible HTTP server (continuous batching)")
     c.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--port", type=whole_number(1, 65535), default=8000)
     c.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
     c.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
@@ -362,13 +426,14 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")
     c.add_argument("files", nargs="+", help="text files, or JSONL files of {\"text\": ...} objects")
-    c.add_argument("--out", required=True, help="directory for the shards and manifest.json")
+    c.add_argument("--out", type=directory, required=True, help="directory for the shards and manifest.json")
     c.add_argument("--tokenizer", help="tokenizer source, as --model (default: the embedded model's)")
     c.add_argument("--val-fraction", type=float, default=0.01, help="share of the text held out for validation")
     c.set_defaults(run=prepare)
 
     fit = argparse.ArgumentParser(add_help=False)
-    fit.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoints/, final/")
+    fit.add_argument("--out", type=directory, required=True,
+                     help="run directory: metrics.jsonl, checkpoints/, final/")
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch on each process")
     fit.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -387,7 +452,7 @@ def parser() -> argparse.ArgumentParser:
     fit.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     fit.add_argument("--keep", type=int, default=2, help="checkpoints kept on disk")
     fit.add_argument("--log-every", type=int, default=1, help="steps between lines of metrics.jsonl")
-    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0)
     fit.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     fit.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     fit.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, fp32 weights")

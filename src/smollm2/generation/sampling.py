@@ -14,10 +14,15 @@ import torch
 
 from ..errors import SmolError
 
+# Temperatures below this decode greedily. Dividing float32 logits by a smaller one can overflow them to inf
+# (then NaN, and token 0), and already at this one the softmax is one-hot for any logit gap above 1e-3.
+GREEDY_BELOW = 1e-5
+MAX_SEED = 2**64 - 1  # seeds are 0..MAX_SEED: what torch.Generator.manual_seed takes, less the negative aliases
+
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
@@ -38,12 +43,13 @@ class Sampling:
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 0):
             raise SmolError(f"top_k must be a whole number >= 0 (0 means none), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise SmolError(f"seed must be a whole number, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise SmolError(f"seed must be a whole number from 0 to 2**64-1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,7 +83,12 @@ def load(path: Path) -> tuple[dict, dict, dict]:
 
     try:
         state = json.loads((path / "state.json").read_text())
-        trainer = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
+        with warnings.catch_warnings():  # about a pickle protocol torch does not write: what follows says more
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            trainer = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
+    except pickle.UnpicklingError:  # torch's own message runs to many lines of advice to unpickle it anyway
+        raise SmolError(f"{path / 'trainer.pt'}: not a trainer state (it holds objects other than tensors and "
+                        f"numbers, which are never loaded)") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise SmolError(f"{path}: unreadable training checkpoint ({e})") from None
     return load_checkpoint(path).tensors, trainer, state
