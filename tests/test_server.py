@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.generation import generate
 from smollm2.server import create_app, scheduler
+from smollm2.server.app import MAX_STOP_LENGTH
 
 NAME = "tiny"
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far far away, there lived",
@@ -193,6 +194,53 @@ def test_malformed_requests_get_openai_errors_and_leave_the_server_healthy(tiny)
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
         assert client.get("/health").json() == {"status": "ok", "active": 0, "waiting": 0, "slots": 8}
         assert completion(client, PROMPTS[1], 10) == before
+
+
+def test_text_that_is_not_unicode_gets_400_naming_the_field(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        for path, body, field in [
+            ("/v1/completions", dict(model=NAME, prompt="caf\ud800"), "prompt"),
+            ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": "\ud800"}]),
+             "messages.0.content"),
+            ("/v1/completions", dict(model="\udcff", prompt="Hi"), "model"),
+            ("/v1/completions", dict(model=NAME, prompt="Hi", stop="\ud800"), "stop.0"),
+        ]:  # valid JSON: a lone surrogate escaped as \ud800
+            r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field)
+
+
+def test_seeds_beyond_64_bits_get_400(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        for seed in (10**30, 2**64, -1):
+            r = client.post("/v1/completions", json=dict(model=NAME, prompt="Hi", max_tokens=2, seed=seed))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        r = client.post("/v1/completions", json=dict(model=NAME, prompt="Hi", max_tokens=2, seed=2**64 - 1))
+        assert r.status_code == 200, r.text
+
+
+def test_stop_strings_are_bounded_and_matched_in_linear_time(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        start = time.perf_counter()
+        r = client.post("/v1/completions", json=dict(model=NAME, prompt="Hi", stop=["x" * 200_000] * 4))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop.0"
+        assert f"at most {MAX_STOP_LENGTH} characters" in r.json()["error"]["message"]
+        assert time.perf_counter() - start < 5
+        stop = ["x" * MAX_STOP_LENGTH] * 4
+        assert completion(client, PROMPTS[0], 5, stop=stop) == completion(client, PROMPTS[0], 5)
+
+    # Each character is looked at once per string: no rescanning of the text or of the strings' prefixes.
+    matcher, start = scheduler.StopStrings(["a" * 999 + "b"] * 4), time.perf_counter()
+    for _ in range(10_000):
+        assert matcher.feed("aaa") == -1
+    assert matcher.held == 999 and time.perf_counter() - start < 5
+    assert matcher.feed("aab") == 30_003 - 1000  # where the first string completed starts
+    matcher = scheduler.StopStrings(["bc", "abcd", "ce"])
+    assert matcher.feed("xab") == -1 and matcher.held == 2  # "ab" may yet begin "abcd"
+    assert matcher.feed("cd") == 1  # "bc" ends first, but "abcd", complete too, starts first
 
 
 def test_limits_context_body_size_and_api_key(tiny):

@@ -3,6 +3,7 @@
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
 serving. Answers stream as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from fastapi import Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
-from ..generation.sampling import Sampling
+from ..generation.sampling import MAX_SEED, Sampling
 from .scheduler import Delta, QueueFull, Request, Scheduler
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
 
 
 class APIError(Exception):
@@ -42,10 +45,25 @@ def error_response(e: APIError) -> JSONResponse:
 
 # Request bodies. Strict: a string is not a number here, nor a number a string. Unknown fields are ignored.
 
+def unicode(text: str) -> str:
+    """Valid JSON can still hold a lone surrogate ("\\ud800"), which is no character: no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode)]
+# One stop string or a list of them, as a list: an error then names the string, as stop.2, whichever was sent.
+Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(unicode)]],
+                  Field(max_length=MAX_STOPS), BeforeValidator(lambda stop: [stop] if isinstance(stop, str) else stop)]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class StreamOptions(BaseModel):
@@ -55,13 +73,12 @@ class StreamOptions(BaseModel):
 
 class Body(BaseModel):
     model_config = ConfigDict(strict=True)
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: Annotated[str, Field(min_length=1)] | Annotated[
-        list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Stops | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -73,7 +90,7 @@ class ChatBody(Body):
 
 
 class CompletionBody(Body):
-    prompt: str
+    prompt: Text
 
 
 class EventStream(StreamingResponse):
@@ -204,8 +221,7 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
         if max_tokens is None:
             max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        request = scheduler.submit(prompt, max_tokens, sampling, stop)
+        request = scheduler.submit(prompt, max_tokens, sampling, body.stop or [])
         reply = Reply(chat, model_name)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

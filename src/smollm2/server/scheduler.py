@@ -56,12 +56,57 @@ class QueueFull(Exception):
     """More requests are already waiting than the scheduler accepts."""
 
 
+class StopStrings:
+    """Finds the first stop string in a text that grows at its end. Each new character is looked at once per
+    stop string (Knuth-Morris-Pratt), however long the strings: rescanning the text, or trying every prefix of
+    a string, at each token would cost the scheduler's thread, so every client, time quadratic in their lengths."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = tuple(stop)
+        self.borders = [borders(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)  # per string: the longest end of the text that begins it
+        self.seen = 0  # characters of the text fed so far
+
+    def feed(self, new: str) -> int:
+        """Take the text's next characters; returns where the first stop string now complete starts, or -1."""
+        cut = -1
+        for j, (stop, border) in enumerate(zip(self.stop, self.borders)):
+            k = self.matched[j]
+            for i, c in enumerate(new):
+                while k and stop[k] != c:
+                    k = border[k - 1]
+                k += stop[k] == c
+                if k == len(stop):
+                    start = self.seen + i + 1 - k
+                    cut = start if cut < 0 else min(cut, start)
+                    break
+            self.matched[j] = k
+        self.seen += len(new)
+        return cut
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that may yet grow into a stop string."""
+        return max(self.matched, default=0)
+
+
+def borders(s: str) -> list[int]:
+    """borders[i]: the length of the longest proper prefix of s[:i + 1] that also ends it."""
+    result, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = result[k - 1]
+        k += s[i] == s[k]
+        result[i] = k
+    return result
+
+
 class Request:
     """One generation: its prompt and limits, its sampler and text, and the queue its events go to."""
 
     def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: Sequence[str],
                  tokenizer, device, loop: asyncio.AbstractEventLoop):
-        self.prompt, self.max_tokens, self.stop = prompt, max_tokens, tuple(stop)
+        self.prompt, self.max_tokens, self.stop = prompt, max_tokens, StopStrings(stop)
         self.sampler = Sampler(sampling, 1, device)  # batch of one: the request's seed alone decides its draws
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
         self.tokens: list[int] = []  # generated so far, EOS included
@@ -125,6 +170,8 @@ class Scheduler:
         if len(prompt) + max_tokens > self.max_seq_len:
             raise SmolError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                             f"context window of {self.max_seq_len} tokens")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise SmolError("every stop string must be a non-empty string")
         request = Request(prompt, max_tokens, sampling, stop, self.tokenizer, self.device, asyncio.get_running_loop())
         with self._wake:
             if self._stopping:
@@ -226,16 +273,16 @@ class Scheduler:
         request.tokens.append(token)
         if token in self.eos:
             return self._finish(request, "stop")
-        request.text += request.decoder.step(token)
-        cut = min((i for i in (request.text.find(s) for s in request.stop) if i >= 0), default=-1)
+        new = request.decoder.step(token)
+        request.text += new
+        cut = request.stop.feed(new)
         if cut >= 0:
             request.text = request.text[:cut]
             return self._finish(request, "stop", flush=False)
         if len(request.tokens) == request.max_tokens:
             return self._finish(request, "length")
         # Hold back an end of the text that may yet grow into a stop string: the client must never see one.
-        held = max((k for s in request.stop for k in range(1, len(s)) if request.text.endswith(s[:k])), default=0)
-        end = len(request.text) - held
+        end = len(request.text) - request.stop.held
         if end > request.sent:
             request.emit(Delta(request.text[request.sent:end]))
             request.sent = end
