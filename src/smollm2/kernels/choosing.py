@@ -3,7 +3,8 @@
 Which one wins depends on the CPU (on an AVX2-only CPU a prompt's products ran 4-6x slower on the kernel than on
 MKL's sgemm), its cores and torch's build: rather than guess from the CPU's flags, the first call of each kind
 times both and the winner runs from then on. Decisions are kept in a file in the user's cache, one per kernel
-build and torch version, so that a later process measures nothing again.
+build, torch version and torch dispatch, so that a later process measures nothing again. They are only as good
+as the machine was quiet while measuring: delete the file to measure again.
 """
 
 from __future__ import annotations

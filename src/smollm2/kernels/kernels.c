@@ -292,14 +292,14 @@ static inline void store(void *dst, long i, int type, float value) {
 
 static inline float round_to(int type, float value) { return type == BF16 ? bf16_to_f32(f32_to_bf16(value)) : value; }
 
-static inline vf round_lanes(int type, vf v) {  /* round_to, 16 at a time */
+static inline vf round_lanes(int type, vf v) {  /* round_to, a vector at a time */
     if (type != BF16) return v;
     vu u = (vu)v, nan = (vu)(v != v);
     u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
     return (vf)((u & ~nan) | (0x7fc00000u & nan));
 }
 
-static inline void store_lanes(void *dst, long i, int type, vf v) {  /* store, 16 at a time */
+static inline void store_lanes(void *dst, long i, int type, vf v) {  /* store, a vector at a time */
     if (type == BF16) *(vu16u *)((uint16_t *)dst + i) = __builtin_convertvector((vu)round_lanes(BF16, v) >> 16, vu16);
     else *(vfu *)((float *)dst + i) = v;
 }
@@ -854,7 +854,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
     return failed ? -1 : 0;
 }
 
-/* A prompt's elementwise steps, 16 lanes at a time in one pass each, where torch makes several (each its own
+/* A prompt's elementwise steps, a vector at a time in one pass each, where torch makes several (each its own
  * pass over memory and its own thread wake-up). Rounded where torch rounds; n a multiple of 16. */
 
 /* out = silu(gate) * up: silu's result rounded to `type`, then the product. */
@@ -883,7 +883,7 @@ void rope_rows(const void *x, const void *cos, const void *sin, void *out, int t
     }
 }
 
-/* out (R, C) = weight * (x / rms(x)) as rms_norm() computes it, 16 lanes at a time. */
+/* out (R, C) = weight * (x / rms(x)) as rms_norm() computes it, a vector at a time. */
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
 #pragma omp parallel for schedule(static)
     for (long r = 0; r < R; r++) {
