@@ -79,7 +79,8 @@ def write_gguf(path, config: SmolConfig, tensors: dict, arch: str = "llama", **m
             fields[key] = value if isinstance(value, tuple) else (fields[key][0], value)
     for key, (kind, value) in fields.items():
         key = key.replace("llama.", f"{arch}.", 1)
-        {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string}[kind](key, value)
+        {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string,
+         "arr": writer.add_array}[kind](key, value)
     for name, (array, raw_dtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()

@@ -11,6 +11,7 @@ import json
 import pickle
 import shutil
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -565,3 +566,100 @@ def test_unreadable_config_json(hf_dir):
     raises(hf_dir, "config.json")
     (hf_dir / "config.json").write_text("[1, 2]")
     raises(hf_dir, "config.json")
+
+
+# Untrusted sizes, types, paths and values: refused before anything is built, in one line naming what is wrong
+
+def quickly_raises(src, *fragments):
+    """raises(), in well under the seconds that building modules or tables of a huge size would take."""
+    start = time.perf_counter()
+    raises(src, *fragments)
+    assert time.perf_counter() - start < 2, fragments
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_parameter_shapes_are_the_state_dicts(name):
+    """What checkpoints are checked against before a model is built is what it builds."""
+    shapes = {k: v.shape for k, v in SmolLM2(TINY[name]).state_dict().items()}
+    assert SmolLM2.parameter_shapes(TINY[name]) == shapes
+
+
+def test_huge_sizes_fail_before_anything_is_built(tmp_path, hf_dir, gguf_parts):
+    for key, value, fragment in [("llama__block_count", 1000, "missing tensor model.layers.1"),
+                                 ("llama__block_count", 10**9, "num_hidden_layers"),
+                                 ("llama__embedding_length", 2**31, "token_embd.weight"),
+                                 ("llama__feed_forward_length", 2**31, "blk.0.ffn_gate.weight"),
+                                 ("llama__vocab_size", 2**31, "token_embd.weight"),
+                                 ("llama__attention__key_length", 2**30, "blk.0.attn_q.weight"),
+                                 ("llama__context_length", 2**31, "max_position_embeddings")]:
+        path = tmp_path / f"{key}.gguf"
+        write_gguf(path, *gguf_parts, **{key: value})
+        quickly_raises(path, path.name, fragment)
+    for field, fragment in [("intermediate_size", "mlp.gate_proj.weight"), ("vocab_size", "embed_tokens.weight"),
+                            ("num_hidden_layers", "num_hidden_layers")]:
+        edit_config(hf_dir, **{field: 10**12})
+        quickly_raises(hf_dir, fragment)
+        edit_config(hf_dir, **{field: getattr(GQA, field)})
+    # The largest context window allowed loads, and its RoPE tables grow only as far as a cache needs.
+    path = tmp_path / "long.gguf"
+    write_gguf(path, *gguf_parts, llama__context_length=2**24)
+    model = SmolLM2.from_pretrained(path)
+    assert model.rope_cos.shape[0] <= 8192
+    model.new_cache(1, 10000)
+    assert 10000 <= model.rope_cos.shape[0] <= 20000
+
+
+def test_metadata_of_wrong_type_or_value(tmp_path, hf_dir, gguf_parts):
+    for key, value, fragment in [("llama__attention__layer_norm_rms_epsilon", ("str", "1e-5"),
+                                  "llama.attention.layer_norm_rms_epsilon must be a number"),
+                                 ("llama__embedding_length", ("str", "64"), "llama.embedding_length must be an integer"),
+                                 ("llama__block_count", ("arr", [2, 2]), "llama.block_count must be an integer"),
+                                 ("llama__rope__freq_base", ("f32", float("inf")), "rope_theta"),
+                                 ("llama__attention__layer_norm_rms_epsilon", ("f32", float("nan")), "rms_norm_eps"),
+                                 ("tokenizer__ggml__bos_token_id", ("str", "<s>"), "bos_token_id")]:
+        path = tmp_path / "typed.gguf"
+        write_gguf(path, *gguf_parts, **{key: value})
+        raises(path, path.name, fragment)
+    good = (hf_dir / "config.json").read_text()
+    for field, value in [("rope_scaling", "linear"), ("rope_theta", float("inf")), ("rms_norm_eps", float("nan")),
+                         ("tie_word_embeddings", "false"), ("eos_token_id", [2, "x"])]:
+        edit_config(hf_dir, **{field: value})
+        raises(hf_dir, "config.json", field)
+        (hf_dir / "config.json").write_text(good)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_vector_relabelled_as_quantized(tmp_path, gguf_parts, qtype):
+    """A 1-D float tensor whose type says blocks: decoded as the file says, never handed to the kernels'
+    matrix layout."""
+    config, tensors = gguf_parts
+    tensors["output_norm.weight"] = (np.ones(64, np.float32), qtype)
+    path = tmp_path / "relabelled.gguf"
+    write_gguf(path, config, tensors)
+    stored = next(t for t in open_gguf(path).tensors if t.name == "output_norm.weight")
+    model = SmolLM2.from_pretrained(path)
+    assert torch.equal(model.model.norm.weight, torch.from_numpy(dequantize(stored.data, qtype)))
+
+
+def test_shards_outside_the_directory_refused(tmp_path, hf_dir):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(hf_dir, outside)
+    names = load_file(hf_dir / "model.safetensors").keys()
+    (hf_dir / "model.safetensors").unlink()
+    messages = []
+    for shard in ["../elsewhere/model.safetensors", str(outside / "model.safetensors"), "../nowhere.safetensors",
+                  "sub/../../elsewhere/model.safetensors"]:
+        (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+        messages.append(raises(hf_dir, "model.safetensors.index.json", shard, "outside").replace(shard, "?"))
+    assert len(set(messages)) == 1  # whether the file exists is not told
+
+
+def test_non_finite_weights_named(tmp_path, hf_dir, gguf_parts):
+    sd = load_file(hf_dir / "model.safetensors")
+    sd["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(sd, str(hf_dir / "model.safetensors"))
+    raises(hf_dir, "model.safetensors", "model.layers.1.mlp.down_proj.weight", "NaN or infinite")
+    config, tensors = gguf_parts
+    tensors["blk.0.attn_v.weight"][0][0, 0] = np.inf
+    write_gguf(tmp_path / "inf.gguf", config, tensors)
+    raises(tmp_path / "inf.gguf", "inf.gguf", "blk.0.attn_v.weight", "NaN or infinite")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SmolError
 
 ARCHITECTURE = "LlamaForCausalLM"
+MAX_POSITIONS = 2**24  # RoPE's float32 positions are exact up to there
+MAX_LAYERS = 1024  # far beyond any published model; checking a checkpoint lists every layer's tensors
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,21 @@ class SmolConfig:
                             f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise SmolError(f"config: head_dim must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("rope_theta", "rms_norm_eps"):
+        for name, bound in (("max_position_embeddings", MAX_POSITIONS), ("num_hidden_layers", MAX_LAYERS)):
+            if getattr(self, name) > bound:
+                raise SmolError(f"config: {name} must be at most {bound}, got {getattr(self, name)}")
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise SmolError(f"config: {name} must be a positive number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise SmolError(f"config: {name} must be a finite positive number, got {value!r}")
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise SmolError(f"config: {name} must be true or false, got {getattr(self, name)!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for name, ids in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", eos),
+                          ("pad_token_id", [self.pad_token_id])):
+            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool)) for i in ids):
+                raise SmolError(f"config: {name} must be a token id, got {getattr(self, name)!r}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -60,12 +74,14 @@ class SmolConfig:
     def from_hf(cls, hf: dict, source: str = "config.json") -> SmolConfig:
         """Build from a HF config dict, transformers 4.x style (`rope_theta`) or 5.x (`rope_parameters`)."""
         archs = hf.get("architectures") or [ARCHITECTURE]
-        if hf.get("model_type", "llama") != "llama" or archs[0] != ARCHITECTURE:
+        if hf.get("model_type", "llama") != "llama" or not isinstance(archs, list) or archs[0] != ARCHITECTURE:
             raise SmolError(f"{source}: unsupported architecture {hf.get('model_type')!r} {archs}; "
                             f"only LLaMA-architecture models ({ARCHITECTURE}) are supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise SmolError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise SmolError(f"{source}: rope_parameters and rope_scaling must be JSON objects, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise SmolError(f"{source}: unsupported rope scaling {rope}; only plain RoPE is supported")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -40,14 +40,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(config: SmolConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, (max_position_embeddings, head_dim), float32.
+def rope_tables(config: SmolConfig, length: int | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..length-1 (default: every position), (length, head_dim), float32.
 
     Positions are integers turned into float32 (exact up to 2**24); bf16 cannot count past 256.
     """
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
-    positions = torch.arange(config.max_position_embeddings, device=device).float()
+    positions = torch.arange(config.max_position_embeddings if length is None else length, device=device).float()
     angles = torch.outer(positions, inv_freq)  # (P, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (P, hd): non-interleaved halves, as HF
     return angles.cos(), angles.sin()
@@ -196,6 +196,9 @@ class WithoutRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+ROPE_POSITIONS_UP_FRONT = 8192  # SmolLM2's whole context window: 4 MB of tables
+
+
 class SmolLM2(nn.Module):
     def __init__(self, config: SmolConfig):
         super().__init__()
@@ -210,10 +213,41 @@ class SmolLM2(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.activation_checkpointing = False  # training: recompute each block in backward, keep only its input
-        cos, sin = rope_tables(config)
+        # Longer windows grow on demand (extend_rope()): millions of positions would take gigabytes up front.
+        cos, sin = rope_tables(config, min(config.max_position_embeddings, ROPE_POSITIONS_UP_FRONT))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
+
+    @staticmethod
+    def parameter_shapes(config: SmolConfig) -> dict[str, torch.Size]:
+        """The state dict's shapes, from the config alone: a checkpoint is checked against them before any
+        module is built, so sizes it got wrong never turn into allocations."""
+        c, i = config.hidden_size, config.intermediate_size
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        block = {"input_layernorm.weight": (c,), "post_attention_layernorm.weight": (c,),
+                 "self_attn.q_proj.weight": (q, c), "self_attn.k_proj.weight": (kv, c),
+                 "self_attn.v_proj.weight": (kv, c), "self_attn.o_proj.weight": (c, q),
+                 "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+        if config.attention_bias:
+            block |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                      "self_attn.o_proj.bias": (c,)}
+        if config.mlp_bias:
+            block |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (c,)}
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, c), "model.norm.weight": (c,)}
+        shapes |= {f"model.layers.{n}.{name}": shape for n in range(config.num_hidden_layers)
+                   for name, shape in block.items()}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, c)
+        return {name: torch.Size(shape) for name, shape in shapes.items()}
+
+    def extend_rope(self, length: int) -> None:
+        """Grow the RoPE tables to at least `length` positions (in doublings, up to the context window)."""
+        if self.rope_cos.shape[0] >= length:
+            return
+        length = min(max(length, 2 * self.rope_cos.shape[0]), self.config.max_position_embeddings)
+        with torch.inference_mode(False):  # tables of the usual kind, which training can use too
+            self.rope_cos, self.rope_sin = rope_tables(self.config, length, self.rope_cos.device)
 
     def _init_weights(self, module):
         # As transformers: normal(0, initializer_range) for every matrix, zero biases and padding row, unit norms.
@@ -257,6 +291,8 @@ class SmolLM2(nn.Module):
                 mask = mask & (valid[:, None, :] | (key_slot == input_pos[..., None]))
             mask = mask[:, None]  # (B, 1, T, S)
 
+        # Every slot of the cache, which bounds every position (a compiled step then never grows the tables).
+        self.extend_rope(cache.whole.max_len if cache is not None else T if input_pos is None else int(slots.max()) + 1)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
@@ -288,6 +324,7 @@ class SmolLM2(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         p = self.model.embed_tokens.weight
+        self.extend_rope(max_len)  # here, not in a (compiled) step that fills the cache
         return KVCache(self.config, batch_size, max_len, device=p.device, dtype=p.dtype)
 
     # Loading, saving and generating live in checkpoints/ and generation/; these are the front doors.
@@ -300,9 +337,9 @@ class SmolLM2(nn.Module):
         # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
         with torch.inference_mode(False):
             ckpt = load_checkpoint(src, dtype, blocks=torch.device(device).type == "cpu")  # for the kernels
+            ckpt.check(cls.parameter_shapes(ckpt.config))
             with WithoutRandomInit():  # every weight is replaced below
                 model = cls(ckpt.config)
-            ckpt.check({k: v.shape for k, v in model.state_dict().items()})
             model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
             model.to(device).eval()
             for name, (kind, blocks) in ckpt.blocks.items():

@@ -21,7 +21,7 @@ class Checkpoint:
     blocks: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:
-        """Every tensor the model needs is here with the right shape, and nothing else is."""
+        """Every tensor the model needs is here with the right shape and finite values, and nothing else is."""
         for name in sorted(expected.keys() - self.tensors.keys()):
             raise SmolError(f"{self.source}: missing tensor {name}")
         for name in sorted(self.tensors.keys() - expected.keys()):
@@ -31,3 +31,6 @@ class Checkpoint:
             if got != shape:
                 raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} has shape {tuple(got)} "
                                 f"but the config needs {tuple(shape)}")
+        for name, tensor in self.tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} holds NaN or infinite values")

@@ -7,6 +7,7 @@ side (its interleaved RoPE); the model here uses the rotate-half layout of trans
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -93,35 +94,40 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
         raise SmolError(f"{path}: unsupported architecture {arch!r}; only 'llama' GGUF files are supported")
     names = {t.name for t in reader.tensors}
 
-    def need(key):
-        value = reader.metadata.get(f"llama.{key}")
+    def need(key, default=None, number=int):
+        """The value at llama.{key}, an integer (or with number=float, any number)."""
+        value = reader.metadata.get(f"llama.{key}", default)
         if value is None:
             raise SmolError(f"{path}: missing metadata llama.{key}")
+        if isinstance(value, bool) or not isinstance(value, int if number is int else (int, float)):
+            raise SmolError(f"{path}: metadata llama.{key} must be {'an integer' if number is int else 'a number'}, "
+                            f"got {str(value)[:40]!r}")
         return value
 
     if reader.metadata.get("llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
         raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
-    n_heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    n_heads, hidden = need("attention.head_count"), need("embedding_length")
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
+    values = dict(
+        vocab_size=need("vocab_size", len(tokens) if isinstance(tokens, list) else 0),
+        hidden_size=hidden,
+        intermediate_size=need("feed_forward_length"),
+        num_hidden_layers=need("block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=need("attention.head_count_kv", n_heads),
+        head_dim=need("attention.key_length", hidden // max(n_heads, 1)),
+        max_position_embeddings=need("context_length"),
+        rope_theta=_float32(need("rope.freq_base", 10000.0, float)),
+        rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon", number=float)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=reader.metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=reader.metadata.get("tokenizer.ggml.padding_token_id"),
+    )
     try:
-        return SmolConfig(
-            vocab_size=int(reader.metadata.get("llama.vocab_size", len(tokens) if tokens else 0)),
-            hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")),
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(reader.metadata.get("llama.attention.head_count_kv", n_heads)),
-            head_dim=int(reader.metadata.get("llama.attention.key_length", hidden // max(n_heads, 1))),
-            max_position_embeddings=int(need("context_length")),
-            rope_theta=_float32(reader.metadata.get("llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=_float32(need("attention.layer_norm_rms_epsilon")),
-            attention_bias="blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_gate.bias" in names,
-            tie_word_embeddings="output.weight" not in names,
-            bos_token_id=reader.metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=reader.metadata.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=reader.metadata.get("tokenizer.ggml.padding_token_id"),
-        )
+        return SmolConfig(**values)
     except SmolError as e:  # name the file, not just the field
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
 
@@ -139,15 +145,19 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, blocks: bool = Fal
         name = hf_name(t.name, path)
         try:
             qtype = GGMLQuantizationType(t.tensor_type)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            if not t.shape or t.shape[0] % block or t.data.nbytes != math.prod(t.shape) // block * block_bytes:
+                raise ValueError(f"its shape {t.shape} and {t.data.nbytes} bytes do not fit type {qtype.name}, "
+                                 f"whose rows are blocks of {block} values in {block_bytes} bytes")
             values = dequantize(t.data, qtype)
             shape = t.shape[::-1]
             # Quantized types decode into a new array; plain F32 is a view of the read-only file: copy that one.
             w = torch.from_numpy(np.require(values, np.float32, ["W"])).reshape(shape)
-        except (ValueError, NotImplementedError, RuntimeError) as e:
+            # float32 matrices that the kernels can stream from their blocks instead: exactly equal, a few bits each
+            kept = block_layout(qtype, t.data) if blocks and dtype == torch.float32 and len(shape) == 2 else None
+        except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
-        # float32 weights that the kernels can stream from their blocks instead: exactly equal, a few bits each
-        kept = block_layout(qtype, t.data) if blocks and dtype == torch.float32 else None
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
             kept = kept and (kept[0], unpermute(kept[1], heads))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -27,6 +28,16 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _inside(directory: Path, name) -> Path:
+    """A shard the index names, which must lie in the checkpoint's directory: an index must not make us read
+    other files. The error does not say whether the file it names exists. The name is normalised, not
+    resolved: in the Hugging Face cache every file is a link to a blob outside its snapshot's directory."""
+    here = os.path.normpath(directory)
+    if not isinstance(name, str) or not Path(os.path.normpath(directory / name)).is_relative_to(here):
+        raise SmolError(f"{directory / INDEX}: shard {str(name)[:200]!r} lies outside the checkpoint's directory")
+    return directory / name
+
+
 def _shards(directory: Path) -> list[Path]:
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
@@ -34,7 +45,7 @@ def _shards(directory: Path) -> list[Path]:
         weight_map = _read_json(directory / INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SmolError(f"{directory / INDEX}: no weight_map")
-        return [directory / name for name in sorted(set(weight_map.values()))]
+        return sorted({_inside(directory, name) for name in weight_map.values()})
     for name in PICKLES:
         if (directory / name).exists():
             raise SmolError(f"{directory / name}: refusing to load a pickle checkpoint, which can run "
