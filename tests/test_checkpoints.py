@@ -612,7 +612,8 @@ def test_huge_sizes_fail_before_anything_is_built(tmp_path, hf_dir, gguf_parts):
 def test_metadata_of_wrong_type_or_value(tmp_path, hf_dir, gguf_parts):
     for key, value, fragment in [("llama__attention__layer_norm_rms_epsilon", ("str", "1e-5"),
                                   "llama.attention.layer_norm_rms_epsilon must be a number"),
-                                 ("llama__embedding_length", ("str", "64"), "llama.embedding_length must be an integer"),
+                                 ("llama__embedding_length", ("str", "64"),
+                                  "llama.embedding_length must be an integer"),
                                  ("llama__block_count", ("arr", [2, 2]), "llama.block_count must be an integer"),
                                  ("llama__rope__freq_base", ("f32", float("inf")), "rope_theta"),
                                  ("llama__attention__layer_norm_rms_epsilon", ("f32", float("nan")), "rms_norm_eps"),

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import gguf
+import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
 from smollm2.errors import SmolError
-from smollm2.tokenizer import Tokenizer
+from smollm2.tokenizer import BoundedSandbox, Tokenizer
 
 CORPUS = [
     "",
@@ -197,9 +199,10 @@ def test_hub_id_from_local_cache(tok, tmp_path, monkeypatch):
         Tokenizer.from_pretrained("SomeOrg/missing")
 
 
-def tiny_gguf(path, model="gpt2", pre="smollm", add_bos=True, template=None):
-    """A tokenizer-only GGUF: the 256 byte tokens, one merge and two control tokens."""
-    tokens = ["<s>", "</s>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["hi"]
+def tiny_gguf(path, model="gpt2", pre="smollm", add_bos=True, template=None, tokens=None, embedding_rows=None):
+    """A tokenizer-only GGUF: the 256 byte tokens, one merge and two control tokens (or these tokens), and an
+    embedding matrix of that many rows when asked."""
+    tokens = tokens or ["<s>", "</s>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["hi"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
@@ -211,6 +214,8 @@ def tiny_gguf(path, model="gpt2", pre="smollm", add_bos=True, template=None):
     writer.add_add_bos_token(add_bos)
     if template:
         writer.add_chat_template(template)
+    if embedding_rows:
+        writer.add_tensor("token_embd.weight", np.zeros((embedding_rows, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -313,3 +318,45 @@ def test_bad_ids_and_text(tok):
         tok.stream_decoder().step(-1)
     with pytest.raises(SmolError, match="takes a string"):
         tok.encode(b"bytes")
+
+
+# Untrusted tokenizer files and chat templates: one error naming the file and key
+
+def test_tokenizer_config_values_of_the_wrong_type(tok, tmp_path):
+    write_hf_dir(tok, tmp_path)
+    for key, value in [("bos_token", 1), ("pad_token", {"content": ["x"]}), ("chat_template", [1, 2]),
+                       ("chat_template", 42)]:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", key: value}))
+        with pytest.raises(SmolError, match=f"tokenizer_config.json: {key} must be"):
+            Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ '\xff\xfe' }}")
+    with pytest.raises(SmolError, match="chat_template.jinja: cannot read the chat template"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_gguf_tokens_of_the_wrong_type_or_count(tmp_path):
+    with pytest.raises(SmolError, match="ints.gguf: tokenizer.ggml.tokens must be a list of strings"):
+        Tokenizer.from_pretrained(tiny_gguf(tmp_path / "ints.gguf", tokens=list(range(300))))
+    short = tiny_gguf(tmp_path / "short.gguf", embedding_rows=300)  # 259 tokens
+    with pytest.raises(SmolError, match="short.gguf: tokenizer.ggml.tokens lists 259 tokens, but token_embd"):
+        Tokenizer.from_pretrained(short)
+    assert Tokenizer.from_pretrained(tiny_gguf(tmp_path / "fits.gguf", embedding_rows=259)).vocab_size == 259
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{{ range(10**9)|length }}", "range of 1000000000 numbers"),
+    ("{{ 'x' * 10**10 }}", "longer than"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "longer than"),
+    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output longer than"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "took more than"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+    ("{{ 1 + 'a' }}", "unsupported operand"),
+])
+def test_template_cost_is_bounded(tok, monkeypatch, template, reason):
+    monkeypatch.setattr(BoundedSandbox, "SECONDS", 0.2)
+    hostile = Tokenizer(tok.backend, "dir", chat_template=template, template_source="dir/chat_template.jinja")
+    start = time.perf_counter()
+    with pytest.raises(SmolError, match=f"dir/chat_template.jinja: chat template failed: .*{reason}"):
+        hostile.render_chat([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - start < 2

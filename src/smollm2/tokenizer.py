@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
@@ -52,8 +55,9 @@ class StreamDecoder:
 
 class Tokenizer:
     def __init__(self, backend: Backend, source: str, *, bos: str | None = None, eos: str | None = None,
-                 pad: str | None = None, chat_template: str | None = None):
+                 pad: str | None = None, chat_template: str | None = None, template_source: str | None = None):
         self.backend, self.source, self.chat_template = backend, source, chat_template
+        self.template_source = template_source or source  # the file errors in the template name
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token, self.eos_token, self.pad_token = bos, eos, pad
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (self._id_of(t) for t in (bos, eos, pad))
@@ -85,18 +89,30 @@ class Tokenizer:
                 raise SmolError(f"{path / 'tokenizer_config.json'}: not valid JSON ({e})") from None
             if not isinstance(config, dict):
                 raise SmolError(f"{path / 'tokenizer_config.json'}: expected a JSON object")
-        template = config.get("chat_template")
+        template, template_file = config.get("chat_template"), path / "tokenizer_config.json"
         if isinstance(template, list):  # older transformers: named templates; "default" is the chat one
+            if not all(isinstance(t, dict) for t in template):
+                raise SmolError(f"{template_file}: chat_template must be a string or a list of "
+                                "{'name': ..., 'template': ...} objects")
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            template_file = path / "chat_template.jinja"
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise SmolError(f"{template_file}: cannot read the chat template ({e})") from None
+        if not isinstance(template, (str, type(None))):
+            raise SmolError(f"{template_file}: chat_template must be a string, got {str(template)[:40]!r}")
 
         def token(name):  # a string, or an AddedToken serialised as a dict
             value = config.get(name)
-            return value.get("content") if isinstance(value, dict) else value
+            value = value.get("content") if isinstance(value, dict) else value
+            if not isinstance(value, (str, type(None))):
+                raise SmolError(f"{path / 'tokenizer_config.json'}: {name} must be a string, got {value!r:.40}")
+            return value
 
         return cls(backend, str(path), bos=token("bos_token"), eos=token("eos_token"), pad=token("pad_token"),
-                   chat_template=template)
+                   chat_template=template, template_source=str(template_file))
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
@@ -112,6 +128,15 @@ class Tokenizer:
         if not tokens or not merges:
             raise SmolError(f"{path}: missing metadata tokenizer.ggml.tokens or tokenizer.ggml.merges")
         types = reader.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        for key, values, kind in (("tokens", tokens, str), ("merges", merges, str), ("token_type", types, int)):
+            if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+                raise SmolError(f"{path}: tokenizer.ggml.{key} must be a list of "
+                                f"{'strings' if kind is str else 'integers'}")
+        # llama.cpp needs one token per row of the embeddings; fewer would fail only once generation reaches them.
+        rows = next((t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight"), len(tokens))
+        if len(tokens) != rows:
+            raise SmolError(f"{path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, but token_embd.weight "
+                            f"has {rows} rows")
         try:
             backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)},
                                          [tuple(m.split(" ", 1)) for m in merges]))
@@ -129,7 +154,7 @@ class Tokenizer:
 
         def token(key):
             i = reader.metadata.get(f"tokenizer.ggml.{key}")
-            if i is not None and not 0 <= i < len(tokens):
+            if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
                 raise SmolError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary of {len(tokens)}")
             return None if i is None else tokens[i]
 
@@ -141,8 +166,10 @@ class Tokenizer:
             backend.post_processor = processors.TemplateProcessing(
                 single=[bos] * add_bos + ["$A"] + [eos] * add_eos,
                 special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(ends)])
-        return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"),
-                   chat_template=reader.metadata.get("tokenizer.chat_template"))
+        template = reader.metadata.get("tokenizer.chat_template")
+        if not isinstance(template, (str, type(None))):
+            raise SmolError(f"{path}: tokenizer.chat_template must be a string")
+        return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"), chat_template=template)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json + tokenizer_config.json, which from_pretrained and transformers read."""
@@ -183,20 +210,93 @@ class Tokenizer:
         if self.chat_template is None:
             raise SmolError(f"{self.source}: this checkpoint has no chat template")
         _check_messages(messages)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise_exception
         # Jinja's own tojson escapes HTML; templates expect plain JSON, as transformers gives them.
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as e:
-            raise SmolError(f"{self.source}: chat template failed: {e}") from None
+            template = env.from_string(self.chat_template)
+            return env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
+                              bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except Exception as e:  # the template is untrusted code: whatever it raises is its failure
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SmolError(f"{self.template_source}: chat template failed: {reason}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes its own special tokens, so none are added around it.
         return self.backend.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+
+
+class TemplateLimit(jinja2.TemplateError):
+    pass
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox keeps a template away from Python's internals; this one also bounds what it costs.
+    A template is untrusted code, and a few characters of it can ask for gigabytes or hours: its ranges,
+    repeated, joined or added strings and lists and its output are capped, powers are bounded, and it stops
+    past a time limit, checked on each line of the template's compiled code."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    SECONDS = 2.0
+    LENGTH = 1_000_000  # characters or items: far beyond any chat a context window holds
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.code_generator_class = _BoundedJoins
+        self.globals["range"] = self._range
+
+    def _range(self, *args):
+        numbers = range(*args)
+        if len(numbers) > self.LENGTH:
+            raise TemplateLimit(f"range of {len(numbers)} numbers; at most {self.LENGTH}")
+        return numbers
+
+    def bounded(self, value):
+        if isinstance(value, (str, list, tuple)) and len(value) > self.LENGTH:
+            raise TemplateLimit(f"a string or list longer than {self.LENGTH}")
+        return value
+
+    def call_binop(self, context, operator, left, right):
+        sizes = [len(v) for v in (left, right) if isinstance(v, (str, list, tuple))]
+        counts = [v for v in (left, right) if isinstance(v, int)]
+        if operator == "*" and sizes and counts and sizes[0] * counts[0] > self.LENGTH:
+            raise TemplateLimit(f"a string or list longer than {self.LENGTH}")
+        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            raise TemplateLimit(f"an exponent of {right}; at most 1024")
+        return self.bounded(super().call_binop(context, operator, left, right))
+
+    def render(self, template: jinja2.Template, **variables) -> str:
+        deadline = time.monotonic() + self.SECONDS
+
+        def on_line(frame, event, arg):
+            if time.monotonic() > deadline:
+                raise TemplateLimit(f"took more than {self.SECONDS:g} s")
+            return on_line
+
+        def on_call(frame, event, arg):  # only the template's own code is traced, line by line
+            return on_line if frame.f_code.co_filename == "<template>" else None
+
+        previous, output, length = sys.gettrace(), [], 0
+        sys.settrace(on_call)
+        try:
+            for chunk in template.generate(**variables):
+                output.append(chunk)
+                length += len(chunk)
+                if length > self.LENGTH:
+                    raise TemplateLimit(f"output longer than {self.LENGTH} characters")
+        finally:
+            sys.settrace(previous)
+        return "".join(output)
+
+
+class _BoundedJoins(jinja2.compiler.CodeGenerator):
+    """The ~ operator joins strings in the compiled code, out of the sandbox's reach: its result is checked."""
+
+    def visit_Concat(self, node, frame):
+        self.write("environment.bounded(")
+        super().visit_Concat(node, frame)
+        self.write(")")
 
 
 def _raise_exception(message):
