@@ -345,7 +345,13 @@ def test_gguf_tokens_of_the_wrong_type_or_count(tmp_path):
 
 
 @pytest.mark.parametrize("template, reason", [
-    ("{{ range(10**9)|length }}", "range of 1000000000 numbers"),
+    ("{{ range(10**9)|length }}", "1000000000"),
+    ("{{ range(-999999, 999999)|length }}", "range of 1999998 numbers"),
+    ("{{ 'x'|center(10**10) }}", "an argument of 10000000000"),
+    ("{{ 'x'.ljust(10**10) }}", "an argument of 10000000000"),
+    ("{{ '{:>9999999999}'.format(1) }}", "a format with a width"),
+    ("{{ '%9999999999d' % 1 }}", "a format with a width"),
+    ("{{ ('x' * 999999)|replace('x', 'xx') }}", "longer than"),
     ("{{ 'x' * 10**10 }}", "longer than"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "longer than"),
     ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output longer than"),

@@ -13,8 +13,10 @@ The chat template is the checkpoint's own Jinja, rendered in a sandbox the way t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -211,9 +213,6 @@ class Tokenizer:
             raise SmolError(f"{self.source}: this checkpoint has no chat template")
         _check_messages(messages)
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.globals["raise_exception"] = _raise_exception
-        # Jinja's own tojson escapes HTML; templates expect plain JSON, as transformers gives them.
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
             template = env.from_string(self.chat_template)
             return env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
@@ -228,14 +227,15 @@ class Tokenizer:
 
 
 class TemplateLimit(jinja2.TemplateError):
-    pass
+    """A chat template asked for more time, memory or output than any chat needs."""
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's sandbox keeps a template away from Python's internals; this one also bounds what it costs.
-    A template is untrusted code, and a few characters of it can ask for gigabytes or hours: its ranges,
-    repeated, joined or added strings and lists and its output are capped, powers are bounded, and it stops
-    past a time limit, checked on each line of the template's compiled code."""
+    A template is untrusted code, and a few characters of it can ask for gigabytes or hours: its ranges, the
+    strings and lists its operators, calls and filters make, and its output are capped, as are the numbers it
+    passes to calls and filters and the widths in its formats; powers are bounded, and it stops past a time
+    limit, checked on each line of the template's compiled code."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
     SECONDS = 2.0
@@ -245,6 +245,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(**options)
         self.code_generator_class = _BoundedJoins
         self.globals["range"] = self._range
+        self.globals["raise_exception"] = _raise_exception
+        # Jinja's own tojson escapes HTML; templates expect plain JSON, as transformers gives them.
+        self.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        self.filters = {name: self._sized(f, name) for name, f in self.filters.items()}
 
     def _range(self, *args):
         numbers = range(*args)
@@ -257,6 +261,35 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise TemplateLimit(f"a string or list longer than {self.LENGTH}")
         return value
 
+    def check_arguments(self, args, kwargs) -> None:
+        """Widths, counts and indents beyond the output's length would only ask for memory."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and abs(value) > self.LENGTH:
+                raise TemplateLimit(f"an argument of {value}; at most {self.LENGTH}")
+
+    def check_format(self, text) -> None:
+        if isinstance(text, str) and re.search(r"\d{7}", text):
+            raise TemplateLimit(f"a format with a width or precision beyond {self.LENGTH}")
+
+    def _sized(self, f, name):
+        @functools.wraps(f)  # keeps the pass_context marks Jinja reads
+        def sized(*args, **kwargs):
+            self.check_arguments(args, kwargs)
+            if name == "format":
+                self.check_format(next((a for a in args if isinstance(a, str)), None))
+            return self.bounded(f(*args, **kwargs))
+
+        return sized
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (named as the sandbox names them)
+        __self.check_arguments(args, kwargs)
+        return __self.bounded(super().call(__context, __obj, *args, **kwargs))
+
+    def wrap_str_format(self, value):  # a template's str.format and str.format_map
+        if getattr(value, "__name__", None) in ("format", "format_map"):
+            self.check_format(getattr(value, "__self__", None))
+        return super().wrap_str_format(value)
+
     def call_binop(self, context, operator, left, right):
         sizes = [len(v) for v in (left, right) if isinstance(v, (str, list, tuple))]
         counts = [v for v in (left, right) if isinstance(v, int)]
@@ -264,6 +297,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise TemplateLimit(f"a string or list longer than {self.LENGTH}")
         if operator == "**" and isinstance(right, int) and abs(right) > 1024:
             raise TemplateLimit(f"an exponent of {right}; at most 1024")
+        if operator == "%":
+            self.check_format(left)
         return self.bounded(super().call_binop(context, operator, left, right))
 
     def render(self, template: jinja2.Template, **variables) -> str:
