@@ -139,11 +139,14 @@ class Tokenizer:
         if len(tokens) != rows:
             raise SmolError(f"{path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, but token_embd.weight "
                             f"has {rows} rows")
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        if (bad := next((i for i, pair in enumerate(pairs) if len(pair) != 2 or not all(pair)), None)) is not None:
+            raise SmolError(f"{path}: tokenizer.ggml.merges[{bad}] ({merges[bad][:40]!r}) is not two tokens "
+                            "separated by a space")
         try:
-            backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)},
-                                         [tuple(m.split(" ", 1)) for m in merges]))
-        except Exception as e:
-            raise SmolError(f"{path}: inconsistent vocabulary and merges ({e})") from None
+            backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, pairs))
+        except Exception as e:  # the Rust library's message runs over several lines: one, for the CLI
+            raise SmolError(f"{path}: inconsistent vocabulary and merges ({' '.join(str(e).split())})") from None
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
         # SmolLM2 was trained on digits split one by one; its merges have no multi-digit tokens to find.
         backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
