@@ -174,6 +174,16 @@ def test_token_data_bad_inputs(tmp_path, sources, tokenizer):
         TokenData(out, "train", 2)
 
 
+@pytest.mark.parametrize("file", ["../elsewhere.bin", "/etc/hostname", "sub/00000.train.bin", "00000.train.bin.tmp", 7])
+def test_a_manifest_names_only_shards_in_its_directory(tmp_path, sources, tokenizer, file):
+    out = tmp_path / "out"
+    manifest = prepare(sources, out, tokenizer, progress=False)
+    manifest["shards"][0]["file"] = file
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SmolError, match=r"shards\[0\] is not a shard prepare writes"):
+        TokenData(out, "train", 2)
+
+
 def test_prepare_bad_inputs(tmp_path, sources, tokenizer):
     def fails(match, srcs, out=tmp_path / "out", tok=tokenizer):
         with pytest.raises(SmolError, match=match):

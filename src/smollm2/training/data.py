@@ -378,6 +378,15 @@ def _read_manifest(directory: Path) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise SmolError(f"{path}: not valid JSON ({e})") from None
-    if not (isinstance(manifest, dict) and {"vocab_size", "eos_id", "sources", "shards"} <= manifest.keys()):
+    if not (isinstance(manifest, dict) and {"vocab_size", "eos_id", "sources", "shards"} <= manifest.keys()
+            and isinstance(manifest["shards"], list) and isinstance(manifest["sources"], list)):
         raise SmolError(f"{path}: not a manifest written by prepare")
+    for i, shard in enumerate(manifest["shards"]):
+        # A shard is a file prepare named in this directory: a path elsewhere (../, absolute) is never opened.
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                and SHARD_NAME.fullmatch(shard["file"]) and not shard["file"].endswith(".tmp")
+                and shard.get("split") in ("train", "val") and type(shard.get("tokens")) is int
+                and 0 <= shard["tokens"] < 2**40):
+            raise SmolError(f"{path}: shards[{i}] is not a shard prepare writes (a file NNNNN.train.bin or "
+                            "NNNNN.val.bin in this directory, its split and token count)")
     return manifest
