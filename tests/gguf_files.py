@@ -69,7 +69,6 @@ def gguf_tensors(model: SmolLM2, qtype: Q) -> dict:
 
 def write_gguf(path, config: SmolConfig, tensors: dict, arch: str = "llama", **meta) -> None:
     """meta: metadata overrides, '.' in keys written '__'; None drops a key, (kind, value) adds one."""
-    writer = GGUFWriter(str(path), arch)
     fields = gguf_metadata(config)
     for key, value in meta.items():
         key = key.replace("__", ".")
@@ -77,10 +76,18 @@ def write_gguf(path, config: SmolConfig, tensors: dict, arch: str = "llama", **m
             fields.pop(key)
         else:
             fields[key] = value if isinstance(value, tuple) else (fields[key][0], value)
+    write_fields(path, {key.replace("llama.", f"{arch}.", 1): field for key, field in fields.items()}, tensors, arch)
+
+
+def write_fields(path, fields: dict, tensors: dict, arch: str = "llama") -> None:
+    """A GGUF file of exactly these metadata fields, {key: (kind, value)} with every scalar kind GGUF has (so
+    values can be as wrong as a file can hold), and tensors {name: (array, raw_dtype)}."""
+    writer = GGUFWriter(str(path), arch)
+    add = {"u32": writer.add_uint32, "u64": writer.add_uint64, "i32": writer.add_int32, "i64": writer.add_int64,
+           "f32": writer.add_float32, "f64": writer.add_float64, "bool": writer.add_bool, "str": writer.add_string,
+           "arr": writer.add_array}
     for key, (kind, value) in fields.items():
-        key = key.replace("llama.", f"{arch}.", 1)
-        {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string,
-         "arr": writer.add_array}[kind](key, value)
+        add[kind](key, value)
     for name, (array, raw_dtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()

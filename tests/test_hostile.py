@@ -15,11 +15,10 @@ import random
 import shutil
 import time
 
-import gguf
 from conftest import tiny_model
 from fastapi.testclient import TestClient
 from gguf import GGMLQuantizationType as Q
-from gguf_files import gguf_metadata, gguf_tensors
+from gguf_files import gguf_metadata, gguf_tensors, write_fields
 from tokenizers import pre_tokenizers
 
 from smollm2 import PRESETS, SmolError, SmolLM2, Tokenizer
@@ -102,22 +101,6 @@ def gguf_fields() -> dict:
                    "tokenizer.ggml.merges": ("arr", ["h i"]),
                    "tokenizer.chat_template": ("str", "{% for m in messages %}{{ m['content'] }}{% endfor %}")})
     return fields
-
-
-def write_fields(path, fields: dict, tensors: dict) -> None:
-    """Like gguf_files.write_gguf, with every scalar type GGUF has, so values can be as wrong as a file can."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    add = {"u32": writer.add_uint32, "u64": writer.add_uint64, "i32": writer.add_int32, "i64": writer.add_int64,
-           "f32": writer.add_float32, "f64": writer.add_float64, "bool": writer.add_bool, "str": writer.add_string,
-           "arr": writer.add_array}
-    for key, (kind, value) in fields.items():
-        add[kind](key, value)
-    for name, (array, raw_dtype) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def test_hostile_gguf_metadata(tmp_path, record_property):
