@@ -36,14 +36,14 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .choosing import Choices, Key, rows_bucket
+from .choosing import DECODING_ROWS, Choices, Key, rows_bucket
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # The instruction set the kernels are built for: this CPU's own by default; SMOLLM2_MARCH=x86-64-v3 (AVX2) or
 # x86-64 (SSE2) builds what a CPU of that tier runs, to test and time it here.
 MARCH = os.environ.get("SMOLLM2_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-MAX_ROWS = 16  # decoding steps of up to 16 rows (one kernel call for all the blocks); choosing.DECODING_ROWS
+MAX_ROWS = DECODING_ROWS  # decoding steps of up to 16 rows (one kernel call for all the blocks)
 # Past this many inputs a prompt's products go to BLAS, which splits them: the kernel's 4 weight rows outgrow L1
 # and its 64 activation rows L2 (K = 4096 and 8192 ran at 70-85% of sgemm's speed, K <= 2560 at 100-125%).
 MAX_PROMPT_K = 2560

@@ -38,7 +38,7 @@ class Choice(NamedTuple):
     torch_s: float
 
 
-DECODING_ROWS = 16  # as kernels.MAX_ROWS
+DECODING_ROWS = 16  # rows of a decoding step the kernel takes in one call (kernels.MAX_ROWS)
 
 
 def rows_bucket(rows: int) -> int:
