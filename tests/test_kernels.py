@@ -117,15 +117,15 @@ def decode(model, ids, attention_mask, T, plain=None):
     P = S - T
     cache = model.new_cache(B, 64)
     model(ids[:, :P], torch.arange(P), cache.view(length=P), attention_mask[:, :P])
-    before = [t.clone() for t in cache.k + cache.v]
+    before = [t.clone() for t in (cache.k, cache.v)]
     runs = []
     for turn in ("kernels", "torch") if plain else ("kernels",):
         if turn == "torch":
             plain()
-            for t, saved in zip(cache.k + cache.v, before):
+            for t, saved in zip((cache.k, cache.v), before):
                 t.copy_(saved)
         logits = model(ids[:, P:], torch.arange(P, S), cache.view(length=S), attention_mask)
-        runs.append((logits, [t[:, :, :S].clone() for t in cache.k + cache.v]))
+        runs.append((logits, [t[..., :S, :].clone() for t in (cache.k, cache.v)]))
     return runs
 
 

@@ -134,7 +134,7 @@ def test_causal_mask_for_every_cached_and_new_length():
     for c in range(T):
         for n in range(1, T - c + 1):
             cache = model.new_cache(2, T + 3)
-            for buf in cache.k + cache.v:  # garbage in unwritten slots, as a reused cache would hold
+            for buf in (cache.k, cache.v):  # garbage in unwritten slots, as a reused cache would hold
                 buf.normal_(0, 1e3)
             if c:
                 model(ids[:, :c], input_pos=torch.arange(c), cache=cache)
@@ -227,21 +227,20 @@ def test_kv_cache_written_in_place():
     c = model.config
     cache = model.new_cache(2, 16)
     assert isinstance(cache, KVCache) and cache.max_len == 16
-    shape = (2, c.num_key_value_heads, 16, c.head_dim)
-    assert all(t.shape == shape and t.dtype == torch.float32 for t in cache.k + cache.v)
-    assert len(cache.k) == len(cache.v) == c.num_hidden_layers
-    objects = [id(t) for t in cache.k + cache.v]
-    pointers = [t.data_ptr() for t in cache.k + cache.v]
+    shape = (c.num_hidden_layers, 2, c.num_key_value_heads, 16, c.head_dim)
+    assert all(t.shape == shape and t.dtype == torch.float32 for t in (cache.k, cache.v))
+    objects = [id(t) for t in (cache.k, cache.v)]
+    pointers = [t.data_ptr() for t in (cache.k, cache.v)]
     ids = random_ids(c, B=2, T=10)
     model(ids[:, :6], input_pos=torch.arange(6), cache=cache)
     for t in range(6, 10):
         model(ids[:, t:t + 1], input_pos=torch.tensor([t]), cache=cache)
-        assert [id(x) for x in cache.k + cache.v] == objects
-        assert [x.data_ptr() for x in cache.k + cache.v] == pointers
-        assert all(x.shape == shape for x in cache.k + cache.v)  # no torch.cat growth
+        assert [id(x) for x in (cache.k, cache.v)] == objects
+        assert [x.data_ptr() for x in (cache.k, cache.v)] == pointers
+        assert all(x.shape == shape for x in (cache.k, cache.v))  # no torch.cat growth
     # Slots 0..9 written, the rest untouched.
-    for x in cache.k + cache.v:
-        assert (x[:, :, :10] != 0).any(dim=-1).all() and (x[:, :, 10:] == 0).all()
+    for x in (cache.k, cache.v):
+        assert (x[..., :10, :] != 0).any(dim=-1).all() and (x[..., 10:, :] == 0).all()
 
 
 def test_no_repeat_interleave_of_kv(monkeypatch):

@@ -10,7 +10,6 @@ positions in float32 whatever the model dtype.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -63,49 +62,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """A static cache, (B, n_kv, max_len, hd) per layer, written in place at each token's position.
-
-    Nothing is re-copied per token; slot s of row b holds position s of that row's sequence.
-    """
+    """A static cache: every layer's keys and values, (L, B, n_kv, max_len, hd) each, written in place at each
+    token's position. Nothing is re-copied per token; slot s of row b holds position s of that row's sequence."""
 
     def __init__(self, config: SmolConfig, batch_size: int, max_len: int, device=None, dtype=None):
-        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.whole, self.rows, self.max_len = self, range(batch_size), max_len
-        self.batch_index = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
 
     def view(self, rows: slice = slice(None), length: int | None = None) -> KVCache:
-        """These rows and the first `length` slots, sharing storage: writes land in this cache, and
-        attention reads only those slots instead of the whole window. Its k, v and batch_index are sliced
-        when first used: a decoding step on the CPU's kernel uses none of them."""
+        """These rows and the first `length` slots, sharing storage: writes land in this cache, and attention
+        reads only those slots instead of the whole window."""
         view = object.__new__(KVCache)
-        view.whole, view.rows = self.whole, self.rows[rows]
-        view.max_len = len(range(self.max_len)[:length])
+        view.k, view.v = self.k[:, rows, :, :length], self.v[:, rows, :, :length]
         return view
-
-    @functools.cached_property
-    def k(self) -> list[torch.Tensor]:  # a view's; a whole cache holds its own
-        return [t[self.rows.start:self.rows.stop:self.rows.step, :, :self.max_len] for t in self.whole.k]
-
-    @functools.cached_property
-    def v(self) -> list[torch.Tensor]:
-        return [t[self.rows.start:self.rows.stop:self.rows.step, :, :self.max_len] for t in self.whole.v]
-
-    @functools.cached_property
-    def batch_index(self) -> torch.Tensor:
-        return torch.arange(len(self.rows), device=self.whole.k[0].device)[:, None]
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]), or input_pos[t] for every row when it is
-        # (T,) (one copy, cheaper than scattering); returns the whole (B, n_kv, S, hd).
+        # (T,) (one copy, cheaper than scattering); returns the layer's whole (B, n_kv, S, hd).
+        keys, values = self.k[layer], self.v[layer]
         if input_pos.dim() == 1:
-            self.k[layer].index_copy_(2, input_pos, k.transpose(1, 2))
-            self.v[layer].index_copy_(2, input_pos, v.transpose(1, 2))
+            keys.index_copy_(2, input_pos, k.transpose(1, 2))
+            values.index_copy_(2, input_pos, v.transpose(1, 2))
         else:
-            self.k[layer][self.batch_index, :, input_pos] = k
-            self.v[layer][self.batch_index, :, input_pos] = v
-        return self.k[layer], self.v[layer]
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+            keys[rows, :, input_pos] = k
+            values[rows, :, input_pos] = v
+        return keys, values
 
 
 def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
@@ -292,7 +279,7 @@ class SmolLM2(nn.Module):
             mask = mask[:, None]  # (B, 1, T, S)
 
         # Every slot of the cache, which bounds every position (a compiled step then never grows the tables).
-        self.extend_rope(cache.whole.max_len if cache is not None else T if input_pos is None else int(slots.max()) + 1)
+        self.extend_rope(cache.max_len if cache is not None else T if input_pos is None else int(slots.max()) + 1)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))

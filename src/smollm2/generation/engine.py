@@ -70,8 +70,9 @@ class Conversation:
             old = self.cache
             self.cache = model.new_cache(1, min(max(length, 2 * (old.max_len if old else 0)),
                                                 model.config.max_position_embeddings))
-            for new, kept in zip(self.cache.k + self.cache.v, old.k + old.v if old else []):
-                new[:, :, :same] = kept[:, :, :same]
+            if old is not None:
+                self.cache.k[..., :same, :] = old.k[..., :same, :]
+                self.cache.v[..., :same, :] = old.v[..., :same, :]
         del self.tokens[same:]
         return self.cache, same
 
@@ -158,7 +159,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)
     cache, held = conversation.reuse(model, rows[0], length) if conversation else (model.new_cache(B, length), 0)
     if compile and device.type == "cuda":
-        for t in cache.k + cache.v:  # a CUDA graph may update these in place only if they never move
+        for t in (cache.k, cache.v):  # a CUDA graph may update these in place only if they never move
             torch._dynamo.mark_static_address(t)
     step_fn = compiled_decode_step(device.type) if compile else decode_step
     h = prefill(model, history[:, :T].clamp(min=0), cache, held, attention_mask)  # padding as id 0

@@ -364,8 +364,8 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     slots: (T,) or (B, T) cache slots of the rows."""
     B, T, C = x.shape
-    whole, rows, S = cache.whole, cache.rows, cache.max_len  # read in place: no view's tensors are made
-    k, v = whole.k[0], whole.v[0]  # (all rows, KVH, max_len, D); every layer's alike
+    k, v = cache.k, cache.v  # (L, B, KVH, S, D), in place: a view's rows and slots of a larger cache, say
+    S = cache.max_len
     cos, sin = rope
     if B * T > MAX_ROWS or not usable(x) or not (
             k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
@@ -375,22 +375,21 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
     if found is None:
         return None
     weights = found[0]
-    if len(whole.k) < len(layers) or (len(rows), k.shape[1], k.shape[3], C) != (B, weights[0].KVH, weights[0].D,
-                                                                                weights[0].C):
+    if k.shape[0] < len(layers) or (k.shape[1], k.shape[2], k.shape[4], C) != (B, weights[0].KVH, weights[0].D,
+                                                                                 weights[0].C):
         return None  # a cache or input of another shape than the model's
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
         return None
     full_mask = None if mask is None else mask.expand(B, 1, T, S).contiguous()
-    first = rows.start * k.stride(0) * k.element_size()  # bytes to this view's first row
-    k_rows, v_rows = ((ctypes.c_void_p * len(layers))(*[t.data_ptr() + first for t in tensors[:len(layers)]])
-                      for tensors in (whole.k, whole.v))
+    k_rows, v_rows = ((ctypes.c_void_p * len(layers))(*[t.data_ptr() + n * t.stride(0) * t.element_size()
+                                                         for n in range(len(layers))]) for t in (k, v))
 
     def kernel():
         y = x.contiguous().clone()  # the residual stream, updated in place
         if compiled_library().blocks(weights, len(layers), y.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
                                      sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T, k_rows, v_rows,
-                                     S, k.stride(0) * rows.step, k.stride(1),
+                                     S, k.stride(1), k.stride(2),
                                      None if full_mask is None else full_mask.data_ptr()):
             raise MemoryError("out of memory in the decoding kernel")
         return y

@@ -230,8 +230,8 @@ class Scheduler:
             if b < len(rows) and not (last.done or last.cancelled):
                 # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
                 filled = len(last.prompt) + len(last.tokens) - 1  # every token but the last sampled
-                for t in self.cache.k + self.cache.v:
-                    t[b, :, :filled] = t[len(rows), :, :filled]
+                for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
+                    t[:, b, :, :filled] = t[:, len(rows), :, :filled]
                 rows[b] = last
 
     def _next_waiting(self) -> Request | None:
