@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test clean
+.PHONY: install run test test-fast clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ test: install
 		echo "kernels built for -march=$$tier:"; \
 		SMOLLM2_MARCH=$$tier $(PY) -m pytest -q tests/test_kernels.py tests/test_fast_paths.py || exit 1; \
 	done; fi
+
+# What to run while working: everything but the tests marked slow, real_model, subprocess or compile
+# (pyproject.toml), a few minutes on 2 cores. `make test` before committing.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not real_model and not subprocess and not compile"
 
 # The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu. Installs Debian's
 # cross compiler (its libgomp comes with it) and qemu-user where missing.

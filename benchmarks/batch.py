@@ -45,7 +45,7 @@ def main() -> None:
         for b in sizes:
             speed = bench_ours(model, prompts[b], args.new_tokens, repeats=1)
             best[b] = max(best[b], speed.decode_tok_s)
-    print(f"{args.dtype}, weights read: {kernels.streamed_format(model.model.layers)}, {torch.get_num_threads()} "
+    print(f"{args.dtype}, weights read: {kernels.weight_format(model)}, {torch.get_num_threads()} "
           f"threads, pp{args.prompt_tokens}/tg{args.new_tokens}, best of {args.rounds} rounds")
     print(f"{'batch':>5}{'decode tok/s':>15}{'vs batch 1':>12}")
     for b in sizes:

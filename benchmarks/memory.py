@@ -19,7 +19,7 @@ import torch
 from smollm2 import SmolLM2
 from smollm2.bench import peak_memory_mb, reset_peak_memory
 from smollm2.generation import stream
-from smollm2.generation.quantize import quantize_int8
+from smollm2.quantize import quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

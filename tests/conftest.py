@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from smollm2 import PRESETS, SmolConfig, SmolLM2, kernels
+from smollm2.kernels import accelerate
 from smollm2.checkpoints import default_model_path
 
 DATA = Path(__file__).parent / "data"
@@ -41,6 +42,27 @@ def tiny_model(config: SmolConfig, seed: int = 0) -> SmolLM2:
     return model
 
 
+REAL_MODEL_FIXTURES = {"model", "reference_model", "hf_model"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
+VARIANTS = ("reference", "accelerated")  # model.py as it is, and with smollm2.accelerate applied
+
+
+def as_variant(model: SmolLM2, variant: str) -> SmolLM2:
+    return accelerate(model) if variant == "accelerated" else model
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request) -> str:
+    return request.param
+
+
 def hf_copy(model: SmolLM2):
     """transformers' LlamaForCausalLM with the same weights (fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,8 +79,19 @@ def embedded_path() -> Path:
 
 @pytest.fixture(scope="session")
 def model() -> SmolLM2:
-    """The embedded SmolLM2-135M-Instruct, fp32."""
+    """The embedded SmolLM2-135M-Instruct, fp32, accelerated (as from_pretrained loads it on the CPU)."""
     return SmolLM2.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def reference_model() -> SmolLM2:
+    """The same, model.py's reference modules alone."""
+    return SmolLM2.from_pretrained(accelerate=False)
+
+
+@pytest.fixture
+def either_model(variant, model, reference_model) -> SmolLM2:
+    return model if variant == "accelerated" else reference_model
 
 
 @pytest.fixture(scope="session")

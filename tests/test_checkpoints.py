@@ -16,19 +16,25 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, hf_copy, tiny_model
+from conftest import TINY, as_variant, hf_copy, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from gguf_files import gguf_name, gguf_tensors, permute, write_gguf
 from safetensors.torch import load_file, save_file
 
-from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer, kernels
-from smollm2.checkpoints import load_checkpoint
+from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer
+from smollm2.checkpoints import load_checkpoint, parameter_shapes
 from smollm2.checkpoints.gguf import gguf_config, open_gguf
 
 GQA = TINY["gqa"]
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize can
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # it cannot: raw blocks are crafted instead
+
+
+def load(src, **kwargs) -> SmolLM2:
+    """model.py's reference modules, as the models these tests build and compare with (test_model.py and
+    test_kernels.py compare the accelerated ones)."""
+    return SmolLM2.from_pretrained(src, accelerate=False, **kwargs)
 
 
 def ids_for(config: SmolConfig, B: int = 2, T: int = 24) -> torch.Tensor:
@@ -177,7 +183,7 @@ def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, r
     theirs = logits(hf_load(tmp_path), ids)
     record_property("max_abs_diff", (ours - theirs).abs().max().item())
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    back = SmolLM2.from_pretrained(tmp_path)
+    back = load(tmp_path)
     assert back.config == model.config
     assert back.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
@@ -185,12 +191,12 @@ def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, r
 
 
 @torch.no_grad()
-def test_real_weights_as_hf_directory_equal_the_gguf(model, english, tmp_path, record_property):
+def test_real_weights_as_hf_directory_equal_the_gguf(either_model, variant, english, tmp_path, record_property):
     """The embedded 135M saved as a HF directory: our load and transformers' give the GGUF's logits."""
-    model.save_pretrained(tmp_path)
+    either_model.save_pretrained(tmp_path)
     ids = torch.tensor([Tokenizer.from_pretrained().encode(english)[:256]])
-    expected = model(ids)
-    assert torch.equal(SmolLM2.from_pretrained(tmp_path)(ids), expected)
+    expected = either_model(ids)
+    assert torch.equal(SmolLM2.from_pretrained(tmp_path, accelerate=variant == "accelerated")(ids), expected)
     diff = (hf_load(tmp_path)(ids).logits - expected).abs().max().item()
     record_property("max_abs_diff", diff)
     assert diff <= 1e-4
@@ -201,7 +207,7 @@ def test_transformers_save_pretrained_loads(tmp_path):
     for name in ("gqa", "untied"):
         model = tiny_model(TINY[name])
         hf_copy(model).save_pretrained(tmp_path / name)
-        back = SmolLM2.from_pretrained(tmp_path / name)
+        back = load(tmp_path / name)
         assert back.config.tie_word_embeddings == model.config.tie_word_embeddings
         ids = ids_for(model.config)
         assert torch.equal(logits(back, ids), logits(model, ids))
@@ -220,13 +226,13 @@ def test_sharded_directory(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
     ids = ids_for(model.config)
-    back = SmolLM2.from_pretrained(tmp_path)
+    back = load(tmp_path)
     assert torch.equal(logits(back, ids), logits(model, ids))
     torch.testing.assert_close(logits(hf_load(tmp_path), ids), logits(model, ids), atol=1e-5, rtol=0)
     # A shard listed in the index but absent is named.
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(SmolError, match="model-00002-of-00002.safetensors"):
-        SmolLM2.from_pretrained(tmp_path)
+        load(tmp_path)
 
 
 @pytest.mark.parametrize("style", ["4.x", "5.x"])
@@ -239,7 +245,7 @@ def test_config_styles(tmp_path, style):
         hf.pop("rope_theta")
         hf["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
         (tmp_path / "config.json").write_text(json.dumps(hf))
-    back = SmolLM2.from_pretrained(tmp_path)
+    back = load(tmp_path)
     assert back.config.rope_theta == 5000.0 and back.config == model.config
     ids = ids_for(model.config)
     assert torch.equal(logits(back, ids), logits(model, ids))
@@ -260,7 +266,7 @@ def test_config_defaults_as_transformers():
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
-def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, record_property):
+def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, variant, record_property):
     model = tiny_model(GQA)
     tensors = gguf_tensors(model, qtype)
     if qtype != Q.F32:  # as the real file: embedding in Q8_0, the rest in qtype
@@ -273,7 +279,7 @@ def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, 
     assert dataclasses.replace(ckpt.config, initializer_range=model.config.initializer_range) == model.config
     assert_loaded_equals(ckpt.tensors, expected_from_gguf(tensors, model.config), model.config)
 
-    ours = SmolLM2.from_pretrained(path)
+    ours = SmolLM2.from_pretrained(path, accelerate=variant == "accelerated")
     ids = ids_for(model.config)
     theirs = hf_load(tmp_path, gguf_file=path.name)
     diff = (logits(ours, ids) - logits(theirs, ids)).abs().max().item()
@@ -281,8 +287,9 @@ def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, 
     torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-5, rtol=0)
     if qtype == Q.F32:  # the same weights as a HF directory: the very same logits
         model.save_pretrained(tmp_path / "hf")
-        assert torch.equal(logits(ours, ids), logits(SmolLM2.from_pretrained(tmp_path / "hf"), ids))
-        assert torch.equal(logits(ours, ids), logits(model, ids))
+        hf_dir = SmolLM2.from_pretrained(tmp_path / "hf", accelerate=variant == "accelerated")
+        assert torch.equal(logits(ours, ids), logits(hf_dir, ids))
+        assert torch.equal(logits(ours, ids), logits(as_variant(model, variant), ids))
 
 
 @pytest.mark.parametrize("name", ["mqa", "mha", "bias", "untied", "head_dim"])
@@ -291,7 +298,7 @@ def test_gguf_every_architecture_branch(tmp_path, name):
     model = tiny_model(TINY[name])
     path = tmp_path / "tiny.gguf"
     write_gguf(path, model.config, gguf_tensors(model, Q.F32))
-    ours = SmolLM2.from_pretrained(path)
+    ours = load(path)
     assert ours.config.tie_word_embeddings == model.config.tie_word_embeddings
     assert (ours.config.attention_bias, ours.config.mlp_bias) == (model.config.attention_bias,
                                                                     model.config.mlp_bias)
@@ -305,12 +312,11 @@ def test_gguf_every_architecture_branch(tmp_path, name):
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
-def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype, monkeypatch):
+def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype):
     """gguf-py cannot quantize K-quants, so raw blocks are crafted; the loader must dequantize them as
     gguf-py does (and, for Q4_K/Q5_K/Q6_K, as a transcription of ggml's C code does), and as transformers.
     The logits are compared on torch's path, whose roundings are transformers': the crafted weights are
     large (logits up to ~70), so the kernels' other summation orders move them by ~1e-3."""
-    monkeypatch.setattr(kernels.choices, "mode", "off")
     config = dataclasses.replace(GQA, hidden_size=256, intermediate_size=256, num_hidden_layers=1, head_dim=None,
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     model = tiny_model(config)
@@ -332,7 +338,7 @@ def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype, monkeypatch):
             ref = ggml_dequantize_block(qtype, raw[row])
             np.testing.assert_allclose(ckpt.tensors["model.layers.0.mlp.down_proj.weight"][row].numpy(), ref,
                                        rtol=1e-6, atol=1e-6)
-    ours = SmolLM2.from_pretrained(path)
+    ours = SmolLM2.from_pretrained(path, accelerate=False)
     ids = ids_for(config)
     torch.testing.assert_close(logits(ours, ids), logits(hf_load(tmp_path, gguf_file=path.name), ids),
                                atol=1e-5, rtol=1e-6)
@@ -357,11 +363,11 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
 
-    back = SmolLM2.from_pretrained("org/tiny-llama")
+    back = load("org/tiny-llama")
     ids = ids_for(model.config)
     assert torch.equal(logits(back, ids), logits(model, ids))
     with pytest.raises(SmolError, match="org/missing-model"):
-        SmolLM2.from_pretrained("org/missing-model")
+        load("org/missing-model")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,7 +395,7 @@ def edit_config(directory, **changes):
 
 def raises(src, *fragments):
     with pytest.raises(SmolError) as info:
-        SmolLM2.from_pretrained(src)
+        load(src)
     message = str(info.value)
     for fragment in fragments:
         assert str(fragment) in message, (fragment, message)
@@ -581,7 +587,7 @@ def quickly_raises(src, *fragments):
 def test_parameter_shapes_are_the_state_dicts(name):
     """What checkpoints are checked against before a model is built is what it builds."""
     shapes = {k: v.shape for k, v in SmolLM2(TINY[name]).state_dict().items()}
-    assert SmolLM2.parameter_shapes(TINY[name]) == shapes
+    assert parameter_shapes(TINY[name]) == shapes
 
 
 def test_huge_sizes_fail_before_anything_is_built(tmp_path, hf_dir, gguf_parts):
@@ -603,7 +609,7 @@ def test_huge_sizes_fail_before_anything_is_built(tmp_path, hf_dir, gguf_parts):
     # The largest context window allowed loads, and its RoPE tables grow only as far as a cache needs.
     path = tmp_path / "long.gguf"
     write_gguf(path, *gguf_parts, llama__context_length=2**24)
-    model = SmolLM2.from_pretrained(path)
+    model = load(path)
     assert model.rope_cos.shape[0] <= 8192
     model.new_cache(1, 10000)
     assert 10000 <= model.rope_cos.shape[0] <= 20000
@@ -638,7 +644,7 @@ def test_vector_relabelled_as_quantized(tmp_path, gguf_parts, qtype):
     path = tmp_path / "relabelled.gguf"
     write_gguf(path, config, tensors)
     stored = next(t for t in open_gguf(path).tensors if t.name == "output_norm.weight")
-    model = SmolLM2.from_pretrained(path)
+    model = load(path)
     assert torch.equal(model.model.norm.weight, torch.from_numpy(dequantize(stored.data, qtype)))
 
 

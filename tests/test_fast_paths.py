@@ -7,11 +7,14 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, tiny_model
+from conftest import TINY, as_variant, tiny_model
 
-from smollm2 import SmolError, Tokenizer
+from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2.cli import main
 from smollm2.generation import generate
-from smollm2.generation.quantize import Int8Linear, quantize_int8
+from smollm2.kernels import accelerate
+from smollm2.kernels.accelerate import FastSmolLM2
+from smollm2.quantize import Int8Linear, quantize_int8
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +22,9 @@ def tokens(english):
     return Tokenizer.from_pretrained().encode(english)[:512]
 
 
-def test_compiled_decoding_gives_the_eager_tokens():
-    model = tiny_model(TINY["gqa"])
+@pytest.mark.compile
+def test_compiled_decoding_gives_the_eager_tokens(variant):
+    model = as_variant(tiny_model(TINY["gqa"]), variant)  # compiled, the accelerated modules run torch's code
     prompts = [[5, 6, 7, 8], [9, 10]]  # padded: the masked path
     for rows in (prompts[:1], prompts):
         eager = generate(model, rows, 12, eos_token_id=None)
@@ -79,10 +83,24 @@ def test_bf16_logits_follow_transformers_bf16(model, hf_model, tokens):
 
 
 def test_bf16_generation_runs_batched():
-    model = tiny_model(TINY["gqa"]).to(torch.bfloat16)
+    model = accelerate(tiny_model(TINY["gqa"]).to(torch.bfloat16))  # on the kernels, a row's bits are its own
     out = generate(model, [[1, 2, 3], [4, 5]], 6, eos_token_id=None)
     assert out.shape == (2, 9)
     assert out[1, 3:].tolist() == generate(model, [[4, 5]], 6, eos_token_id=None)[0, 2:].tolist()
+
+
+@pytest.mark.real_model
+def test_the_cli_runs_the_reference_model_when_told(capsys, monkeypatch):
+    """--no-kernels: model.py's modules alone, the same greedy answer."""
+    built = []
+    monkeypatch.setattr(FastSmolLM2, "blocks", lambda self, *args: built.append(self) or SmolLM2.blocks(self, *args))
+    answers = []
+    for flags in ([], ["--no-kernels"]):
+        assert main(["generate", *flags, "--temperature", "0", "--max-new-tokens", "12", "The capital of France"]) == 0
+        answers.append(capsys.readouterr().out)
+        assert bool(built) == (not flags)
+        built.clear()
+    assert answers[0] == answers[1] and answers[0].strip()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,5 @@
-"""The CPU decoding kernels against torch's formulas, and the model's tokens with and without them."""
+"""The CPU kernels against torch's formulas, and each model accelerated against the same model's reference
+modules (model.py alone): logits, caches and tokens."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ import torch.nn.functional as F
 from conftest import TINY, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf_files import gguf_tensors, write_gguf
-from torch.utils.weak import WeakIdKeyDictionary
 
 from smollm2 import SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.engine import decode_step
-from smollm2.generation.quantize import quantize_int8
+from smollm2.kernels import accelerate
+from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.choosing import Choices, Key, rows_bucket
+from smollm2.quantize import quantize_int8
 
-pytestmark = pytest.mark.skipif(kernels.compiled_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 
 
 @pytest.fixture(autouse=True)
@@ -31,14 +33,6 @@ def inference():
     torch.manual_seed(0)
     with torch.inference_mode():  # the kernels serve inference only: with gradients, torch does the work
         yield
-
-
-@pytest.fixture
-def plain(monkeypatch):
-    """Run the code inside with torch's kernels only."""
-    def off():
-        monkeypatch.setattr(kernels.choices, "mode", "off")
-    return off
 
 
 def on_torch():
@@ -106,44 +100,43 @@ def test_prompts_products_the_kernel_leaves_to_torch(dtype, K):
 
 
 def tiny(name: str, dtype: str):
+    """A tiny reference model in `dtype` (int8: its blocks' linear layers)."""
     model = tiny_model(TINY[name])
     return quantize_int8(model) if dtype == "int8" else model.to(getattr(torch, dtype))
 
 
-def decode(model, ids, attention_mask, T, plain=None):
+def accelerated(model: SmolLM2) -> SmolLM2:
+    return accelerate(copy.deepcopy(model))
+
+
+def decode(model, ids, attention_mask, T):
     """The logits of the last T tokens, decoded in one step after the others went in as a prompt, and the
-    cache this step wrote; with `plain`, that step again on torch's kernels from the same cache."""
+    keys and values in the cache then."""
     B, S = ids.shape
     P = S - T
     cache = model.new_cache(B, 64)
     model(ids[:, :P], torch.arange(P), cache.view(length=P), attention_mask[:, :P])
-    before = [t.clone() for t in (cache.k, cache.v)]
-    runs = []
-    for turn in ("kernels", "torch") if plain else ("kernels",):
-        if turn == "torch":
-            plain()
-            for t, saved in zip((cache.k, cache.v), before):
-                t.copy_(saved)
-        logits = model(ids[:, P:], torch.arange(P, S), cache.view(length=S), attention_mask)
-        runs.append((logits, [t[..., :S, :].clone() for t in (cache.k, cache.v)]))
-    return runs
+    logits = model(ids[:, P:], torch.arange(P, S), cache.view(length=S), attention_mask)
+    return logits, [t[..., :S, :] for t in (cache.k, cache.v)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", ["gqa", "mqa", "mha"])
-def test_decoding_blocks_match_torch(name, dtype, T, padded, plain):
-    """A decoding step of the whole model, each block one kernel call, against torch's formula: logits, and
-    the keys and values it wrote into the cache (after RoPE)."""
-    model = tiny(name, dtype)
+def test_decoding_blocks_match_torch(name, dtype, T, padded):
+    """A decoding step of the whole model, each block one kernel call, against the reference model's: logits,
+    and the keys and values it wrote into the cache (after RoPE)."""
+    reference = tiny(name, dtype)
+    model = accelerated(reference)
     activations = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    assert kernels.blocks_plan(model.model.layers, activations) is not None  # the kernel does take these blocks
+    assert DecodePlan(model, activations).weights is not None  # the kernel does take these blocks
     ids = torch.randint(0, model.config.vocab_size, (2, 37))
     attention_mask = torch.ones_like(ids)
     if padded:
         attention_mask[1, :10] = 0  # row 1 left-padded
-    (fast, fast_cache), (slow, slow_cache) = decode(model, ids, attention_mask, T, plain)
+    (fast, fast_cache), (slow, slow_cache) = decode(model, ids, attention_mask, T), decode(reference, ids,
+                                                                                         attention_mask, T)
     # bf16: the products' float32 sums are added in another order, so a rounding may land one ulp away.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype != "bfloat16" else dict(atol=2 ** -6, rtol=2 ** -7)
     torch.testing.assert_close(fast.float(), slow.float(), **tol)
@@ -192,87 +185,130 @@ def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_rows_block_does_not_depend_on_its_batch(dtype):
-    model = tiny("gqa", dtype)
+    model = accelerated(tiny("gqa", dtype))
     ids = torch.randint(0, model.config.vocab_size, (3, 20))
-    (batched, _), = decode(model, ids, torch.ones_like(ids), 1)
-    (alone, _), = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 1)
+    batched, _ = decode(model, ids, torch.ones_like(ids), 1)
+    alone, _ = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 1)
     assert torch.equal(alone[0], batched[1])
 
 
 @pytest.mark.parametrize("name", ["bias", "head_dim"])
 def test_blocks_the_kernel_cannot_run_stay_on_torch(name):
-    model = tiny(name, "float32")
-    assert kernels.blocks_plan(model.model.layers, torch.float32) is None
+    model = accelerated(tiny(name, "float32"))
+    assert model.decode_plan(torch.float32).weights is None
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    torch.testing.assert_close(decode(model, ids, torch.ones_like(ids), 1)[0],
+                               decode(tiny(name, "float32"), ids, torch.ones_like(ids), 1)[0], atol=1e-5, rtol=0)
 
 
 def test_slots_outside_the_cache_raise_instead_of_writing_past_it():
-    model = tiny("gqa", "float32")
+    model = accelerated(tiny("gqa", "float32"))
     cache = model.new_cache(1, 16)
     with pytest.raises((IndexError, RuntimeError)):
         model(torch.tensor([[5]]), torch.tensor([16]), cache)
 
 
-def gguf_model(path, qtype, dtype=torch.float32):
-    """A tiny random model written as a GGUF file of qtype blocks (norms in F32), and read back."""
+def gguf_model(path, qtype, dtype=torch.float32, packed=True):
+    """A tiny random model written as a GGUF file of qtype blocks (norms in F32), read back and accelerated:
+    streaming the file's packed blocks, or (packed=False) the float32 weights they decode to."""
     source = tiny_model(TINY["gqa"])
     write_gguf(path, source.config, gguf_tensors(source, qtype))
-    return SmolLM2.from_pretrained(path, dtype=dtype)
+    return SmolLM2.from_pretrained(path, dtype=dtype) if packed else accelerate(
+        SmolLM2.from_pretrained(path, dtype=dtype, accelerate=False))
 
 
-def without_blocks(monkeypatch):
-    """From here on, the kernels stream every weight itself."""
-    monkeypatch.setattr(kernels, "kept_blocks", WeakIdKeyDictionary())
-    monkeypatch.setattr(kernels, "plans", {})
+def linears(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-def test_gguf_blocks_give_the_float32_weights_results(tmp_path, qtype, monkeypatch):
-    """A float32 model read from GGUF blocks streams the blocks: its logits and cache are those of its
+def test_gguf_packed_blocks_give_the_float32_weights_results(tmp_path, qtype):
+    """A float32 model read from GGUF's packed blocks streams them: its logits and cache are those of its
     float32 weights, to the last bit."""
     model = gguf_model(tmp_path / "tiny.gguf", qtype)
-    linears = [m.weight for block in model.model.layers for m in kernels.block_modules(block)[1]]
-    assert all(w in kernels.kept_blocks for w in [*linears, model.model.embed_tokens.weight])
+    assert all(packed_of(m) is not None for m in [*linears(model), model.model.embed_tokens])
+    assert "packed" not in str(model.state_dict().keys())  # non-persistent: never saved
     ids = torch.randint(0, model.config.vocab_size, (2, 21))
-    (blocks, blocks_cache), = decode(model, ids, torch.ones_like(ids), 3)
-    without_blocks(monkeypatch)
-    (weights, weights_cache), = decode(model, ids, torch.ones_like(ids), 3)
-    assert torch.equal(blocks, weights)
-    assert all(torch.equal(a, b) for a, b in zip(blocks_cache, weights_cache))
+    packed, packed_cache = decode(model, ids, torch.ones_like(ids), 3)
+    weights, weights_cache = decode(gguf_model(tmp_path / "tiny.gguf", qtype, packed=False), ids,
+                                    torch.ones_like(ids), 3)
+    assert torch.equal(packed, weights)
+    assert all(torch.equal(a, b) for a, b in zip(packed_cache, weights_cache))
 
 
-def test_a_weight_changed_in_place_is_streamed_itself(tmp_path, monkeypatch):
+def test_a_weight_changed_in_place_is_streamed_itself(tmp_path):
     model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1)
     ids = torch.randint(0, model.config.vocab_size, (1, 21))
-    decode(model, ids, torch.ones_like(ids), 1)  # plans built with the blocks
-    weight = model.model.layers[1].mlp.up_proj.weight
-    weight.mul_(0.5)
-    (changed, _), = decode(model, ids, torch.ones_like(ids), 1)
-    assert weight not in kernels.kept_blocks
-    without_blocks(monkeypatch)
-    (want, _), = decode(model, ids, torch.ones_like(ids), 1)
-    assert torch.equal(changed, want)
+    decode(model, ids, torch.ones_like(ids), 1)  # the plan built with the packed blocks
+    up = model.model.layers[1].mlp.up_proj
+    with torch.inference_mode(False), torch.no_grad():
+        up.weight.mul_(0.5)
+    changed, _ = decode(model, ids, torch.ones_like(ids), 1)
+    assert packed_of(up) is None and up.packed is None  # dropped
+    plain = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1, packed=False)
+    with torch.inference_mode(False), torch.no_grad():
+        plain.model.layers[1].mlp.up_proj.weight.mul_(0.5)
+    assert torch.equal(changed, decode(plain, ids, torch.ones_like(ids), 1)[0])
 
 
-def test_the_embedded_model_streams_its_files_blocks(model):
+def test_a_weight_replaced_rebuilds_the_plan():
+    reference = tiny("gqa", "float32")
+    model = accelerated(reference)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    decode(model, ids, torch.ones_like(ids), 1)
+    plan = model.decode_plan(torch.float32)
+    for m in (model, reference):
+        with torch.inference_mode(False):
+            m.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.down_proj.weight * 2)
+    got, want = decode(model, ids, torch.ones_like(ids), 1)[0], decode(reference, ids, torch.ones_like(ids), 1)[0]
+    assert model.decode_plan(torch.float32) is not plan
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_copies_and_conversions_build_their_own_plans():
+    """A deep copy's weights are elsewhere, and .to() moves them: neither may run on the original's plan."""
+    model = accelerated(tiny("gqa", "float32"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    want, _ = decode(model, ids, torch.ones_like(ids), 1)
+    copied = copy.deepcopy(model)
+    assert type(copied) is type(model) and "decode_plans" not in copied.__dict__
+    del model
+    assert torch.equal(decode(copied, ids, torch.ones_like(ids), 1)[0], want)
+    bf16 = copied.to(torch.bfloat16)
+    assert "decode_plans" not in bf16.__dict__
+    assert decode(bf16, ids, torch.ones_like(ids), 1)[0].dtype == torch.bfloat16
+
+
+def test_accelerating_keeps_the_models_parameters_and_names():
+    reference = tiny("bias", "float32")
+    model = accelerated(reference)
+    assert isinstance(model, SmolLM2) and type(model) is not SmolLM2
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert accelerate(model) is model  # twice is once
+    assert [type(m) for m in accelerate(model).modules()] == [type(m) for m in model.modules()]
+
+
+def test_the_embedded_model_streams_its_files_packed_blocks(model):
     """fp32 decoding of the default model reads its file's Q4_1 block weights and Q8_0 embeddings."""
-    linears = [kernels.weight_of(m) for block in model.model.layers for m in kernels.block_modules(block)[1]]
-    assert kernels.streamed(linears)[0] == kernels.BLOCK_TYPES[Q.Q4_1]
-    assert kernels.streamed([model.output_weight])[0] == kernels.BLOCK_TYPES[Q.Q8_0]
+    assert kernels.weight_format(model) == "Q4_1 packed"
+    assert packed_of(model.model.embed_tokens).type == kernels.PACKED_TYPES[Q.Q8_0]
 
 
-def test_bf16_models_keep_no_blocks(tmp_path):
-    """Their weights are rounded to bf16: the blocks no longer hold their values."""
+def test_bf16_models_keep_no_packed_blocks(tmp_path):
+    """Their weights are rounded to bf16: the packed blocks no longer hold their values."""
     model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_1, torch.bfloat16)
-    assert not any(p in kernels.kept_blocks for p in model.parameters())
+    assert not any(packed_of(m) for m in [*linears(model), model.model.embed_tokens])
 
 
-@pytest.mark.parametrize("variant", ["fp32", "int8", "batched"])
-def test_decoding_gives_the_plain_tokens(model, variant, plain):
-    m = quantize_int8(copy.deepcopy(model)) if variant == "int8" else model
-    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 17, 30]] if variant == "batched" else [[1, 504, 3458, 282]]
-    fast = generate(m, prompts, 24, eos_token_id=None)
-    plain()
-    assert torch.equal(fast, generate(m, prompts, 24, eos_token_id=None))
+@pytest.mark.parametrize("kind", ["fp32", "int8", "batched"])
+def test_decoding_gives_the_reference_tokens(model, reference_model, kind):
+    fast, plain = model, reference_model
+    if kind == "int8":
+        plain = quantize_int8(copy.deepcopy(reference_model))
+        fast = accelerated(plain)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 17, 30]] if kind == "batched" else [[1, 504, 3458, 282]]
+    assert torch.equal(generate(fast, prompts, 24, eos_token_id=None), generate(plain, prompts, 24, eos_token_id=None))
 
 
 def teacher_forced_logits(model, tokens, prompt=8):
@@ -285,14 +321,13 @@ def teacher_forced_logits(model, tokens, prompt=8):
     return torch.cat(out).float()
 
 
-def test_bf16_decoding_is_as_exact_as_the_plain_path(model, english, plain):
+def test_bf16_decoding_is_as_exact_as_the_reference(reference_model, english):
     """bf16 rounds differently on the kernels (float32 sums, one rounding per output), so near-ties can go
     either way: measured against fp32, along a real text, it is as exact as torch's bf16."""
     tokens = Tokenizer.from_pretrained().encode(english)[:120]
-    reference = teacher_forced_logits(model, tokens)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    fast = teacher_forced_logits(bf16, tokens)
-    plain()
+    reference = teacher_forced_logits(reference_model, tokens)
+    bf16 = copy.deepcopy(reference_model).to(torch.bfloat16)
+    fast = teacher_forced_logits(accelerated(bf16), tokens)
     slow = teacher_forced_logits(bf16, tokens)
     top1 = reference.argmax(-1)
     assert (fast - reference).abs().mean() <= 1.05 * (slow - reference).abs().mean()
@@ -302,18 +337,21 @@ def test_bf16_decoding_is_as_exact_as_the_plain_path(model, english, plain):
 def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    kernels.compiled_library.cache_clear()
+    kernels.library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="kernels unavailable"):
-            assert kernels.compiled_library() is None
+            assert kernels.library() is None
         x, (w, _) = torch.randn(1, 64), weights(torch.float32)
         assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
+        model = tiny("gqa", "float32")
+        assert type(accelerate(model)) is SmolLM2  # left as it is
     finally:
-        kernels.compiled_library.cache_clear()
+        kernels.library.cache_clear()
 
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or kernels.compiled_library() is None,
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64" or kernels.library() is None,
                     reason="x86-64 instruction sets, and a working C compiler")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "skylake-avx512"])  # SSE2, AVX2, AVX-512 without bf16
 def test_the_kernels_compile_for_other_x86_cpus(march, tmp_path):
@@ -367,7 +405,7 @@ def test_a_known_kind_is_not_measured_again(tmp_path):
 
 def test_choices_round_trip_through_their_file(tmp_path):
     ours, theirs = measuring(tmp_path), measuring(tmp_path)  # two processes, each measuring its own kinds
-    product = Key("linear", "bfloat16", "Q4_1 blocks", 16, 4, (576, 576, 192, 192))
+    product = Key("linear", "bfloat16", "Q4_1 packed", 16, 4, (576, 576, 192, 192))
     step = Key("blocks", "float32", "int8", 16, 4, (30, 576, 9, 3, 64, 1536))
     ours.pick(KEY, side("kernel", []), side("torch", [], 0.002))
     ours.pick(product, side("kernel", [], 0.002), side("torch", []))
@@ -376,7 +414,7 @@ def test_choices_round_trip_through_their_file(tmp_path):
     assert [choice["text"] for choice in ours.report()] == [
         f"RMSNorm of 96, 33-64 rows, float32: kernel (kernel {ours.made[KEY].kernel_s * 1e3:.3g} ms vs torch "
         f"{ours.made[KEY].torch_s * 1e3:.3g} ms)",
-        f"product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 blocks: torch (kernel "
+        f"product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 packed: torch (kernel "
         f"{ours.made[product].kernel_s * 1e3:.3g} ms vs torch {ours.made[product].torch_s * 1e3:.3g} ms)"]
 
 
@@ -422,12 +460,12 @@ def test_the_modes_do_what_they_say(tmp_path):
 
 
 def test_torch_always_leaves_every_kernel_unused():
-    x, w, model = torch.randn(2, 40, 96), torch.randn(32, 96), tiny("gqa", "float32")
+    x, w, model = torch.randn(2, 40, 96), torch.randn(32, 96), accelerated(tiny("gqa", "float32"))
     cache = model.new_cache(1, 8)
 
     def decoding_step():
-        return kernels.blocks(model.model.layers, torch.randn(1, 1, 64), (torch.ones(1, 1, 1, 16),) * 2, None,
-                              cache.view(length=1), torch.tensor([0]), on_torch)
+        return kernels.blocks(model.decode_plan(torch.float32).weights, torch.randn(1, 1, 64),
+                              (torch.ones(1, 1, 1, 16),) * 2, None, cache.view(length=1), torch.tensor([0]), on_torch)
 
     with kernels.choices.forced(False):
         assert kernels.rms_norm(x, torch.ones(96), 1e-5, on_torch) == "torch"
@@ -440,7 +478,7 @@ def test_torch_always_leaves_every_kernel_unused():
 def test_measured_choices_give_the_kernels_tokens(monkeypatch, tmp_path):
     """A tiny model whose heads fit every kernel generates the same tokens when its operations are measured
     (on the first call of each kind), and whichever side won each."""
-    model = tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64))
+    model = accelerate(tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64)))
     prompts = [list(range(5, 29)), list(range(40, 64))]  # 24 tokens each: a prompt's kernels run too
     want = generate(model, prompts, 8, eos_token_id=None)  # the kernels wherever they run
     monkeypatch.setattr(kernels, "choices", measuring(tmp_path))

@@ -4,13 +4,17 @@ from .config import PRESETS, SmolConfig
 from .errors import SmolError
 from .model import KVCache, SmolLM2
 
-__all__ = ["PRESETS", "KVCache", "SmolConfig", "SmolError", "SmolLM2", "Tokenizer"]
+__all__ = ["PRESETS", "KVCache", "SmolConfig", "SmolError", "SmolLM2", "Tokenizer", "accelerate"]
 
 
 def __getattr__(name):
-    # The tokenizer pulls in `tokenizers` and jinja2; import it only when asked for.
+    # The tokenizer pulls in `tokenizers` and jinja2, the kernels gguf; import them only when asked for.
     if name == "Tokenizer":
         from .tokenizer import Tokenizer
 
         return Tokenizer
+    if name == "accelerate":
+        from .kernels import accelerate
+
+        return accelerate
     raise AttributeError(name)

@@ -80,10 +80,12 @@ def check_address(host: str, port: int) -> None:
 
 
 def load_model(args):
-    """The model named by --model (default: the embedded SmolLM2-135M-Instruct), as --dtype/--quantize say."""
+    """The model named by --model (default: the embedded SmolLM2-135M-Instruct), as --dtype/--quantize say;
+    on the CPU kernels unless --no-kernels."""
     from .generation import Sampling
-    from .generation.quantize import quantize_int8
+    from .kernels import accelerate
     from .model import SmolLM2
+    from .quantize import quantize_int8
 
     if hasattr(args, "temperature"):
         Sampling(**sampling(args))  # bad sampling flags fail before the model loads, not after
@@ -91,8 +93,12 @@ def load_model(args):
         raise SmolError("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    return quantize_int8(model) if args.quantize == "int8" else model
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels)
+    if args.quantize == "int8":
+        quantize_int8(model)
+        if args.kernels:
+            accelerate(model)  # again: the int8 layers are new modules
+    return model
 
 
 def load(args):
@@ -229,18 +235,15 @@ def bench_ours(args):
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
 
     def facts():  # after the warm-up run, which chose between the kernels and torch
-        return dict(weights_read=kernels.streamed_format(model.model.layers),  # what our decoding steps read
+        return dict(weights_read=kernels.weight_format(model),  # what our decoding steps read
                     kernels=kernels.choices.mode, kernel_choices=kernels.choices.report())
 
     return bench.ours(model, prompt, args.new_tokens, args.compile), facts
 
 
 def bench_torch(args):
-    """smollm2's own model on torch's kernels alone (SMOLLM2_KERNELS=off): what the kernels must beat."""
-    from . import kernels
-
-    kernels.choices.mode = "off"
-    run, _ = bench_ours(args)
+    """smollm2's reference model, model.py on torch alone (--no-kernels): what the kernels must beat."""
+    run, _ = bench_ours(argparse.Namespace(**{**vars(args), "kernels": False}))
     return run, lambda: {}
 
 
@@ -357,7 +360,7 @@ def finetune(args):
     tokenizer = Tokenizer.from_pretrained(args.model)
     data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
     val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
-    model = SmolLM2.from_pretrained(args.model)  # fp32 weights, whatever the checkpoint stores
+    model = SmolLM2.from_pretrained(args.model, accelerate=False)  # fp32 weights, whatever the checkpoint stores
     run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
     final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run)
     print(f"the fine-tuned model is in {final}")
@@ -375,6 +378,9 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--threads", type=whole_number(1, MAX_THREADS),
                        help=f"CPU threads, 1 to {MAX_THREADS} (default: torch's choice)")
     model.add_argument("--quantize", choices=("int8",), help="int8 weight-only linear layers")
+    model.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                       help="run on smollm2's CPU kernels where they are the faster (default); --no-kernels runs "
+                            "the reference model.py on torch alone")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
 

@@ -8,6 +8,7 @@ import torch
 
 from ..config import SmolConfig
 from ..errors import SmolError
+from ..kernels import Packed
 
 
 @dataclass
@@ -16,9 +17,9 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> where it came from, for errors
     source: str = ""
-    # float32 tensors decoded from GGUF blocks that the kernels stream -> those blocks, as kernels.block_layout
-    # gives them, rows in the tensor's order: their exact values, in a few bits each
-    blocks: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # float32 tensors decoded from GGUF's packed blocks that the kernels can stream -> those blocks, as
+    # kernels.packed_layout gives them, rows in the tensor's order: their exact values, in a few bits each
+    packed: dict[str, Packed] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:
         """Every tensor the model needs is here with the right shape and finite values, and nothing else is."""
@@ -34,3 +35,25 @@ class Checkpoint:
         for name, tensor in self.tensors.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} holds NaN or infinite values")
+
+
+def parameter_shapes(config: SmolConfig) -> dict[str, torch.Size]:
+    """The state dict's shapes (SmolLM2's, model.py), from the config alone: a checkpoint is checked against
+    them before any module is built, so sizes it got wrong never turn into allocations."""
+    c, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    block = {"input_layernorm.weight": (c,), "post_attention_layernorm.weight": (c,),
+             "self_attn.q_proj.weight": (q, c), "self_attn.k_proj.weight": (kv, c),
+             "self_attn.v_proj.weight": (kv, c), "self_attn.o_proj.weight": (c, q),
+             "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+    if config.attention_bias:
+        block |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                  "self_attn.o_proj.bias": (c,)}
+    if config.mlp_bias:
+        block |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (c,)}
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, c), "model.norm.weight": (c,)}
+    shapes |= {f"model.layers.{n}.{name}": shape for n in range(config.num_hidden_layers)
+               for name, shape in block.items()}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, c)
+    return {name: torch.Size(shape) for name, shape in shapes.items()}

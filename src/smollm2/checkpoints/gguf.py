@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from ..kernels import block_layout
+from ..kernels import packed_layout
 from .checkpoint import Checkpoint
 
 TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -137,10 +137,10 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path, dtype: torch.dtype = torch.float32, blocks: bool = False) -> Checkpoint:
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    tensors, files, kept_blocks = {}, {}, {}
+    tensors, files, packed_copies = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)
         try:
@@ -153,19 +153,20 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, blocks: bool = Fal
             shape = t.shape[::-1]
             # Quantized types decode into a new array; plain F32 is a view of the read-only file: copy that one.
             w = torch.from_numpy(np.require(values, np.float32, ["W"])).reshape(shape)
-            # float32 matrices that the kernels can stream from their blocks instead: exactly equal, a few bits each
-            kept = block_layout(qtype, t.data) if blocks and dtype == torch.float32 and len(shape) == 2 else None
+            # float32 matrices that the kernels can stream from their packed blocks instead: the same values, in a
+            # few bits each
+            kept = packed_layout(qtype, t.data) if packed and dtype == torch.float32 and len(shape) == 2 else None
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
-            kept = kept and (kept[0], unpermute(kept[1], heads))
+            kept = kept and kept._replace(data=unpermute(kept.data, heads))
         tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
         if kept:
-            kept_blocks[name] = kept
+            packed_copies[name] = kept
     reader.release_pages()  # every tensor above is a copy
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-        kept_blocks.pop("lm_head.weight", None)
-    return Checkpoint(config, tensors, files, str(path), kept_blocks)
+        packed_copies.pop("lm_head.weight", None)
+    return Checkpoint(config, tensors, files, str(path), packed_copies)

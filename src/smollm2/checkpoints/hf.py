@@ -78,6 +78,8 @@ def read_hf(directory: Path, dtype: torch.dtype | None = None) -> Checkpoint:
 
 
 def save_hf(config: SmolConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
+    if not all(t.is_floating_point() for t in state_dict.values()):
+        raise SmolError("a quantized model cannot be saved as a HF checkpoint; save it before quantizing")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}

@@ -1,10 +1,11 @@
-"""CPU kernels (kernels.c): for decoding, few-row matrix products and all the transformer blocks of a
-decoding step in one call; for prompts, float32 matrix products, the causal attention and the elementwise steps.
+"""CPU kernels (kernels.c), and the torch code each replaces where it is the faster: for decoding, few-row
+matrix products and all the transformer blocks of a decoding step in one call; for prompts, float32 matrix
+products, the causal attention and the elementwise steps. accelerate.py applies them to a model.
 
 Decoding streams fp32, bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
 fraction of it, with no Python and no thread wake-ups between the ~10 operations of each layer; a float32
-model read from GGUF Q4_1 / Q8_0 blocks streams those blocks instead, to the same bits. A row's result does
-not depend on how many rows share the call, a prompt's included. A prompt's attention computes only the
+model read from GGUF Q4_1 / Q8_0 blocks streams those packed blocks instead, to the same bits. A row's result
+does not depend on how many rows share the call, a prompt's included. A prompt's attention computes only the
 causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C
 source is compiled for this machine on first use (a few seconds) into the user's cache; without a working C
 compiler everything runs on torch's own kernels, only slower. Everything else (a bf16 prompt's products,
@@ -25,16 +26,15 @@ import subprocess
 import sys
 import tempfile
 import warnings
-import weakref
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .choosing import DECODING_ROWS, Choices, Key, rows_bucket
 
@@ -49,12 +49,12 @@ MAX_ROWS = DECODING_ROWS  # decoding steps of up to 16 rows (one kernel call for
 MAX_PROMPT_K = 2560
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF blocks of 32 it streams
-SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block
-# kernels.c's type -> bytes a block of 32, its scales widened to float32
-BLOCK_BYTES = {BLOCK_TYPES[kind]: GGML_QUANT_SIZES[kind][1] + 2 * SCALES[kind] for kind in BLOCK_TYPES}
+PACKED_TYPES = {GGMLQuantizationType.Q4_1: 3, GGMLQuantizationType.Q8_0: 4}  # GGUF's packed weights it streams
+SCALES = {GGMLQuantizationType.Q4_1: 2, GGMLQuantizationType.Q8_0: 1}  # float16s that open each block of 32
+# kernels.c's type -> bytes a block of 32 weights, its scales widened to float32
+PACKED_BYTES = {PACKED_TYPES[kind]: GGML_QUANT_SIZES[kind][1] + 2 * SCALES[kind] for kind in PACKED_TYPES}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 blocks", "Q8_0 blocks")  # by kernels.c's type
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed")  # by kernels.c's type
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
 # bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
@@ -96,8 +96,22 @@ choices = Choices(initial_mode(), lambda: cache_dir() / (f"choices-{build_key()}
                                                          f"{torch.backends.cpu.get_cpu_capability()}.json"))
 
 
+class CFunction:
+    """A function of kernels.c, its parameters declared once, by name; called with keywords, which are checked."""
+
+    def __init__(self, function, restype=None, **parameters):
+        function.argtypes, function.restype = list(parameters.values()), restype
+        self.function, self.names = function, list(parameters)
+
+    def __call__(self, **arguments):
+        if arguments.keys() != set(self.names):
+            raise TypeError(f"{self.function.__name__}() takes {self.names}, got {list(arguments)}")
+        return self.function(*(arguments[name] for name in self.names))
+
+
 @functools.cache
-def compiled_library() -> ctypes.CDLL | None:
+def library() -> SimpleNamespace | None:
+    """kernels.c built for this machine, its functions declared as in kernels.c; None without a C compiler."""
     compiler = os.environ.get("CC", "cc")
     try:
         path = cache_dir() / f"kernels-{build_key()}.so"
@@ -116,22 +130,24 @@ def compiled_library() -> ctypes.CDLL | None:
         warnings.warn(f"smollm2: CPU decoding kernels unavailable ({compiler}: {detail[-1] if detail else e}); "
                       "using torch's, slower", stacklevel=2)
         return None
-    i, p = ctypes.c_int, ctypes.c_void_p
-    n = ctypes.c_long
-    lib.linear.argtypes = [p, i, i, p, i, p, p, n, p, n]  # as kernels.c
-    lib.blocks.argtypes = [p, i, p, i, n, n, p, p, p, n, p, p, n, n, n, p]
-    lib.prompt_attention.argtypes = [p, p, p, p, i, n, n, n, n, n, p, p]
-    lib.silu_mul.argtypes = [p, p, p, i, n]
-    lib.rope_rows.argtypes = [p, p, p, p, i, n, n, n]
-    lib.norm_rows.argtypes = [p, p, p, i, n, n, ctypes.c_float]
-    return lib
+    p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    return SimpleNamespace(
+        linear=CFunction(lib.linear, x=p, type=i, count=i, w=p, w_type=i, scale=p, y=p, B=n, N=p, K=n),
+        blocks=CFunction(lib.blocks, ctypes.c_int, w=p, layers=i, x=p, type=i, B=n, T=n, cos=p, sin=p, slots=p,
+                         slot_stride=n, k_cache=p, v_cache=p, S=n, stride_b=n, stride_h=n, mask=p),
+        prompt_attention=CFunction(lib.prompt_attention, ctypes.c_int, q=p, k=p, v=p, out=p, type=i, B=n, T=n, H=n,
+                                   KVH=n, D=n, k_stride=p, v_stride=p),
+        silu_mul=CFunction(lib.silu_mul, gate=p, up=p, out=p, type=i, n=n),
+        rope_rows=CFunction(lib.rope_rows, x=p, cos=p, sin=p, out=p, type=i, R=n, heads=n, D=n),
+        norm_rows=CFunction(lib.norm_rows, x=p, weight=p, out=p, type=i, R=n, C=n, eps=f),
+    )
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can compute with x: inference (no gradients, no torch.compile) on the CPU, in float32
     or bf16, unless they are off."""
     return (choices.mode != "off" and x.device.type == "cpu" and x.dtype in DTYPES
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled_library() is not None)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and library() is not None)
 
 
 def multiplies(x: torch.Tensor, rows: int) -> bool:
@@ -158,136 +174,70 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
-def version(t: torch.Tensor) -> int:
-    """Counts t's in-place changes (inference tensors count none)."""
-    return -1 if t.is_inference() else t._version
-
-
-def versions(tensors: list[torch.Tensor]) -> list[int]:
-    """[version(t) for t in tensors], in half the time when none is an inference tensor (the usual case)."""
-    try:
-        return [t._version for t in tensors]
-    except RuntimeError:  # one is: it counts no changes
-        return [version(t) for t in tensors]
-
-
-class Blocks(NamedTuple):
+class Packed(NamedTuple):
+    """A float32 weight's exact values as GGUF packed them, in the layout the kernels stream (packed_layout)."""
     type: int  # kernels.c's Q4_1 or Q8_0
-    data: torch.Tensor  # uint8 (N, K / 32 * block size), in kernels.c's layout
-    version: int  # the weight's, and where it was, when they were kept: an in-place change makes them stale
-    address: int
+    data: torch.Tensor  # uint8 (N, K / 32 * PACKED_BYTES[type])
 
 
-kept_blocks = WeakIdKeyDictionary()  # float32 weight -> Blocks holding its exact values
-
-
-def block_layout(kind: int, data: np.ndarray) -> tuple[int, torch.Tensor] | None:
-    """GGUF blocks of `kind` (rows, bytes) in the layout the kernels stream, with kernels.c's type for them;
-    None for kinds they do not stream. Their float16 scales become float32 (exactly), which the CPU
-    broadcasts for free."""
+def packed_layout(kind: int, data: np.ndarray) -> Packed | None:
+    """GGUF blocks of `kind` (rows, bytes) in the layout the kernels stream; None for kinds they do not stream.
+    Their float16 scales become float32 (exactly), which the CPU broadcasts for free."""
     kind = GGMLQuantizationType(kind)
-    if kind not in BLOCK_TYPES:
+    if kind not in PACKED_TYPES:
         return None
     blocks = data.reshape(data.shape[0], -1, GGML_QUANT_SIZES[kind][1])  # (N, K / 32, block size)
     scales = np.ascontiguousarray(blocks[..., :2 * SCALES[kind]]).view(np.float16).astype(np.float32)
     ours = np.concatenate([scales.view(np.uint8), blocks[..., 2 * SCALES[kind]:]], axis=-1)
-    return BLOCK_TYPES[kind], torch.from_numpy(ours.reshape(data.shape[0], -1))
+    return Packed(PACKED_TYPES[kind], torch.from_numpy(ours.reshape(data.shape[0], -1)))
 
 
-def keep_blocks(weight: torch.Tensor, kind: int, blocks: torch.Tensor) -> None:
-    """Stream `weight` (float32, decoded from GGUF blocks) from those blocks, (kind, blocks) as block_layout
-    gives them, while it stays as it is: the same float32 products from 4-5x fewer bytes, so a quantized GGUF
-    decoded to float32 decodes a token nearly at the speed of its own format. (Changes through .data are
-    not counted: assign new weights, or change them in place, instead.)"""
+def streams(weight: torch.Tensor, packed: Packed | None) -> bool:
+    """Whether the kernels can stream `weight` (float32 decoded from GGUF) from `packed` instead."""
     N, K = weight.shape if weight.dim() == 2 else (0, 1)
-    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and K % 32 == 0
-            and blocks.shape == (N, K // 32 * BLOCK_BYTES[kind])
-            and not weight.is_inference()):  # an inference tensor counts no changes
-        kept_blocks[weight] = Blocks(kind, blocks, version(weight), weight.data_ptr())
+    return (packed is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and K % 32 == 0
+            and packed.data.shape == (N, K // 32 * PACKED_BYTES[packed.type]))
 
 
-def streamed(weights: list[torch.Tensor]) -> tuple[int, list[int]]:
-    """The type and addresses of what the kernel reads for these weights: their blocks when all have blocks of
-    one type, still theirs; else the weights themselves."""
-    kept = [kept_blocks.get(w) for w in weights]
-    for w, b in zip(weights, kept):
-        if b is not None and (b.version, b.address) != (version(w), w.data_ptr()):
-            del kept_blocks[w]  # changed in place (trained, loaded into): the blocks no longer hold its values
-    if all(b is not None and w in kept_blocks and b.type == kept[0].type for b, w in zip(kept, weights)):
-        return kept[0].type, [b.data.data_ptr() for b in kept]
+def streamed(weights: list[torch.Tensor], packed: list[Packed | None]) -> tuple[int, list[int]]:
+    """kernels.c's type and the addresses of what it reads for these weights: their packed copies where all
+    have them, of one type; else the weights themselves."""
+    if all(p is not None and p.type == packed[0].type for p in packed):
+        return packed[0].type, [p.data.data_ptr() for p in packed]
     return TYPES[weights[0].dtype], [w.data_ptr() for w in weights]
 
 
-class Plan(NamedTuple):
-    """The C call's view of a set of weights."""
-    weights: ctypes.Array  # their addresses
-    scales: ctypes.Array  # the addresses of their float32 scales, or NULL
-    sizes: list[int]  # their output sizes N
-    c_sizes: ctypes.Array  # the same, for C
-    weight_type: int
-    float_scales: list  # what `scales` points into, kept alive here
-
-
-plans: dict[tuple, tuple[list, object]] = {}  # by where the weights are: (weak references to them, plan)
-
-
-def cached(key: tuple, weights: list[torch.Tensor], build):
-    """plans[key], from build() the first time: unless it was built for other tensors, freed since, that sat
-    at the same addresses (its pointers, to kept blocks say, would be stale)."""
-    entry = plans.get(key)
-    if entry is None or any(ref() is not w for ref, w in zip(entry[0], weights)):
-        if len(plans) > 4096:  # weights come and go (models loaded, converted): forget old sets now and then
-            plans.clear()
-        entry = plans[key] = ([weakref.ref(w) for w in weights], build())
-    return entry[1]
-
-
-def plan(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> Plan | None:
-    """How the kernel multiplies x by these weights, or None when it cannot. Built once per set: a model's
-    weights stay where they are, and the per-call checks and ctypes arrays would cost more than a small
-    product."""
-    def build():
-        K, w_type = x.shape[-1], weights[0].dtype
-        if not (K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
-                w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
-            return None
-        float_scales = [None if s is None else s.float().contiguous() for s in scales]
-        sizes = [w.shape[0] for w in weights]
-        kind, addresses = streamed(weights)
-        return Plan((ctypes.c_void_p * len(addresses))(*addresses), pointers(float_scales), sizes,
-                    (ctypes.c_long * len(sizes))(*sizes), kind, float_scales)
-
-    key = (x.shape[-1], x.dtype, *((w.data_ptr(), version(w), w.shape, w.stride(0), w.dtype, s if s is None else
-                                   (s.data_ptr(), s.dtype)) for w, s in zip(weights, scales)))
-    return cached(key, weights, build)
-
-
-def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None):
+def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None,
+           packed: list[Packed | None] | None = None) -> list[torch.Tensor]:
     """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
 
-    Several weights of one input (q, k and v) stream in one pass. Torch multiplies (torch_linear) where the
-    kernel cannot or is the slower."""
+    Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
+    Torch multiplies (torch_linear) where the kernel cannot or is the slower."""
     scales = scales or [None] * len(weights)
-    rows = x.numel() // x.shape[-1]
-    found = plan(x, weights, scales) if multiplies(x, rows) else None
+    packed = packed or [None] * len(weights)
+    K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
 
     def plain():
         return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
 
-    if found is None:
+    if not (multiplies(x, rows) and K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
+            w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
         return plain()
-    sizes, contiguous = found.sizes, x.contiguous()
+    sizes = [w.shape[0] for w in weights]
+    weight_type, addresses = streamed(weights, packed)
+    float_scales = [None if s is None else s.float().contiguous() for s in scales]
 
     def kernel():
+        contiguous = x.contiguous()
         y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-        compiled_library().linear(contiguous.data_ptr(), TYPES[x.dtype], len(sizes), found.weights, found.weight_type,
-                                  found.scales, y.data_ptr(), rows, found.c_sizes, x.shape[-1])
-        if len(sizes) == 1:
-            return [y.view(*x.shape[:-1], sizes[0])]
+        library().linear(x=contiguous.data_ptr(), type=TYPES[x.dtype], count=len(sizes),
+                         w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
+                         scale=pointers(float_scales), y=y.data_ptr(), B=rows, N=(ctypes.c_long * len(sizes))(*sizes),
+                         K=K)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
-    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[found.weight_type], rows_bucket(rows),
-                            torch.get_num_threads(), (x.shape[-1], *sizes)), kernel, plain)
+    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], rows_bucket(rows),
+                            torch.get_num_threads(), (K, *sizes)), kernel, plain)
 
 
 class BlockWeights(ctypes.Structure):
@@ -298,99 +248,38 @@ class BlockWeights(ctypes.Structure):
                 + [("eps", ctypes.c_float)])
 
 
-def block_modules(block) -> tuple[list, list]:
-    """A transformer block's two RMSNorms and seven linear layers, in struct block's order. Read from the
-    modules' own dicts: nn.Module's attribute lookup costs about a microsecond, and this runs every step."""
-    modules = block._modules
-    attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
-    return ([modules["input_layernorm"], modules["post_attention_layernorm"]],
-            [attn[name] for name in LINEARS[:4]] + [mlp[name] for name in LINEARS[4:]])
-
-
-def weight_of(module) -> torch.Tensor:
-    """module.weight: a parameter, or a buffer (int8 weights), without nn.Module's attribute lookup."""
-    weight = module._parameters.get("weight")
-    return module._buffers["weight"] if weight is None else weight
-
-
-def streamed_format(layers) -> str:
-    """The format decoding on the CPU reads the blocks' linear weights in: the model's dtype, or the GGUF
-    blocks a float32 model keeps (for benchmarks to say what they measured)."""
-    weights = [weight_of(m) for block in layers for m in block_modules(block)[1]]
-    if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or compiled_library() is None:
-        return str(weights[0].dtype).removeprefix("torch.")
-    return WEIGHT_FORMATS[streamed(weights)[0]]
-
-
-def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
-    """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
-    cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
-    norms, linears = block_modules(block)
-    attn = block.self_attn
-    C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
-    w_type = linears[0].weight.dtype
-    if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= MAX_HEAD_DIM and w_type in (dtype, torch.int8)
-            and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous() for m in linears)
-            and all(n.weight.dtype == dtype for n in norms)):
-        return None
-    scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
-    kind, addresses = streamed([m.weight for m in linears])
-    return (BlockWeights(*(n.weight.data_ptr() for n in norms), *addresses,
-                         *(None if s is None else s.data_ptr() for s in scales), kind, C, attn.n_heads, attn.n_kv, D,
-                         I, norms[0].eps), scales)
-
-
-def blocks_plan(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list] | None:
-    """struct block for every layer (and what they point into), or None where the kernel cannot run one.
-    Built once per set of weights; checking that they are still the model's (the same tensors, where they were,
-    unchanged) costs ~0.3 ms a step."""
-    def build():
-        found = [block_weights(block, dtype) for block in layers]
-        return None if None in found else ((BlockWeights * len(found))(*(f[0] for f in found)), [f[1] for f in found])
-
-    weights = [weight_of(m) for block in layers for modules in block_modules(block) for m in modules]
-    # Flat: a tuple of ~800 numbers hashes in a third of the time of ~270 small tuples.
-    key = (dtype, *[t.data_ptr() for t in weights], *versions(weights), *[t.shape for t in weights])
-    return cached(key, weights, build)
-
-
-def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor,
+def blocks(weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slots: torch.Tensor,
            plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
     parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
-    kernel cannot run them. plain() is the model's own loop over the blocks (the same residual stream and
-    cache writes): on torch's kernels alone, it runs instead where it is the faster.
+    kernel cannot run them. weights: a BlockWeights per block. plain() is the model's own loop over the
+    blocks (the same residual stream and cache writes): on torch's kernels alone, it runs instead where it
+    is the faster.
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
-    slots: (T,) or (B, T) cache slots of the rows."""
+    cache: a KVCache (or a view of one), (L, B, KVH, S, D); slots: (T,) or (B, T) cache slots of the rows."""
     B, T, C = x.shape
-    k, v = cache.k, cache.v  # (L, B, KVH, S, D), in place: a view's rows and slots of a larger cache, say
-    S = cache.max_len
+    k, v = cache.k, cache.v  # in place: a view's rows and slots of a larger cache, say
+    L, S, w = len(weights), cache.max_len, weights[0]
     cos, sin = rope
     if B * T > MAX_ROWS or not usable(x) or not (
             k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
-            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()):
+            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
+            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C):
         return None
-    found = blocks_plan(layers, x.dtype)
-    if found is None:
-        return None
-    weights = found[0]
-    if k.shape[0] < len(layers) or (k.shape[1], k.shape[2], k.shape[4], C) != (B, weights[0].KVH, weights[0].D,
-                                                                                 weights[0].C):
-        return None  # a cache or input of another shape than the model's
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
         return None
     full_mask = None if mask is None else mask.expand(B, 1, T, S).contiguous()
-    k_rows, v_rows = ((ctypes.c_void_p * len(layers))(*[t.data_ptr() + n * t.stride(0) * t.element_size()
-                                                         for n in range(len(layers))]) for t in (k, v))
+    k_layers, v_layers = ((ctypes.c_void_p * L)(*[t.data_ptr() + n * t.stride(0) * t.element_size() for n in range(L)])
+                          for t in (k, v))
 
     def kernel():
         y = x.contiguous().clone()  # the residual stream, updated in place
-        if compiled_library().blocks(weights, len(layers), y.data_ptr(), TYPES[x.dtype], B, T, cos.data_ptr(),
-                                     sin.data_ptr(), slots.data_ptr(), 0 if slots.dim() == 1 else T, k_rows, v_rows,
-                                     S, k.stride(1), k.stride(2),
-                                     None if full_mask is None else full_mask.data_ptr()):
+        if library().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
+                            sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
+                            k_cache=k_layers, v_cache=v_layers, S=S, stride_b=k.stride(1), stride_h=k.stride(2),
+                            mask=None if full_mask is None else full_mask.data_ptr()):
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
@@ -398,9 +287,8 @@ def blocks(layers, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, slot
         with choices.forced(False):
             return plain()
 
-    w = weights[0]
     return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
-                            torch.get_num_threads(), (len(layers), w.C, w.H, w.KVH, w.D, w.I)), kernel, torch_loop)
+                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I)), kernel, torch_loop)
 
 
 def prompt_rows(*tensors: torch.Tensor) -> bool:
@@ -426,9 +314,10 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def kernel():
         out = torch.empty_like(q)
-        if compiled_library().prompt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                               TYPES[q.dtype], B, T, H, KVH, D, (ctypes.c_long * 3)(*k.stride()[:3]),
-                                               (ctypes.c_long * 3)(*v.stride()[:3])):
+        if library().prompt_attention(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+                                      type=TYPES[q.dtype], B=B, T=T, H=H, KVH=KVH, D=D,
+                                      k_stride=(ctypes.c_long * 3)(*k.stride()[:3]),
+                                      v_stride=(ctypes.c_long * 3)(*v.stride()[:3])):
             raise MemoryError("out of memory in the prompt attention kernel")
         return out
 
@@ -444,7 +333,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, plain: Callable[[], torch.Ten
 
     def kernel():
         out = torch.empty_like(gate)
-        compiled_library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), TYPES[gate.dtype], gate.numel())
+        library().silu_mul(gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), type=TYPES[gate.dtype],
+                           n=gate.numel())
         return out
 
     return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, rows_bucket(gate.numel() // gate.shape[-1]),
@@ -460,8 +350,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plain: Callable[
 
     def kernel():
         out = torch.empty_like(x)
-        compiled_library().rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), TYPES[x.dtype],
-                                     B * T, heads, D)
+        library().rope_rows(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out=out.data_ptr(),
+                            type=TYPES[x.dtype], R=B * T, heads=heads, D=D)
         return out
 
     return choices.pick(Key("rope", DTYPES[x.dtype], None, rows_bucket(B * T), torch.get_num_threads(), (heads, D)),
@@ -477,9 +367,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: Callable[
 
     def kernel():
         out = torch.empty_like(x)
-        compiled_library().norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), TYPES[x.dtype], x.numel() // C,
-                                     C, eps)
+        library().norm_rows(x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), type=TYPES[x.dtype],
+                            R=x.numel() // C, C=C, eps=eps)
         return out
 
     return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, rows_bucket(x.numel() // C), torch.get_num_threads(),
                             (C,)), kernel, plain)
+
+
+from .accelerate import accelerate, weight_format  # noqa: E402  (it builds on the functions above)

@@ -1,16 +1,15 @@
 """int8 weight-only quantization: each output channel's weights become int8 with one float scale.
 
 Batch-1 decoding reads every weight once per token, so it runs at the speed memory delivers them; int8
-weights are a quarter of fp32's bytes. Decoding on the CPU multiplies them on the kernel (smollm2.kernels),
-which widens each weight as it streams by; elsewhere, and for many rows, the weights are widened first.
+weights are a quarter of fp32's bytes. Like any module swap, it comes before smollm2.accelerate, whose
+kernels then stream the int8 weights, widening each as it goes by.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-from ..model import project
+import torch.nn.functional as F
 
 
 class Int8Linear(nn.Module):
@@ -23,7 +22,8 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self)[0]
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
