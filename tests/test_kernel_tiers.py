@@ -17,6 +17,7 @@ import pytest
 
 from smollm2 import kernels
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # a compiler, then a program per tier
 CHECK = Path(__file__).with_name("kernels_check.c")
 # Spinning OpenMP threads on cores shared with other work turned the check's ~0.5 s into 5-20 s: it makes
 # thousands of small calls, each a parallel region. Two threads still split every call's work.

@@ -351,6 +351,7 @@ def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.skipif(platform.machine() != "x86_64" or kernels.library() is None,
                     reason="x86-64 instruction sets, and a working C compiler")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "skylake-avx512"])  # SSE2, AVX2, AVX-512 without bf16

@@ -132,6 +132,7 @@ def test_metrics_checkpoints_and_final_model(corpus, tmp_path):
         Tokenizer.from_pretrained().encode("hello world")
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
     steps = ["--steps", "12", "--save-every", "2", "--data", str(corpus)]
     whole = smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "whole"))
@@ -154,6 +155,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
     assert len(losses(out)) == 12
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
     steps = ["--steps", "4", "--data", str(corpus), "--save-every", "4"]
@@ -168,6 +170,7 @@ def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.subprocess
 def test_finetune_exports_a_model_transformers_and_the_cli_read(tiny_dir, tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
@@ -202,6 +205,7 @@ def error_of(result: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
+@pytest.mark.subprocess
 def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
     steps = ["--steps", "1", "--data", str(corpus)]
     assert smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")).returncode == 0
@@ -214,6 +218,7 @@ def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--seq-len", "1000"], "exceeds the model's context window"),
     (["--fsdp"], "torchrun"),
@@ -224,6 +229,7 @@ def test_bad_training_settings(corpus, tmp_path, flags, message):
     assert message in error_of(result)
 
 
+@pytest.mark.subprocess
 def test_bad_chat_data_names_the_line(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
