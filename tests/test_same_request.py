@@ -37,10 +37,10 @@ class Request:
             return tokenizer.apply_chat_template([{"role": "user", "content": self.prompt}])
         return tokenizer.encode(self.prompt)
 
-    def body(self, stream: bool) -> dict:
+    def body(self, streamed: bool) -> dict:
         prompt = dict(messages=[{"role": "user", "content": self.prompt}]) if self.chat else dict(prompt=self.prompt)
-        return dict(model=NAME, max_tokens=MAX_TOKENS, stop=[self.stop], stream=stream, **self.sampling, **prompt,
-                    stream_options=dict(include_usage=True) if stream else None)
+        return dict(model=NAME, max_tokens=MAX_TOKENS, stop=[self.stop], stream=streamed, **self.sampling, **prompt,
+                    stream_options=dict(include_usage=True) if streamed else None)
 
 
 @dataclass
@@ -104,15 +104,15 @@ def test_the_commands_print_the_same_text(model, tokenizer, requests, answers, m
         assert capsys.readouterr().out == answers[name].text + "\n", name
 
 
-def ask(client: httpx.Client, request: Request, stream: bool) -> Answer:
+def ask(client: httpx.Client, request: Request, streamed: bool) -> Answer:
     path = "/v1/chat/completions" if request.chat else "/v1/completions"
-    if not stream:
-        r = client.post(path, json=request.body(stream))
+    if not streamed:
+        r = client.post(path, json=request.body(streamed))
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         return Answer(choice["message"]["content"] if request.chat else choice["text"],
                       r.json()["usage"]["completion_tokens"], choice["finish_reason"])
-    with client.stream("POST", path, json=request.body(stream)) as r:
+    with client.stream("POST", path, json=request.body(streamed)) as r:
         assert r.status_code == 200
         chunks = events(r)
     choices = [c["choices"][0] for c in chunks[:-1]]
@@ -124,8 +124,8 @@ def test_the_server_answers_the_same_alone(model, tokenizer, requests, answers):
     with running(create_app(model, tokenizer, model_name=NAME, max_seq_len=256)) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
         for name, (request, _, _) in requests.items():
-            for stream in (False, True):
-                assert ask(client, request, stream) == answers[name], (name, stream)
+            for streamed in (False, True):
+                assert ask(client, request, streamed) == answers[name], (name, streamed)
 
 
 def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests, answers, monkeypatch):
@@ -142,10 +142,10 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
                                                                            decode_step(model, ids, *rest))[1])
     app = create_app(model, tokenizer, model_name=NAME, max_batch_size=16, max_seq_len=256)
     with running(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
-        for stream in (False, True):
+        for streamed in (False, True):
             gate.clear()
             batch = [request for request, _, _ in requests.values()] + others
-            futures = [pool.submit(ask, client, request, stream) for request in batch]
+            futures = [pool.submit(ask, client, request, streamed) for request in batch]
             deadline = time.time() + 60
             while client.get("/health").json() != dict(status="ok", active=1, waiting=15, slots=16):
                 assert time.time() < deadline, client.get("/health").json()
@@ -153,6 +153,6 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
             gate.set()
             got = [future.result() for future in futures]
             for (name, answer), served in zip(answers.items(), got):
-                assert served == answer, (name, stream)
+                assert served == answer, (name, streamed)
             assert max(rows) == 16
             rows.clear()

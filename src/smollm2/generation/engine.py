@@ -74,8 +74,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     context = config.max_position_embeddings
     rows = check_request(input_ids, max_new_tokens, stop, config.vocab_size, context)
     device = model.model.embed_tokens.weight.device
-    eos = eos_ids(eos_token_id, config)
-    sequences = [Sequence(row, max_new_tokens, Sampling(**sampling), eos, stop, tokenizer, device) for row in rows]
+    params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
+    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device) for row in rows]
     if compile is None:
         compile = device.type == "cuda"
     if conversation is not None and (len(rows) > 1 or compile):
