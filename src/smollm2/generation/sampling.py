@@ -91,9 +91,11 @@ def warped(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
         kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)  # each row's k-th largest
         logits = logits.masked_fill(logits < kth, -math.inf)
     if any(s.top_p is not None and s.top_p < 1 for s in samplings):
-        top_p = column([1.0 if s.top_p is None else s.top_p for s in samplings], logits)
+        # Drop the least likely tokens while their probabilities add up to at most 1 - top_p, that difference
+        # taken in float64 as transformers does; -1 drops none, in the rows without top-p.
+        mass = column([1 - s.top_p if s.top_p is not None and s.top_p < 1 else -1.0 for s in samplings], logits)
         sorted_logits, order = logits.sort(dim=-1)  # ascending, as transformers
-        drop = (sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p) & (top_p < 1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= mass
         drop[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
     if any(s.min_p for s in samplings):

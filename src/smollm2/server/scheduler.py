@@ -24,7 +24,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections import abc
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +66,7 @@ class Request:
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
 
-    async def events(self) -> AsyncIterator[Delta | Done]:
+    async def events(self) -> abc.AsyncIterator[Delta | Done]:
         while True:
             event = await self._events.get()
             yield event
@@ -125,7 +125,8 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
-    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: list[str] = ()) -> Request:
+    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
+               stop: abc.Sequence[str] = ()) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
