@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import TINY, hf_copy, tiny_model
 
-import smollm2.generation.engine as engine
+import smollm2.generation.steps as steps
 from smollm2 import SmolError, Tokenizer
 from smollm2.generation import Conversation, Sampling, stream
-from smollm2.generation.sampling import Sampler
+from smollm2.generation.sampling import penalized, sample, warped
+from smollm2.generation.sequence import Sequence, StopStrings
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
          "Name three primary colors."]
@@ -57,7 +60,7 @@ def test_batch_rows_equal_rows_alone(model, tokenizer):
 def test_chunked_prefill_gives_the_same_tokens(tiny, monkeypatch):
     prompt = torch.randint(0, tiny.config.vocab_size, (1, 50))
     whole = tiny.generate(prompt, 10, eos_token_id=None)
-    monkeypatch.setattr(engine, "PREFILL_CHUNK", 7)
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 7)
     assert torch.equal(tiny.generate(prompt, 10, eos_token_id=None), whole)
 
 
@@ -69,9 +72,9 @@ def test_each_row_stops_at_its_own_eos(tiny):
     k = next(i for i in range(1, 8) if new0[i] not in new0[:i])  # a token row 0 first makes at step k
     eos = new0[k]
     out = tiny.generate(prompts, 8, eos_token_id=eos, **sampling)
-    steps = list(stream(tiny, prompts, 8, eos_token_id=eos, **sampling))
-    assert [step[0] for step in steps[:k + 1]] == new0[:k + 1]
-    assert all(step[0] is None for step in steps[k + 1:])
+    rows = list(stream(tiny, prompts, 8, eos_token_id=eos, **sampling))
+    assert [row[0].token for row in rows[:k + 1]] == new0[:k + 1]
+    assert rows[k][0].finish_reason == "stop" and all(row[0] is None for row in rows[k + 1:])
     pad = tiny.config.pad_token_id if tiny.config.pad_token_id is not None else tiny.config.eos_token_ids[0]
     assert out[0, 4 + k:].tolist() == [pad] * (out.shape[1] - 4 - k)
     new1 = free[1, 3:].tolist()
@@ -86,19 +89,47 @@ def test_default_eos_is_the_checkpoints_and_none_disables_it(model, tokenizer):
     assert len(model.generate([ids], len(out) + 3, eos_token_id=None)[0]) == len(ids) + len(out) + 3
 
 
-def test_stop_strings(model, tokenizer):
+def test_stop_strings_end_the_text_before_them(model, tokenizer):
     ids = tokenizer.encode("Count with me: 1, 2, 3, 4,")
-    out = model.generate([ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer)[0, len(ids):]
-    text = tokenizer.decode(out)
-    assert text.endswith(" 7") or text.rstrip(",").endswith(" 7"), text
+    out = model.generate([ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer)[0, len(ids):].tolist()
+    whole = tokenizer.decode(out)  # the tokens run up to the one that completes the stop string
+    assert " 7" in whole and " 7" not in tokenizer.decode(out[:-1])
+    rows = list(stream(model, [ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer))
+    assert [step.token for (step,) in rows] == out and rows[-1][0].finish_reason == "stop"
+    assert "".join(step.text for (step,) in rows) == whole[:whole.index(" 7")]
     with pytest.raises(SmolError, match="tokenizer"):
         model.generate([ids], 3, stop=["x"])
+    with pytest.raises(SmolError, match="non-empty strings"):
+        model.generate([ids], 3, stop=[""], tokenizer=tokenizer)
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back(tokenizer):
+    ids = tokenizer.encode("one two three four")
+    sequence = Sequence([1], 10, Sampling(), eos=[], stop=["two thr", "our!"], tokenizer=tokenizer)
+    texts = [sequence.accept(t).text for t in ids[:3]]
+    assert texts[:2] == ["one", " "]  # "two" may begin "two thr": held back
+    assert sequence.finish_reason == "stop" and "".join(texts) == sequence.text == "one "
+    sequence = Sequence([1], len(ids), Sampling(), eos=[], stop=["our!"], tokenizer=tokenizer)
+    steps = [sequence.accept(t) for t in ids]
+    assert steps[-1].text == " four" and steps[-1].finish_reason == "length"  # "our" is released at the end
+
+
+def test_stop_strings_are_matched_in_linear_time():
+    # Each character is looked at once per string: no rescanning of the text or of the strings' prefixes.
+    matcher, start = StopStrings(["a" * 999 + "b"] * 4), time.perf_counter()
+    for _ in range(10_000):
+        assert matcher.feed("aaa") == -1
+    assert matcher.held == 999 and time.perf_counter() - start < 5
+    assert matcher.feed("aab") == 30_003 - 1000  # where the first string completed starts
+    matcher = StopStrings(["bc", "abcd", "ce"])
+    assert matcher.feed("xab") == -1 and matcher.held == 2  # "ab" may yet begin "abcd"
+    assert matcher.feed("cd") == 1  # "bc" ends first, but "abcd", complete too, starts first
 
 
 def test_stream_yields_the_tokens_generate_returns(tiny):
     prompt = [3, 1, 4, 1, 5]
-    steps = [t for (t,) in stream(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)]
-    assert steps == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
+    tokens = [step.token for (step,) in stream(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)]
+    assert tokens == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
 
 
 def test_a_conversation_prefills_only_what_its_cache_does_not_hold(model, monkeypatch):
@@ -111,7 +142,7 @@ def test_a_conversation_prefills_only_what_its_cache_does_not_hold(model, monkey
 
     def turn(prompt, conversation):
         widths.clear()
-        tokens = [t for (t,) in stream(model, [prompt], 8, eos_token_id=None, conversation=conversation)]
+        tokens = [step.token for (step,) in stream(model, [prompt], 8, eos_token_id=None, conversation=conversation)]
         return tokens, widths[0]
 
     conversation, first = Conversation(), [1, 504, 3458, 282, 4649, 314]
@@ -147,8 +178,8 @@ def test_warpers_equal_transformers():
     torch.manual_seed(0)
     logits = torch.randn(3, 100) * 3
     history = torch.randint(0, 100, (3, 12))
-    ours = Sampler(Sampling(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.3, seed=0),
-                   3, "cpu").warp(logits, history)
+    rows = [Sampling(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.3, seed=0)] * 3
+    ours = warped(penalized(logits, rows, history), rows)
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
     for warp in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
         theirs = warp(history, theirs)
@@ -159,14 +190,30 @@ def test_warpers_equal_transformers():
 def test_repetition_penalty_ignores_padding_slots():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     history = torch.tensor([[-1, -1, 1, 2]])  # -1: no token there; token 0 was never seen
-    out = Sampler(Sampling(repetition_penalty=2.0), 1, "cpu").warp(logits, history)
+    out = penalized(logits, [Sampling(repetition_penalty=2.0)], history)
     assert out.tolist() == [[2.0, -4.0, 0.5, 0.5]]
+
+
+def test_a_row_draws_the_same_tokens_in_a_mixed_batch_as_alone():
+    rows = [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=1), Sampling(temperature=1.2, top_k=5, seed=2),
+            Sampling(temperature=0.7, min_p=0.1, seed=3), Sampling(temperature=1.0, repetition_penalty=1.3, seed=4),
+            Sampling(repetition_penalty=1.5), Sampling(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, seed=1)]
+    torch.manual_seed(0)
+    together = [s.generator("cpu") for s in rows]
+    alone = [s.generator("cpu") for s in rows]
+    for _ in range(20):
+        logits = torch.randn(len(rows), 1000) * 4
+        history = torch.randint(-1, 1000, (len(rows), 30))
+        batch = sample(logits, rows, together, history).tolist()
+        assert batch == [sample(logits[b:b + 1], [s], [g], history[b:b + 1]).item()
+                         for b, (s, g) in enumerate(zip(rows, alone))]
 
 
 def test_sampling_draws_tokens_in_proportion_to_their_probability():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    sampler = Sampler(Sampling(temperature=1.0, seed=0), 1, "cpu")
-    draws = torch.tensor([sampler(probs.log()[None]).item() for _ in range(4000)])
+    sampling = Sampling(temperature=1.0, seed=0)
+    generator = sampling.generator("cpu")
+    draws = torch.tensor([sample(probs.log()[None], [sampling], [generator]).item() for _ in range(4000)])
     freq = torch.bincount(draws, minlength=4) / 4000
     assert (freq - probs).abs().max() < 0.03
 

@@ -112,20 +112,17 @@ def sampling(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> list[int]:
-    """Generate from one prompt, printing text as it comes; returns the new tokens (EOS excluded)."""
+def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> str:
+    """Generate from one prompt, printing its text as it becomes final; returns the text."""
     from .generation import stream
 
-    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
-    new = []
-    for (token,) in stream(model, [ids], args.max_new_tokens, compile=args.compile, conversation=conversation,
-                           **sampling(args)):
-        if token is None or token in model.config.eos_token_ids:
-            break
-        new.append(token)
-        print(decoder.step(token), end="", flush=True)
+    text = []
+    for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
+                          compile=args.compile, conversation=conversation, **sampling(args)):
+        print(step.text, end="", flush=True)
+        text.append(step.text)
     print(flush=True)
-    return new
+    return "".join(text)
 
 
 def generate(args):
@@ -180,7 +177,7 @@ def chat(args):
         except SmolError:
             messages.pop()  # the turn that did not fit is not kept
             raise
-        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+        messages.append({"role": "assistant", "content": answer})
 
 
 @torch.inference_mode()
@@ -392,6 +389,8 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--min-p", type=float)
     sample.add_argument("--repetition-penalty", type=float, default=1.0)
     sample.add_argument("--seed", type=whole_number(0, MAX_SEED))
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the answer before this text (repeatable); it is never printed")
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")

@@ -8,7 +8,9 @@ Each step the thread
      each freed row, its cache rows copied, so the rows in use stay 0..n-1;
   2. admits waiting requests into the free rows, prefilling each prompt alone into its own row;
   3. runs ONE decoding step for rows 0..n-1 at once, every row at its own position;
-  4. samples each request's token with its own Sampler; a finished request is retired at the next step.
+  4. picks every row's token in one sampling call, each row with its own parameters and random generator,
+     and hands each to its request's Sequence, which says what text is final and whether it has finished;
+     a finished request is retired at the next step.
 A finished request frees its row at once, so a waiting one joins at the next step instead of waiting for
 the whole batch to end, as it would with static batching.
 
@@ -22,23 +24,22 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections import abc
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import SmolError
-from ..generation.engine import cache_length, decode_step, prefill, prompt_rows
-from ..generation.sampling import Sampler, Sampling
+from ..generation.sampling import Sampling
+from ..generation.sequence import Sequence, Step, check_request, next_tokens
+from ..generation.steps import cache_length, decode_step, prefill
 
 log = logging.getLogger(__name__)
-
-CACHE_BLOCK = 128  # attention reads the cache up to the next multiple of this past the longest sequence
 
 
 @dataclass
 class Delta:
-    """New text for the client (possibly empty while a stop string might be forming)."""
+    """Text for the client, final: never part of a stop string."""
     text: str
 
 
@@ -56,78 +57,41 @@ class QueueFull(Exception):
     """More requests are already waiting than the scheduler accepts."""
 
 
-class StopStrings:
-    """Finds the first stop string in a text that grows at its end. Each new character is looked at once per
-    stop string (Knuth-Morris-Pratt), however long the strings: rescanning the text, or trying every prefix of
-    a string, at each token would cost the scheduler's thread, so every client, time quadratic in their lengths."""
-
-    def __init__(self, stop: Sequence[str]):
-        self.stop = tuple(stop)
-        self.borders = [borders(s) for s in self.stop]
-        self.matched = [0] * len(self.stop)  # per string: the longest end of the text that begins it
-        self.seen = 0  # characters of the text fed so far
-
-    def feed(self, new: str) -> int:
-        """Take the text's next characters; returns where the first stop string now complete starts, or -1."""
-        cut = -1
-        for j, (stop, border) in enumerate(zip(self.stop, self.borders)):
-            k = self.matched[j]
-            for i, c in enumerate(new):
-                while k and stop[k] != c:
-                    k = border[k - 1]
-                k += stop[k] == c
-                if k == len(stop):
-                    start = self.seen + i + 1 - k
-                    cut = start if cut < 0 else min(cut, start)
-                    break
-            self.matched[j] = k
-        self.seen += len(new)
-        return cut
-
-    @property
-    def held(self) -> int:
-        """Characters at the end of the text that may yet grow into a stop string."""
-        return max(self.matched, default=0)
-
-
-def borders(s: str) -> list[int]:
-    """borders[i]: the length of the longest proper prefix of s[:i + 1] that also ends it."""
-    result, k = [0] * len(s), 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = result[k - 1]
-        k += s[i] == s[k]
-        result[i] = k
-    return result
-
-
 class Request:
-    """One generation: its prompt and limits, its sampler and text, and the queue its events go to."""
+    """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
-    def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: Sequence[str],
-                 tokenizer, device, loop: asyncio.AbstractEventLoop):
-        self.prompt, self.max_tokens, self.stop = prompt, max_tokens, StopStrings(stop)
-        self.sampler = Sampler(sampling, 1, device)  # batch of one: the request's seed alone decides its draws
-        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
-        self.tokens: list[int] = []  # generated so far, EOS included
-        self.text = ""  # the answer so far
-        self.sent = 0  # characters of text already sent
+    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
+        self.sequence = sequence
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
 
-    async def events(self) -> AsyncIterator[Delta | Done]:
+    async def events(self) -> abc.AsyncIterator[Delta | Done]:
         while True:
             event = await self._events.get()
             yield event
             if isinstance(event, Done):
                 return
 
-    def emit(self, event: Delta | Done) -> None:  # scheduler thread
+    def _emit(self, event: Delta | Done) -> None:  # scheduler thread
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def send(self, step: Step) -> None:  # scheduler thread
+        """Send the text its sequence's new token made final, and the end once it has finished."""
+        if step.text:
+            self._emit(Delta(step.text))
+        if step.finish_reason:
+            self.finish()
+
+    def finish(self) -> None:
+        self.done = True  # first: /health must not count it once its client has the answer
+        self._emit(Done(self.sequence.finish_reason, len(self.sequence.prompt), len(self.sequence.tokens)))
+
+    def fail(self, error: str) -> None:
+        self._emit(Done(None, len(self.sequence.prompt), len(self.sequence.tokens), error))
 
 
 class Scheduler:
@@ -140,7 +104,6 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or context, context)
         self.max_waiting = max_waiting
-        self.eos = set(model.config.eos_token_ids)
         self.device = model.model.embed_tokens.weight.device
         self.max_batch_size = max_batch_size
         self.cache = model.new_cache(max_batch_size, self.max_seq_len)
@@ -162,17 +125,16 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
-    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop: Sequence[str] = ()) -> Request:
+    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
+               stop: abc.Sequence[str] = ()) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting."""
-        (prompt,) = prompt_rows([prompt], self.model.config.vocab_size)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise SmolError(f"max_tokens must be a whole number >= 1, got {max_tokens!r}")
-        if len(prompt) + max_tokens > self.max_seq_len:
-            raise SmolError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                            f"context window of {self.max_seq_len} tokens")
-        if not all(isinstance(s, str) and s for s in stop):
-            raise SmolError("every stop string must be a non-empty string")
-        request = Request(prompt, max_tokens, sampling, stop, self.tokenizer, self.device, asyncio.get_running_loop())
+        config = self.model.config
+        (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
+        sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device)
+        request = Request(sequence, asyncio.get_running_loop())
+        if sequence.finish_reason:  # max_tokens 0: nothing to generate
+            request.finish()
+            return request
         with self._wake:
             if self._stopping:
                 raise SmolError("the server is shutting down")
@@ -213,8 +175,7 @@ class Scheduler:
 
     def _step(self) -> None:
         self._retire()
-        while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
-            self._prefill(request)
+        self._admit()
         self._retire()  # a request may end at its first token
         if self.active:
             self._decode()
@@ -229,7 +190,7 @@ class Scheduler:
             last = rows.pop()
             if b < len(rows) and not (last.done or last.cancelled):
                 # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
-                filled = len(last.prompt) + len(last.tokens) - 1  # every token but the last sampled
+                filled = len(last.sequence.prompt) + len(last.sequence.tokens) - 1  # all but the last sampled
                 for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
                     t[:, b, :, :filled] = t[:, len(rows), :, :filled]
                 rows[b] = last
@@ -243,57 +204,37 @@ class Scheduler:
         return None
 
     def _length(self, n: int) -> int:
-        return cache_length(n, self.max_seq_len, CACHE_BLOCK)
+        return cache_length(n, self.max_seq_len)
 
-    def _prefill(self, request: Request) -> None:
-        """Run the prompt alone through the next free cache row, in chunks as the engine does, and take its
-        first token."""
-        row = len(self.active)
-        self.active.append(request)  # first: should the prefill fail, the request is failed with the others
-        T = len(request.prompt)
-        cache = self.cache.view(slice(row, row + 1), self._length(T))
-        h = prefill(self.model, torch.tensor([request.prompt], device=self.device), cache)
-        self._accept(request, request.sampler(self.model.logits(h))[0].item())
+    def _admit(self) -> None:
+        """Move waiting requests into the free rows, prefilling each prompt alone into its own row (in chunks,
+        as the engine does), and take their first tokens."""
+        admitted, logits = [], []
+        while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
+            row, prompt = len(self.active), request.sequence.prompt
+            self.active.append(request)  # first: should the prefill fail, the request is failed with the others
+            cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
+            logits.append(self.model.logits(prefill(self.model, torch.tensor([prompt], device=self.device), cache)))
+            admitted.append(request)
+        if admitted:
+            self._take(admitted, torch.cat(logits))
 
     def _decode(self) -> None:
         """One token for every request in flight at once, rows 0..n-1, each row at its own position."""
-        active = self.active
-        ids = torch.tensor([[r.tokens[-1]] for r in active], device=self.device)
-        pos = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in active], device=self.device)
+        sequences = [r.sequence for r in self.active]
+        ids = torch.tensor([[s.tokens[-1]] for s in sequences], device=self.device)
+        pos = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in sequences], device=self.device)
         # No padding mask is needed: every row starts at slot 0, and the causal mask over slots
         # (slot <= input_pos) already hides what a previous, longer request left past a row's position.
-        cache = self.cache.view(slice(0, len(active)), self._length(int(pos.max()) + 1))
-        logits = decode_step(self.model, ids, pos, cache, None)  # (n, V)
-        tokens = torch.cat([r.sampler(logits[b:b + 1]) for b, r in enumerate(active)]).tolist()
-        for r, token in zip(active, tokens):
-            self._accept(r, token)
+        cache = self.cache.view(slice(0, len(sequences)), self._length(int(pos.max()) + 1))
+        self._take(self.active, decode_step(self.model, ids, pos, cache, None))
 
-    def _accept(self, request: Request, token: int) -> None:
-        """Record a new token; send the text that is final; retire the request when it is done."""
-        request.tokens.append(token)
-        if token in self.eos:
-            return self._finish(request, "stop")
-        new = request.decoder.step(token)
-        request.text += new
-        cut = request.stop.feed(new)
-        if cut >= 0:
-            request.text = request.text[:cut]
-            return self._finish(request, "stop", flush=False)
-        if len(request.tokens) == request.max_tokens:
-            return self._finish(request, "length")
-        # Hold back an end of the text that may yet grow into a stop string: the client must never see one.
-        end = len(request.text) - request.stop.held
-        if end > request.sent:
-            request.emit(Delta(request.text[request.sent:end]))
-            request.sent = end
-
-    def _finish(self, request: Request, reason: str, flush: bool = True) -> None:
-        if flush:  # a character still incomplete at the end comes out as decode() shows it
-            request.text += request.decoder.finish()
-        if len(request.text) > request.sent:
-            request.emit(Delta(request.text[request.sent:]))
-        request.done = True  # first: /health must not count it once its client has the answer
-        request.emit(Done(reason, len(request.prompt), len(request.tokens)))
+    def _take(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Every request's next token from its row of logits, in one sampling call; each request then sends
+        the text that became final, and its end once it has finished."""
+        tokens = next_tokens(logits, [r.sequence for r in requests]).tolist()
+        for request, token in zip(requests, tokens):
+            request.send(request.sequence.accept(token))
 
     def _take_active(self) -> list[Request]:
         active, self.active = self.active, []
@@ -302,4 +243,4 @@ class Scheduler:
     @staticmethod
     def _end(requests: list[Request], error: str) -> None:
         for request in requests:
-            request.emit(Done(None, len(request.prompt), len(request.tokens), error))
+            request.fail(error)

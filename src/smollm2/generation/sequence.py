@@ -1,0 +1,164 @@
+"""One sequence being generated, whichever driver runs it: its request, checked; its sampling and random
+generator; its tokens and text; and when and why it ends.
+
+Fed one token at a time, a sequence returns a Step: the token, the text that is now final, and the finish
+reason once it has one. It ends at an EOS token or once its text holds a stop string ("stop"), or at its
+max_new_tokens ("length"). The text ends before the first stop string, and an end of the text that may yet grow
+into one is held back until it cannot: no stop string is ever shown, streamed or not.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SmolError
+from .sampling import Sampling, sample
+
+
+def prompt_rows(input_ids, vocab_size: int) -> list[list[int]]:
+    """A (T,) or (B, T) tensor, a list of ids, or a list of id lists -> one list of ids per row, checked."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() not in (1, 2) or input_ids.dtype.is_floating_point:
+            raise SmolError(f"input_ids must be a (T,) or (B, T) tensor of token ids, got {input_ids.dtype} "
+                            f"of shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.tolist()
+    if not isinstance(input_ids, abc.Sequence) or isinstance(input_ids, (str, bytes)):
+        raise SmolError(f"input_ids must be token ids, not {type(input_ids).__name__}")
+    rows = [list(input_ids)] if not input_ids or not isinstance(input_ids[0], abc.Sequence) else \
+        [list(row) for row in input_ids]
+    for b, row in enumerate(rows):
+        where = f"prompt {b}" if len(rows) > 1 else "the prompt"
+        if not row:
+            raise SmolError(f"{where} is empty: give at least one token")
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise SmolError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
+    return rows
+
+
+def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str], vocab_size: int,
+                  context: int) -> list[list[int]]:
+    """The prompts, one list of ids per row, once the request is known to be one that can run: valid ids, a
+    whole number of new tokens that fits in the context window after the longest prompt, non-empty stop strings."""
+    rows = prompt_rows(input_ids, vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise SmolError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    longest = max(map(len, rows))
+    if longest + max_new_tokens > context:
+        raise SmolError(f"the prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                        f"context window of {context} tokens")
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise SmolError("stop must be a list of non-empty strings")
+    return rows
+
+
+class StopStrings:
+    """Finds the first stop string in a text that grows at its end. Each new character is looked at once per
+    stop string (Knuth-Morris-Pratt), however long the strings: rescanning the text, or trying every prefix of
+    a string, at each token would cost time quadratic in their lengths (in the server, every client's time)."""
+
+    def __init__(self, stop: abc.Sequence[str]):
+        self.stop = tuple(stop)
+        self.borders = [borders(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)  # per string: the longest end of the text that begins it
+        self.seen = 0  # characters of the text fed so far
+
+    def feed(self, new: str) -> int:
+        """Take the text's next characters; returns where the first stop string now complete starts, or -1."""
+        cut = -1
+        for j, (stop, border) in enumerate(zip(self.stop, self.borders)):
+            k = self.matched[j]
+            for i, c in enumerate(new):
+                while k and stop[k] != c:
+                    k = border[k - 1]
+                k += stop[k] == c
+                if k == len(stop):
+                    start = self.seen + i + 1 - k
+                    cut = start if cut < 0 else min(cut, start)
+                    break
+            self.matched[j] = k
+        self.seen += len(new)
+        return cut
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that may yet grow into a stop string."""
+        return max(self.matched, default=0)
+
+
+def borders(s: str) -> list[int]:
+    """borders[i]: the length of the longest proper prefix of s[:i + 1] that also ends it."""
+    result, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = result[k - 1]
+        k += s[i] == s[k]
+        result[i] = k
+    return result
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one token did to its sequence. text: the text that became final with it (often "", while a
+    character or a possible stop string is incomplete; always "" without a tokenizer); finish_reason: "stop"
+    (EOS or a stop string) or "length" on the sequence's last token, else None."""
+    token: int
+    text: str
+    finish_reason: str | None
+
+
+class Sequence:
+    """A prompt and everything generated after it, for one row of a batch."""
+
+    def __init__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos: abc.Collection[int],
+                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu"):
+        if stop and tokenizer is None:
+            raise SmolError("stop strings need a tokenizer: pass tokenizer=")
+        self.prompt, self.max_new_tokens, self.eos = prompt, max_new_tokens, frozenset(eos)
+        self.sampling, self.generator = sampling, sampling.generator(device)
+        self.stops = StopStrings(stop)
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
+        self.tokens: list[int] = []  # generated so far, EOS included
+        self.text = ""  # the answer so far, cut before the first stop string
+        self.released = 0  # characters of text already returned
+        self.finish_reason: str | None = None if max_new_tokens else "length"
+
+    def accept(self, token: int) -> Step:
+        """Take the next token; returns the text that is now final."""
+        self.tokens.append(token)
+        if token in self.eos:
+            self._finish("stop")
+        else:
+            new = self.decoder.step(token) if self.decoder else ""
+            self.text += new
+            cut = self.stops.feed(new)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"  # what the decoder still holds comes after the stop string: dropped
+            elif len(self.tokens) == self.max_new_tokens:
+                self._finish("length")
+        # Hold back an end of the text that may yet grow into a stop string, until the sequence ends.
+        end = len(self.text) if self.finish_reason else len(self.text) - self.stops.held
+        text = self.text[self.released:end]
+        self.released += len(text)
+        return Step(token, text, self.finish_reason)
+
+    def _finish(self, reason: str) -> None:
+        if self.decoder:  # a character still incomplete at the end comes out as decode() shows it
+            self.text += self.decoder.finish()
+        self.finish_reason = reason
+
+
+def next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """One token for each sequence, (B,), from its row of logits (B, V): one sampling call for the batch."""
+    history = None
+    if any(s.sampling.repetition_penalty != 1.0 for s in sequences):  # the ids the penalty applies to
+        ids = [s.prompt + s.tokens for s in sequences]
+        history = torch.full((len(ids), max(map(len, ids))), -1, dtype=torch.long)
+        for row, seen in zip(history, ids):
+            row[:len(seen)] = torch.tensor(seen)
+        history = history.to(logits.device)
+    return sample(logits, [s.sampling for s in sequences], [s.generator for s in sequences], history)

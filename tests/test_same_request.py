@@ -1,0 +1,158 @@
+"""One request, one answer: the same prompt, sampling, seed, stop string and max tokens give the same tokens and
+the same text through generate/stream in Python, the `smollm2 generate` and `smollm2 chat` commands, and the
+server, streamed or not, alone or among 15 other requests decoded in the same batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from test_server import events, running
+
+from smollm2 import Tokenizer, cli
+from smollm2.generation import generate, stream
+from smollm2.server import create_app, scheduler
+
+NAME = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 12
+SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, top_p=0.9, seed=1234)}
+COMPLETION = "Once upon a time, in a land far away,"  # sent raw: `smollm2 generate`, /v1/completions
+QUESTION = "Write a short poem about the sea."  # sent as a chat: `smollm2 chat -p`, /v1/chat/completions
+
+
+@dataclass
+class Request:
+    chat: bool
+    prompt: str  # the raw prompt, or the question of a chat
+    sampling: dict
+    stop: str = ""
+
+    def ids(self, tokenizer) -> list[int]:
+        """The prompt as the model sees it: a chat's is the chat template applied to the question."""
+        if self.chat:
+            return tokenizer.apply_chat_template([{"role": "user", "content": self.prompt}])
+        return tokenizer.encode(self.prompt)
+
+    def body(self, streamed: bool) -> dict:
+        prompt = dict(messages=[{"role": "user", "content": self.prompt}]) if self.chat else dict(prompt=self.prompt)
+        return dict(model=NAME, max_tokens=MAX_TOKENS, stop=[self.stop], stream=streamed, **self.sampling, **prompt,
+                    stream_options=dict(include_usage=True) if streamed else None)
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: int  # how many were generated (the server tells no more)
+    finish_reason: str
+
+
+def in_python(model, tokenizer, request: Request) -> tuple[Answer, list[int]]:
+    """The answer from stream(), with its tokens."""
+    stop = [request.stop] if request.stop else []
+    steps = [step for (step,) in stream(model, [request.ids(tokenizer)], MAX_TOKENS, stop=stop, tokenizer=tokenizer,
+                                        **request.sampling)]
+    return Answer("".join(step.text for step in steps), len(steps), steps[-1].finish_reason), \
+        [step.token for step in steps]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_pretrained()
+
+
+@pytest.fixture(scope="module")
+def requests(model, tokenizer) -> dict[str, tuple[Request, Answer, list[int]]]:
+    """A raw completion and a chat, each greedy and seeded, with a stop string taken from the middle of the
+    answer without one, so that it does cut the answer; with that answer and its tokens."""
+    cases = {}
+    for chat, prompt in ((False, COMPLETION), (True, QUESTION)):
+        for name, sampling in SAMPLINGS.items():
+            request = Request(chat, prompt, sampling)
+            whole, tokens = in_python(model, tokenizer, request)
+            request.stop = whole.text[len(whole.text) // 2:len(whole.text) // 2 + 3]
+            cases[f"{'chat' if chat else 'completion'}, {name}"] = request, whole, tokens
+    return cases
+
+
+@pytest.fixture(scope="module")
+def answers(model, tokenizer, requests) -> dict[str, Answer]:
+    """Each request's answer from stream(), the one every other way must give."""
+    return {name: in_python(model, tokenizer, request)[0] for name, (request, _, _) in requests.items()}
+
+
+def test_python_ends_the_answer_before_the_stop_string(model, tokenizer, requests, answers):
+    for name, (request, whole, tokens) in requests.items():
+        cut = answers[name]
+        assert request.stop in whole.text and cut.text == whole.text[:whole.text.find(request.stop)], name
+        assert cut.finish_reason == "stop", name
+        # The same draws as without the stop string, up to the token that completed it; generate() agrees.
+        ids = request.ids(tokenizer)
+        generated = generate(model, [ids], MAX_TOKENS, stop=[request.stop], tokenizer=tokenizer, **request.sampling)
+        assert generated[0, len(ids):].tolist() == tokens[:cut.tokens], name
+
+
+def test_the_commands_print_the_same_text(model, tokenizer, requests, answers, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load", lambda args: (model, tokenizer))  # the model is loaded once, by the fixture
+    for name, (request, _, _) in requests.items():
+        command = ["chat", "-p", request.prompt] if request.chat else ["generate", request.prompt]
+        flags = [f"--{key.replace('_', '-')}={value}" for key, value in request.sampling.items()]
+        assert cli.main([*command, f"--max-new-tokens={MAX_TOKENS}", f"--stop={request.stop}", *flags]) == 0
+        assert capsys.readouterr().out == answers[name].text + "\n", name
+
+
+def ask(client: httpx.Client, request: Request, streamed: bool) -> Answer:
+    path = "/v1/chat/completions" if request.chat else "/v1/completions"
+    if not streamed:
+        r = client.post(path, json=request.body(streamed))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return Answer(choice["message"]["content"] if request.chat else choice["text"],
+                      r.json()["usage"]["completion_tokens"], choice["finish_reason"])
+    with client.stream("POST", path, json=request.body(streamed)) as r:
+        assert r.status_code == 200
+        chunks = events(r)
+    choices = [c["choices"][0] for c in chunks[:-1]]
+    text = "".join(c["delta"].get("content", "") if request.chat else c["text"] for c in choices)
+    return Answer(text, chunks[-1]["usage"]["completion_tokens"], choices[-1]["finish_reason"])
+
+
+def test_the_server_answers_the_same_alone(model, tokenizer, requests, answers):
+    with running(create_app(model, tokenizer, model_name=NAME, max_seq_len=256)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        for name, (request, _, _) in requests.items():
+            for streamed in (False, True):
+                assert ask(client, request, streamed) == answers[name], (name, streamed)
+
+
+def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests, answers, monkeypatch):
+    """The first request to arrive is held in its prefill until the other 15 wait, so that all 16 decode in
+    one batch; the 12 besides ours have other prompts, seeds and stop strings."""
+    others = [Request(chat=i % 2 == 0,
+                      prompt=f"Tell me about the number {i}." if i % 2 == 0 else f"My lucky number is {i}, because",
+                      sampling=dict(temperature=0.8, top_p=0.9, seed=i) if i % 3 else dict(temperature=0.0),
+                      stop=f"\n{i}.") for i in range(12)]
+    gate, rows = threading.Event(), []
+    logits, decode_step = model.logits, scheduler.decode_step
+    monkeypatch.setattr(model, "logits", lambda h: (gate.wait(60), logits(h))[1])
+    monkeypatch.setattr(scheduler, "decode_step", lambda model, ids, *rest: (rows.append(len(ids)),
+                                                                           decode_step(model, ids, *rest))[1])
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=16, max_seq_len=256)
+    with running(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
+        for streamed in (False, True):
+            gate.clear()
+            batch = [request for request, _, _ in requests.values()] + others
+            futures = [pool.submit(ask, client, request, streamed) for request in batch]
+            deadline = time.time() + 60
+            while client.get("/health").json() != dict(status="ok", active=1, waiting=15, slots=16):
+                assert time.time() < deadline, client.get("/health").json()
+                time.sleep(0.02)
+            gate.set()
+            got = [future.result() for future in futures]
+            for (name, answer), served in zip(answers.items(), got):
+                assert served == answer, (name, streamed)
+            assert max(rows) == 16
+            rows.clear()
