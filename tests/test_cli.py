@@ -24,12 +24,14 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.subprocess
 def test_chat_answers_paris_from_the_embedded_model():
     result = run("chat", "-p", "What is the capital of France?", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
 
+@pytest.mark.subprocess
 def test_bad_model_is_one_line_and_exit_1(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
@@ -109,6 +111,7 @@ def test_perplexity_bad_files(tmp_path, capsys):
     assert "empty" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.subprocess
 def test_bench_beside_transformers(tiny_dir, capsys):
     assert main(["bench", "--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1",
                  "--compare", "transformers", "--compare", "torch", "--quantize", "int8", "--json"]) == 0
@@ -122,6 +125,7 @@ def test_bench_beside_transformers(tiny_dir, capsys):
     assert "missing" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
 def test_bench_says_what_ran_each_operation(tiny_dir, capsys, monkeypatch, tmp_path):
     """Measured in smollm2's own process (SMOLLM2_KERNELS=auto), its choices come back with its speeds."""

@@ -19,7 +19,7 @@ from gguf_files import gguf_tensors, write_gguf
 
 from smollm2 import SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
-from smollm2.generation.engine import decode_step
+from smollm2.generation.steps import decode_step
 from smollm2.kernels import accelerate
 from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.choosing import Choices, Key, rows_bucket

@@ -331,6 +331,7 @@ def test_a_client_that_leaves_before_a_whole_answer_cancels_it(tiny, monkeypatch
         assert completion(client, PROMPTS[0], 5) == expected(model, tokenizer, tokenizer.encode(PROMPTS[0]), 5)
 
 
+@pytest.mark.subprocess
 def test_serve_command_exits_cleanly_on_sigterm(tiny_dir):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "smollm2", "serve", "--model", str(tiny_dir), "--port", str(port)],
