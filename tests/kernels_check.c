@@ -5,8 +5,9 @@
  *
  * References sum in double; the kernels in float32 and in other orders, so results are compared within
  * tolerances relative to the magnitude of what was summed. What the kernels promise bit for bit is compared
- * with memcmp: a product row's result whatever rows share the call, and Q4_1 / Q8_0 blocks giving the results
- * of the float32 weights they decode to.
+ * with memcmp: a product row's result whatever rows share the call, Q4_1 / Q8_0 blocks giving the results
+ * of the float32 weights they decode to, and a decoding step's RMSNorm, RoPE and SiLU giving the prompt
+ * functions' results on the same rows.
  *
  * Prints one line per check, then "N passed, M failed"; exits 1 on any failure. */
 #include <math.h>
@@ -390,7 +391,7 @@ static void check_norm_rows(int type, long R, long C) {
 
 /* ---- blocks: one float32 layer decoding T rows of each of B sequences against a cache ---- */
 
-enum { BC = 64, BH = 4, BKVH = 2, BD = 32, BI = 96, PAST = 5 };  /* sizes; slots already filled before the step */
+enum { BC = 64, BH = 4, BKVH = 2, BI = 96, PAST = 5 };  /* sizes (and a head size D); slots filled before the step */
 
 static void rms_normed(const double *x, const float *weight, double *out) {
     double squares = 0;
@@ -407,11 +408,11 @@ static void matvec(const float *w, const float *scale, const double *x, long N, 
     }
 }
 
-static void rotated(double *x, const float *c, const float *s) {  /* one head, in place */
-    for (long i = 0; i < BD / 2; i++) {
-        double x1 = x[i], x2 = x[i + BD / 2];
+static void rotated(double *x, const float *c, const float *s, long D) {  /* one head, in place */
+    for (long i = 0; i < D / 2; i++) {
+        double x1 = x[i], x2 = x[i + D / 2];
         x[i] = x1 * c[i] - x2 * s[i];
-        x[i + BD / 2] = x2 * c[i + BD / 2] + x1 * s[i + BD / 2];
+        x[i + D / 2] = x2 * c[i + D / 2] + x1 * s[i + D / 2];
     }
 }
 
@@ -424,7 +425,7 @@ struct layer_run {  /* what blocks() left, of the step's type: x, and each seque
  * the caches, all of `type`; new rows go to slots PAST.., and see the slots up to theirs (no mask). */
 static struct layer_run run_blocks(const struct block *layer, int type, long first, long B, long T, const void *x,
                                    const void *cosines, const void *sines, const void *k, const void *v) {
-    const long S = PAST + T, cache = BKVH * S * BD, size = type == BF16 ? 2 : 4;
+    const long D = layer->D, S = PAST + T, cache = BKVH * S * D, size = type == BF16 ? 2 : 4;
     struct layer_run run = {malloc(size * B * T * BC), malloc(size * B * cache), malloc(size * B * cache)};
     memcpy(run.x, (const char *)x + first * T * BC * size, size * B * T * BC);
     memcpy(run.k, (const char *)k + first * cache * size, size * B * cache);
@@ -432,8 +433,8 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     int64_t *slots = malloc(sizeof(int64_t) * B * T);
     for (long i = 0; i < B * T; i++) slots[i] = PAST + i % T;
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
-    if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * BD * size,
-               (const char *)sines + first * T * BD * size, slots, T, k_caches, v_caches, S, cache, S * BD, NULL))
+    if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
+               (const char *)sines + first * T * D * size, slots, T, k_caches, v_caches, S, cache, S * D, NULL))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;
@@ -445,10 +446,55 @@ static double largest(const double *v, long n) {
     return top;
 }
 
-/* One layer (of activations `type`, weights w_type) against a double reference; then each sequence decoded
- * alone, which must give the same bits as among B. */
-static void check_blocks(int type, int w_type, long B, long T) {
-    const long R = B * T, S = PAST + T, QD = BH * BD, KVD = BKVH * BD, cache = BKVH * S * BD;
+/* Bytes of an (N, K) weight matrix of w_type. */
+static long weight_bytes(int w_type, long N, long K) {
+    if (w_type == Q4_1 || w_type == Q8_0) return N * K / BLOCK * (w_type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    return N * K * (w_type == I8 ? 1 : w_type == BF16 ? 2 : 4);
+}
+
+/* The decoding step and a prompt's functions share their RMSNorm, RoPE and SiLU: the keys and values blocks()
+ * cached must be the bits of norm_rows, linear and rope_rows on the same rows. With o_proj zero, attention adds
+ * nothing, so the MLP's input is x itself: then x must also be the bits of norm_rows, linear, silu_mul, linear
+ * and torch's x + y rounded to the type. D a multiple of 32 (rope_rows'). */
+static void check_prompt_path(const char *name, const struct block *layer, int type, long B, long T, const void *x,
+                              const void *cos, const void *sin, struct layer_run run, int zero_o) {
+    const long R = B * T, D = layer->D, S = PAST + T, KVD = BKVH * D, size = type == BF16 ? 2 : 4;
+    const long kv_sizes[1] = {KVD}, mlp_sizes[1] = {BI}, out_sizes[1] = {BC};
+    void *h = malloc(size * R * BC), *k = malloc(size * R * KVD), *v = malloc(size * R * KVD),
+         *roped = malloc(size * R * KVD), *gate = malloc(size * R * BI), *up = malloc(size * R * BI),
+         *a = malloc(size * R * BI), *down = malloc(size * R * BC);
+    norm_rows(x, layer->attn_norm, h, type, R, BC, layer->eps);
+    linear(h, type, 1, &layer->k_proj, layer->w_type, &layer->k_proj_scale, k, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->v_proj, layer->w_type, &layer->v_proj_scale, v, R, kv_sizes, BC);
+    rope_rows(k, cos, sin, roped, type, R, BKVH, D);
+    int same = 1;
+    for (long r = 0; r < R && same; r++)
+        for (long head = 0; head < BKVH && same; head++) {
+            const long slot = ((r / T * BKVH + head) * S + PAST + r % T) * D * size;
+            const long row = (r * BKVH + head) * D * size;
+            same = !memcmp(run.k + slot, (char *)roped + row, D * size) &&
+                   !memcmp(run.v + slot, (char *)v + row, D * size);
+        }
+    if (same && zero_o) {
+        norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
+        linear(h, type, 1, &layer->gate_proj, layer->w_type, &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->up_proj, layer->w_type, &layer->up_proj_scale, up, R, mlp_sizes, BC);
+        silu_mul(gate, up, a, type, R * BI);
+        linear(a, type, 1, &layer->down_proj, layer->w_type, &layer->down_proj_scale, down, R, out_sizes, BI);
+        for (long i = 0; i < R * BC && same; i++)
+            same = rounded(type, read_value(x, i, type) + read_value(down, i, type)) == read_value(run.x, i, type);
+    }
+    if (same) printf("ok   %s: the prompt functions' bits (%s)\n", name, zero_o ? "K, V cache, x" : "K, V cache");
+    else printf("FAIL %s: differs from the prompt functions on the same rows\n", name);
+    same ? passed++ : failed++;
+    free(h), free(k), free(v), free(roped), free(gate), free(up), free(a), free(down);
+}
+
+/* One layer (of activations `type`, weights w_type, head size D; with zero_o, o_proj zero) against a double
+ * reference; then each sequence decoded alone, which must give the same bits as among B; then against the prompt
+ * functions. */
+static void check_blocks(int type, int w_type, long B, long T, long D, int zero_o) {
+    const long R = B * T, S = PAST + T, QD = BH * D, KVD = BKVH * D, cache = BKVH * S * D;
     const long size = type == BF16 ? 2 : 4;
     const long sizes[7][2] = {{QD, BC}, {KVD, BC}, {KVD, BC}, {BC, QD}, {BI, BC}, {BI, BC}, {BC, BI}};
     struct weights w[7];
@@ -460,27 +506,31 @@ static void check_blocks(int type, int w_type, long B, long T) {
             w[i].data = as_type(w[i].values, sizes[i][0] * sizes[i][1], w_type);
         }
     }
+    if (zero_o) {  /* every encoding's zero bytes are weights of +0 */
+        memset(w[3].data, 0, weight_bytes(w_type, BC, QD));
+        memset(w[3].values, 0, sizeof(float) * BC * QD);
+    }
     float *attn_norm = random_values(BC, type, 0.5f, 1.5f), *mlp_norm = random_values(BC, type, 0.5f, 1.5f);
-    float *x = random_values(R * BC, type, -1, 1), *cosines = malloc(sizeof(float) * R * BD),
-          *sines = malloc(sizeof(float) * R * BD);
+    float *x = random_values(R * BC, type, -1, 1), *cosines = malloc(sizeof(float) * R * D),
+          *sines = malloc(sizeof(float) * R * D);
     for (long r = 0; r < R; r++)
-        for (long i = 0; i < BD; i++) {  /* the angles of position PAST + t, as the model's */
-            double angle = (PAST + r % T) * pow(10000, -(double)(2 * (i % (BD / 2))) / BD);
-            cosines[r * BD + i] = rounded(type, (float)cos(angle));
-            sines[r * BD + i] = rounded(type, (float)sin(angle));
+        for (long i = 0; i < D; i++) {  /* the angles of position PAST + t, as the model's */
+            double angle = (PAST + r % T) * pow(10000, -(double)(2 * (i % (D / 2))) / D);
+            cosines[r * D + i] = rounded(type, (float)cos(angle));
+            sines[r * D + i] = rounded(type, (float)sin(angle));
         }
     float *k = random_values(B * cache, type, -1, 1), *v = random_values(B * cache, type, -1, 1);
     for (long i = 0; i < B * cache; i++)
-        if (i / BD % S >= PAST) k[i] = v[i] = 0;  /* slots the step fills */
+        if (i / D % S >= PAST) k[i] = v[i] = 0;  /* slots the step fills */
     void *norms[2] = {as_type(attn_norm, BC, type), as_type(mlp_norm, BC, type)}, *xt = as_type(x, R * BC, type),
-         *cos_t = as_type(cosines, R * BD, type), *sin_t = as_type(sines, R * BD, type),
+         *cos_t = as_type(cosines, R * D, type), *sin_t = as_type(sines, R * D, type),
          *k_t = as_type(k, B * cache, type), *v_t = as_type(v, B * cache, type);
     const struct block layer = {norms[0], norms[1], w[0].data, w[1].data, w[2].data, w[3].data, w[4].data,
                                 w[5].data, w[6].data, w[0].scale, w[1].scale, w[2].scale, w[3].scale, w[4].scale,
-                                w[5].scale, w[6].scale, w_type, BC, BH, BKVH, BD, BI, 1e-5f};
+                                w[5].scale, w[6].scale, w_type, BC, BH, BKVH, D, BI, 1e-5f};
     char name[160];
-    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%d I=%d", type_name[type],
-             type_name[w_type], B, T, BC, BH, BKVH, BD, BI);
+    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type],
+             type_name[w_type], B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
     struct layer_run run = run_blocks(&layer, type, 0, B, T, xt, cos_t, sin_t, k_t, v_t);
     if (!run.x) {
         printf("FAIL %s: returned out of memory\n", name);
@@ -498,32 +548,32 @@ static void check_blocks(int type, int w_type, long B, long T) {
         const long b = r / T, slot = PAST + r % T;
         rms_normed(rx + r * BC, attn_norm, h);
         matvec(w[0].values, w[0].scale, h, QD, BC, q + r * QD);
-        for (long head = 0; head < BH; head++) rotated(q + r * QD + head * BD, cosines + r * BD, sines + r * BD);
+        for (long head = 0; head < BH; head++) rotated(q + r * QD + head * D, cosines + r * D, sines + r * D, D);
         matvec(w[1].values, w[1].scale, h, KVD, BC, kv);
         for (long head = 0; head < BKVH; head++) {
-            rotated(kv + head * BD, cosines + r * BD, sines + r * BD);
-            memcpy(rk + b * cache + (head * S + slot) * BD, kv + head * BD, sizeof(double) * BD);
+            rotated(kv + head * D, cosines + r * D, sines + r * D, D);
+            memcpy(rk + b * cache + (head * S + slot) * D, kv + head * D, sizeof(double) * D);
         }
         matvec(w[2].values, w[2].scale, h, KVD, BC, kv);
         for (long head = 0; head < BKVH; head++)
-            memcpy(rv + b * cache + (head * S + slot) * BD, kv + head * BD, sizeof(double) * BD);
+            memcpy(rv + b * cache + (head * S + slot) * D, kv + head * D, sizeof(double) * D);
     }
     for (long r = 0; r < R; r++) {
         const long b = r / T, last = PAST + r % T;
         for (long head = 0; head < BH; head++) {
-            const double *keys = rk + b * cache + head / (BH / BKVH) * S * BD, *values = rv + (keys - rk);
+            const double *keys = rk + b * cache + head / (BH / BKVH) * S * D, *values = rv + (keys - rk);
             double top = -INFINITY, total = 0;
             for (long s = 0; s <= last; s++) {
                 double dot = 0;
-                for (long d = 0; d < BD; d++) dot += q[r * QD + head * BD + d] * keys[s * BD + d];
-                p[s] = dot / sqrt((double)BD);
+                for (long d = 0; d < D; d++) dot += q[r * QD + head * D + d] * keys[s * D + d];
+                p[s] = dot / sqrt((double)D);
                 top = p[s] > top ? p[s] : top;
             }
             for (long s = 0; s <= last; s++) total += p[s] = exp(p[s] - top);
-            for (long d = 0; d < BD; d++) {
+            for (long d = 0; d < D; d++) {
                 double sum = 0;
-                for (long s = 0; s <= last; s++) sum += p[s] * values[s * BD + d];
-                att[head * BD + d] = sum / total;
+                for (long s = 0; s <= last; s++) sum += p[s] * values[s * D + d];
+                att[head * D + d] = sum / total;
             }
         }
         matvec(w[3].values, w[3].scale, att, BC, QD, delta);
@@ -564,6 +614,7 @@ static void check_blocks(int type, int w_type, long B, long T) {
         if (same) printf("ok   %s: each sequence's bits alone = among %ld\n", name, B);
         same ? passed++ : failed++;
     }
+    if (D % 32 == 0) check_prompt_path(name, &layer, type, B, T, xt, cos_t, sin_t, run, zero_o);
     for (int i = 0; i < 7; i++) free(w[i].data), free(w[i].values), free(w[i].scale);
     free(attn_norm), free(mlp_norm), free(x), free(cosines), free(sines), free(k), free(v), free(norms[0]),
         free(norms[1]), free(xt), free(cos_t), free(sin_t), free(k_t), free(v_t), free(run.x), free(run.k),
@@ -586,9 +637,17 @@ int main(void) {
     }
     /* activations and weights as models have them */
     const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8}};
-    for (int i = 0; i < 6; i++) check_blocks(layers[i][0], layers[i][1], 2, 3);
-    check_blocks(F32, F32, 1, 1);
-    check_blocks(BF16, BF16, 1, 1);
+    for (int i = 0; i < 6; i++) {
+        check_blocks(layers[i][0], layers[i][1], 2, 3, 32, 0);
+        check_blocks(layers[i][0], layers[i][1], 2, 3, 64, 1);
+    }
+    check_blocks(F32, F32, 1, 1, 32, 0);
+    check_blocks(BF16, BF16, 1, 1, 32, 0);
+    /* head sizes whose half is not a whole number of vectors with AVX-512: RoPE's last elements one at a time */
+    for (long D = 16; D <= 48; D += 32) {
+        check_blocks(F32, F32, 2, 3, D, 0);
+        check_blocks(BF16, BF16, 2, 3, D, 0);
+    }
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

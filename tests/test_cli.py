@@ -87,6 +87,15 @@ def test_perplexity_json(tiny_dir, capsys):
     assert result["tokens"] > 500 and result["perplexity"] > 1 and result["stride"] == 64
 
 
+def test_perplexity_stride_below_the_context(tiny_dir, capsys):
+    """A window moved by all of itself would leave its first token without a prediction."""
+    argv = ["perplexity", "--model", str(tiny_dir), str(DATA / "english.txt"), "--context", "64"]
+    assert main([*argv, "--stride", "64"]) == 1
+    assert "--stride must be in [1, --context - 1 = 63], got 64" in one_error_line(capsys.readouterr().err)
+    assert main([*argv, "--stride", "63", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stride"] == 63
+
+
 def test_perplexity_equals_one_window_when_the_text_fits(model, english, tmp_path, capsys):
     import torch
 

@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import socket
 import sys
@@ -17,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .errors import SmolError
 
@@ -182,8 +180,11 @@ def chat(args):
 
 @torch.inference_mode()
 def perplexity(args):
-    """Sliding-window perplexity: each window scores only the tokens the previous one did not."""
+    """Sliding-window perplexity (evaluate.perplexity): each window scores only the tokens the previous one did
+    not."""
     from tqdm import tqdm
+
+    from . import evaluate
 
     path = Path(args.file)
     try:
@@ -200,23 +201,14 @@ def perplexity(args):
         raise SmolError(f"{path}: needs at least 2 tokens to measure perplexity, has {len(ids)}")
     window = min(args.context, model.config.max_position_embeddings)
     stride = args.stride or window // 2
-    if not 0 < stride <= window:
-        raise SmolError(f"--stride must be in [1, --context={window}], got {stride}")
-    tokens = torch.tensor(ids, device=args.device)
-    nll, scored, start = 0.0, 1, time.perf_counter()  # tokens[1:scored] are scored; tokens[0] never is
+    if not 0 < stride < window:
+        raise SmolError(f"--stride must be in [1, --context - 1 = {window - 1}], got {stride}")
+    start = time.perf_counter()
     with tqdm(total=len(ids) - 1, unit="tok", desc="perplexity", disable=None, file=sys.stderr) as bar:
-        for begin in range(0, len(ids) - 1, stride):
-            end = min(begin + window, len(ids))
-            # Hidden state i of the window predicts tokens[begin + i + 1]; project only the unscored ones.
-            h = model.hidden_states(tokens[None, begin:end - 1])[0, scored - begin - 1:]
-            nll += F.cross_entropy(model.logits(h).float(), tokens[scored:end], reduction="sum").item()
-            bar.update(end - scored)
-            scored = end
-            if end == len(ids):
-                break
+        measured = evaluate.perplexity(model, ids, window, stride, progress=bar.update)
     seconds = time.perf_counter() - start
-    result = dict(file=str(path), tokens=len(ids), perplexity=math.exp(nll / (scored - 1)),
-                  nll=nll / (scored - 1), window=window, stride=stride, tokens_per_s=len(ids) / seconds)
+    result = dict(file=str(path), tokens=len(ids), perplexity=measured.perplexity, nll=measured.nll, window=window,
+                  stride=stride, tokens_per_s=len(ids) / seconds)
     if args.json:
         print(json.dumps(result))
     else:

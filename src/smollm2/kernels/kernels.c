@@ -493,32 +493,70 @@ struct block {
     float eps;
 };
 
-/* Inside a parallel region: out (R, C) = weight * (x / rms(x)), rms in float32; in bf16 rounded where
- * torch rounds: the normed x, then its product with the weight. out is of out_type, holding values of `type`. */
+/* One row (C,): out = weight * (x / rms(x)), rms in float32 from LANES partial sums of squares; in bf16 rounded
+ * where torch rounds: the normed x, then its product with the weight. out is of out_type, holding values of
+ * `type`. The decoding step (layer()) and a prompt's rows (norm_rows) both call this, so a row gets the same
+ * bits either way. */
+static void norm_row(const void *x, const void *weight, void *out, int out_type, int type, long C, float eps) {
+    vf squares = {0};
+    for (long c = 0; c < C; c += LANES) {
+        vf v = load(x, c, type);
+        squares += v * v;
+    }
+    float inv = 1.0f / sqrtf(sum_lanes(squares) / C + eps);
+    for (long c = 0; c < C; c += LANES)
+        store_lanes(out, c, out_type,
+                    round_lanes(type, load(weight, c, type) * round_lanes(type, load(x, c, type) * inv)));
+}
+
+/* Inside a parallel region: out (R, C) = norm_row of each row of x (R, C). */
 static void rms_norm(const void *x, const void *weight, void *out, int out_type, int type, long R, long C,
                      float eps) {
 #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++) {
-        float squares = 0;
-        for (long c = 0; c < C; c++) squares += element(x, r * C + c, type) * element(x, r * C + c, type);
-        float inv = 1.0f / sqrtf(squares / C + eps);
-        for (long c = 0; c < C; c++)
-            store(out, r * C + c, out_type,
-                  round_to(type, element(weight, c, type) * round_to(type, element(x, r * C + c, type) * inv)));
+    for (long r = 0; r < R; r++)
+        norm_row((const char *)x + r * C * size_of(type), weight, (char *)out + r * C * size_of(out_type), out_type,
+                 type, C, eps);
+}
+
+/* A product as torch leaves it: rounded to `type`, and in float32 kept out of the addition that follows (a
+ * fused multiply-add would round once where torch's x * cos + rotate_half(x) * sin rounds three times). */
+static inline vf product(int type, vf a, vf b) {
+    vf p = a * b;
+    IN_REGISTER(p);
+    return round_lanes(type, p);
+}
+
+static inline float product1(int type, float a, float b) {  /* product, one element */
+    float p = a * b;
+    IN_REGISTER(p);
+    return round_to(type, p);
+}
+
+/* One head (D,) into out (may be x itself): halves (i, i + D/2) rotated by the angles whose cos and sin are
+ * (D,), rounded as torch's x * cos + rotate_half(x) * sin. A vector at a time; D/2 need not be a multiple of
+ * LANES (decoding takes head sizes of 16, 48, ...), the rest one element at a time, rounded alike. The
+ * decoding step and rope_rows both call this. */
+static void rope_head(const void *x, const void *cos, const void *sin, void *out, int type, long D) {
+    const long half = D / 2;
+    long d = 0;
+    for (; d + LANES <= half; d += LANES) {
+        vf x1 = load(x, d, type), x2 = load(x, d + half, type);
+        store_lanes(out, d, type, product(type, x1, load(cos, d, type)) + product(type, -x2, load(sin, d, type)));
+        store_lanes(out, d + half, type, product(type, x2, load(cos, d + half, type)) +
+                                             product(type, x1, load(sin, d + half, type)));
+    }
+    for (; d < half; d++) {
+        float x1 = element(x, d, type), x2 = element(x, d + half, type);
+        store(out, d, type, product1(type, x1, element(cos, d, type)) + product1(type, -x2, element(sin, d, type)));
+        store(out, d + half, type, product1(type, x2, element(cos, d + half, type)) +
+                                       product1(type, x1, element(sin, d + half, type)));
     }
 }
 
-/* One head (D,) rotated in place: halves (i, i + D/2) by the angles whose cos and sin are (D,), rounded
- * as torch's x * cos + rotate_half(x) * sin. */
-static void rope(void *x, const void *cos, const void *sin, int type, long D) {
-    long half = D / 2;
-    for (long i = 0; i < half; i++) {
-        float x1 = element(x, i, type), x2 = element(x, i + half, type);
-        float c1 = element(cos, i, type), s1 = element(sin, i, type);
-        float c2 = element(cos, i + half, type), s2 = element(sin, i + half, type);
-        store(x, i, type, round_to(type, x1 * c1) + round_to(type, -x2 * s1));
-        store(x, i + half, type, round_to(type, x2 * c2) + round_to(type, x1 * s2));
-    }
+/* silu(gate) * up, a vector of `type`'s values: silu's result rounded to `type`, then the product, as torch's
+ * F.silu(gate) * up. The decoding step's SwiGLU and silu_mul both call this. */
+static inline vf silu_times(int type, vf gate, vf up) {
+    return round_lanes(type, round_lanes(type, gate / (1.0f + exp_lanes(-gate))) * up);  /* g / (1 + e^-g) */
 }
 
 /* n query heads (n, D) of one row against their shared K/V head's slots: scores into p (n, S), then the
@@ -632,12 +670,13 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         long r = i / (H + KVH), head = i % (H + KVH);
         const char *cos = (const char *)s->cos + r * D * size, *sin = (const char *)s->sin + r * D * size;
         if (head < H) {
-            rope(m->q + (r * H + head) * D * size, cos, sin, type, D);
+            char *query = m->q + (r * H + head) * D * size;
+            rope_head(query, cos, sin, query, type, D);
             continue;
         }
         head -= H;
         char *key = m->k + (r * KVH + head) * D * size;
-        rope(key, cos, sin, type, D);
+        rope_head(key, cos, sin, key, type, D);
         long b = r / T, slot = s->slots[b * s->slot_stride + r % T];
         long to = (b * s->stride_b + head * s->stride_h + slot * D) * size;
         memcpy((char *)k_cache + to, key, D * size);
@@ -672,9 +711,7 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
             if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
-            gv = round_lanes(type, gv), uv = round_lanes(type, uv);
-            vf silu = round_lanes(type, gv / (1.0f + exp_lanes(-gv)));  /* g / (1 + e^-g) */
-            store_lanes(m->a, r * I + n, in, round_lanes(type, silu * uv));
+            store_lanes(m->a, r * I + n, in, silu_times(type, round_lanes(type, gv), round_lanes(type, uv)));
         }
     }
 
@@ -857,43 +894,24 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
 /* A prompt's elementwise steps, a vector at a time in one pass each, where torch makes several (each its own
  * pass over memory and its own thread wake-up). Rounded where torch rounds; n a multiple of 16. */
 
-/* out = silu(gate) * up: silu's result rounded to `type`, then the product. */
+/* out = silu(gate) * up, as silu_times. */
 void silu_mul(const void *gate, const void *up, void *out, int type, long n) {
 #pragma omp parallel for schedule(static)
-    for (long i = 0; i < n; i += LANES) {
-        vf g = load(gate, i, type);
-        store_lanes(out, i, type, round_lanes(type, g / (1.0f + exp_lanes(-g))) * load(up, i, type));
-    }
+    for (long i = 0; i < n; i += LANES)
+        store_lanes(out, i, type, silu_times(type, load(gate, i, type), load(up, i, type)));
 }
 
-/* out (R, heads, D) = x * cos + rotate_half(x) * sin, each row's (D,) angles shared by its heads; each product
- * rounded, then their sum, as torch's. D a multiple of 32. */
+/* out (R, heads, D) = rope_head of each head, each row's (D,) angles shared by its heads. D a multiple of 32. */
 void rope_rows(const void *x, const void *cos, const void *sin, void *out, int type, long R, long heads, long D) {
-    const long half = D / 2;
+    const long size = size_of(type);
 #pragma omp parallel for schedule(static)
-    for (long i = 0; i < R * heads; i++) {
-        const long at = i * D, angle = i / heads * D;
-        for (long d = 0; d < half; d += LANES) {
-            vf x1 = load(x, at + d, type), x2 = load(x, at + d + half, type);
-            store_lanes(out, at + d, type, round_lanes(type, x1 * load(cos, angle + d, type)) +
-                                               round_lanes(type, -x2 * load(sin, angle + d, type)));
-            store_lanes(out, at + d + half, type, round_lanes(type, x2 * load(cos, angle + d + half, type)) +
-                                                      round_lanes(type, x1 * load(sin, angle + d + half, type)));
-        }
-    }
+    for (long i = 0; i < R * heads; i++)
+        rope_head((const char *)x + i * D * size, (const char *)cos + i / heads * D * size,
+                  (const char *)sin + i / heads * D * size, (char *)out + i * D * size, type, D);
 }
 
-/* out (R, C) = weight * (x / rms(x)) as rms_norm() computes it, a vector at a time. */
+/* out (R, C) = norm_row of each row of x (R, C). */
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps) {
-#pragma omp parallel for schedule(static)
-    for (long r = 0; r < R; r++) {
-        vf squares = {0};
-        for (long c = 0; c < C; c += LANES) {
-            vf v = load(x, r * C + c, type);
-            squares += v * v;
-        }
-        float inv = 1.0f / sqrtf(sum_lanes(squares) / C + eps);
-        for (long c = 0; c < C; c += LANES)
-            store_lanes(out, r * C + c, type, load(weight, c, type) * round_lanes(type, load(x, r * C + c, type) * inv));
-    }
+#pragma omp parallel
+    rms_norm(x, weight, out, type, type, R, C, eps);
 }
