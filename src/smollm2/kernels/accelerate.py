@@ -8,9 +8,10 @@ checks see the same modules. What the kernels keep beside the weights is kept on
 - `packed`: a float32 weight read from GGUF keeps the file's packed blocks as a non-persistent buffer on its
   module, and the kernels stream those (4-5x fewer bytes, the same float32 values) while the weight is unchanged;
 - the decoding step's plan (where each block's weights are, for C) is built once per dtype and kept on the
-  model. Before each step the plan is checked against the blocks' tensors (the same ones, not changed in place:
-  ~0.1 ms for 30 blocks); a weight replaced or changed in place (trained, loaded into) rebuilds it, and
-  moving the model (.to(), .half()) drops it. Changes through `.data` are not seen: assign new weights instead.
+  model. It is rebuilt when a weight (or any parameter, buffer or module) was assigned anywhere since, which
+  torch's registration hooks count, or when one of its tensors changed in place (trained, loaded into): each
+  step compares their version counters (~30 us for 30 blocks). Moving the model (.to(), .half()) drops it.
+  Changes through `.data` are not seen: assign new weights instead.
 """
 
 from __future__ import annotations
@@ -91,21 +92,36 @@ class FastMLP(MLP):
         return self.down_proj(silu_mul(gate, up, lambda: F.silu(gate) * up))
 
 
+# Parameters, buffers and submodules registered (assigned) on any module since import, counted by torch's global
+# registration hooks: one number that moves whenever a model's structure or weights are replaced, so that a plan
+# can tell it still holds without walking the model each step.
+registrations = 0
+
+
+def count_registration(*_):
+    global registrations
+    registrations += 1
+
+
+for register in (nn.modules.module.register_module_parameter_registration_hook,
+                 nn.modules.module.register_module_buffer_registration_hook,
+                 nn.modules.module.register_module_module_registration_hook):
+    register(count_registration)
+
+
 class DecodePlan:
     """The C view of every block's weights (struct block), for one activation dtype, with the tensors it was
-    built from: it holds while the model's blocks still hold those, unchanged."""
+    built from: it holds while nothing was assigned to any module since, and none of them changed in place."""
 
     def __init__(self, model: SmolLM2, dtype: torch.dtype):
-        self.tensors = tensors_of(model)
-        self.versions = versions(self.tensors)
         found = [block_weights(block, dtype) for block in model.model.layers]
         self.weights = None if None in found else (BlockWeights * len(found))(*(f[0] for f in found))
         self.kept = [f[1] for f in found if f is not None]  # the float32 scales that weights point into
+        self.tensors = tensors_of(model)
+        self.versions, self.registrations = versions(self.tensors), registrations
 
-    def holds(self, model: SmolLM2) -> bool:
-        current = tensors_of(model)
-        return (len(current) == len(self.tensors) and all(a is b for a, b in zip(current, self.tensors))
-                and versions(current) == self.versions)
+    def holds(self) -> bool:
+        return registrations == self.registrations and versions(self.tensors) == self.versions
 
 
 def block_linears(block) -> list[nn.Module]:
@@ -113,24 +129,19 @@ def block_linears(block) -> list[nn.Module]:
     return [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]]
 
 
-def tensors_of(model: SmolLM2) -> list[torch.Tensor | None]:
-    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at.
-    Read from the modules' own dicts, each step: nn.Module's attribute lookup costs about a microsecond."""
-    tensors = []
-    for block in model.model._modules["layers"]._modules.values():
-        block = block._modules
-        attn, mlp = block["self_attn"]._modules, block["mlp"]._modules
-        for m in (block["input_layernorm"], block["post_attention_layernorm"], *attn.values(), *mlp.values()):
-            tensors += [*m._parameters.values(), *m._buffers.values()]
-    return tensors
+def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
+    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at."""
+    modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
+                                                           *block_linears(block))]
+    return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
 
 
-def versions(tensors: list[torch.Tensor | None]) -> list[int | None]:
+def versions(tensors: list[torch.Tensor]) -> list[int]:
     """[version(t) for t in tensors], in a third of the time when none is an inference tensor (the usual case)."""
     try:
-        return [None if t is None else t._version for t in tensors]
+        return [t._version for t in tensors]
     except RuntimeError:  # one is: it counts no changes
-        return [None if t is None else version(t) for t in tensors]
+        return [version(t) for t in tensors]
 
 
 def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
@@ -168,7 +179,7 @@ class FastSmolLM2(SmolLM2):
     def decode_plan(self, dtype: torch.dtype) -> DecodePlan:
         plans = self.__dict__.setdefault("decode_plans", {})
         plan = plans.get(dtype)
-        if plan is None or not plan.holds(self):
+        if plan is None or not plan.holds():
             plan = plans[dtype] = DecodePlan(self, dtype)
         return plan
 
