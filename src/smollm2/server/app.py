@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health,
+/metrics (Prometheus).
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
@@ -19,12 +20,13 @@ from typing import Annotated, Literal
 from fastapi import Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
 from ..generation.sampling import MAX_SEED, Sampling
+from .metrics import CountResponses, Metrics
 from .scheduler import Delta, QueueFull, Request, Scheduler
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
@@ -142,7 +144,9 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None) -> FastAPI:
     """The app; its lifespan starts the scheduler thread (which then owns the model) and stops it."""
-    scheduler = Scheduler(model, tokenizer, max_batch_size, max_waiting, max_seq_len)
+    scheduler = Scheduler(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
+                          on_end=lambda request: metrics.ended(request))
+    metrics = Metrics(scheduler)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -160,6 +164,7 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
 
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)])
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -193,6 +198,10 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     @app.get("/health")
     async def health():
         return {"status": "ok", **scheduler.load()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():

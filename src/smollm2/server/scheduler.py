@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections import abc
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class Request:
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
         self.sequence = sequence
+        self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
@@ -96,7 +98,8 @@ class Request:
 
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None):
+        """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics)."""
         context = model.config.max_position_embeddings
         if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2):
             raise SmolError(f"need max_batch_size >= 1, max_waiting >= 0 and max_seq_len >= 2, got "
@@ -106,6 +109,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.device = model.model.embed_tokens.weight.device
         self.max_batch_size = max_batch_size
+        self.on_end = on_end
         self.cache = model.new_cache(max_batch_size, self.max_seq_len)
         self.active: list[Request] = []  # the requests in flight; active[b] holds cache row b
         self.waiting: collections.deque[Request] = collections.deque()
@@ -133,6 +137,7 @@ class Scheduler:
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device)
         request = Request(sequence, asyncio.get_running_loop())
         if sequence.finish_reason:  # max_tokens 0: nothing to generate
+            self._ended(request)
             request.finish()
             return request
         with self._wake:
@@ -187,6 +192,8 @@ class Scheduler:
             if not (rows[b].done or rows[b].cancelled):
                 b += 1
                 continue
+            if not rows[b].done:  # cancelled: a finished request was counted as it finished
+                self._ended(rows[b])
             last = rows.pop()
             if b < len(rows) and not (last.done or last.cancelled):
                 # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
@@ -201,6 +208,7 @@ class Scheduler:
                 request = self.waiting.popleft()
                 if not request.cancelled:
                     return request
+                self._ended(request)
         return None
 
     def _length(self, n: int) -> int:
@@ -233,14 +241,23 @@ class Scheduler:
         """Every request's next token from its row of logits, in one sampling call; each request then sends
         the text that became final, and its end once it has finished."""
         tokens = next_tokens(logits, [r.sequence for r in requests]).tolist()
+        now = time.perf_counter()
         for request, token in zip(requests, tokens):
-            request.send(request.sequence.accept(token))
+            step = request.sequence.accept(token)
+            request.token_times.append(now)
+            if step.finish_reason:
+                self._ended(request)  # before its client hears of it: /metrics has counted it by then
+            request.send(step)
 
     def _take_active(self) -> list[Request]:
         active, self.active = self.active, []
         return [r for r in active if not r.done]
 
-    @staticmethod
-    def _end(requests: list[Request], error: str) -> None:
+    def _end(self, requests: list[Request], error: str) -> None:
         for request in requests:
             request.fail(error)
+            self._ended(request)
+
+    def _ended(self, request: Request) -> None:
+        if self.on_end is not None:
+            self.on_end(request)

@@ -1,0 +1,69 @@
+"""What GET /metrics tells Prometheus: requests answered by route and status, tokens in and out, the queue and the
+rows in flight, and the time to each request's first token and between its tokens.
+
+The metrics live in a registry of the app's own, so two apps in one process (tests) count apart. Token times are
+taken by the scheduler's thread as each token is sampled (Request.token_times) and observed once a request ends,
+finished or cancelled, so the scheduler's step does no more than append a number.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: a 135M model's decoding step is milliseconds, a long prompt's prefill seconds.
+TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, scheduler):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("smollm2_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=registry)
+        self.prompt_tokens = Counter("smollm2_prompt_tokens", "Prompt tokens of the requests ended",
+                                     registry=registry)
+        self.generated_tokens = Counter("smollm2_generated_tokens", "Tokens generated for the requests ended",
+                                        registry=registry)
+        Gauge("smollm2_requests_waiting", "Requests queued for a free row", registry=registry).set_function(
+            lambda: scheduler.load()["waiting"])
+        Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
+              ).set_function(lambda: scheduler.load()["active"])
+        self.time_to_first_token = Histogram("smollm2_time_to_first_token_seconds",
+                                             "From a request's arrival to its first token", buckets=TOKEN_BUCKETS,
+                                             registry=registry)
+        self.inter_token = Histogram("smollm2_inter_token_seconds", "Between two tokens of one request",
+                                     buckets=TOKEN_BUCKETS, registry=registry)
+
+    def ended(self, request) -> None:
+        """Count a request that ended (finished, cancelled or failed): its tokens and their times."""
+        times = request.token_times
+        self.prompt_tokens.inc(len(request.sequence.prompt))
+        self.generated_tokens.inc(len(request.sequence.tokens))
+        if times:
+            self.time_to_first_token.observe(times[0] - request.submitted)
+        for before, after in zip(times, times[1:]):
+            self.inter_token.observe(after - before)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CountResponses:
+    """ASGI middleware: every response counted by its route (the path template, so ids never make new series;
+    "unmatched" for unknown paths) and status, streamed ones included."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
