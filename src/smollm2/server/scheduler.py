@@ -192,8 +192,8 @@ class Scheduler:
             if not (rows[b].done or rows[b].cancelled):
                 b += 1
                 continue
-            if not rows[b].done:  # cancelled: a finished request was counted as it finished
-                self._ended(rows[b])
+            if not rows[b].done:  # cancelled (a finished request was counted as it finished)
+                self._cancelled(rows[b])
             last = rows.pop()
             if b < len(rows) and not (last.done or last.cancelled):
                 # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
@@ -208,7 +208,7 @@ class Scheduler:
                 request = self.waiting.popleft()
                 if not request.cancelled:
                     return request
-                self._ended(request)
+                self._cancelled(request)
         return None
 
     def _length(self, n: int) -> int:
@@ -257,6 +257,11 @@ class Scheduler:
         for request in requests:
             request.fail(error)
             self._ended(request)
+
+    def _cancelled(self, request: Request) -> None:
+        # Its last event, which nobody may hear: whoever still waits on it (an answer not streamed) stops waiting.
+        request.fail("cancelled: the client went away")
+        self._ended(request)
 
     def _ended(self, request: Request) -> None:
         if self.on_end is not None:
