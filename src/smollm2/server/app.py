@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health,
+and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
@@ -14,7 +15,7 @@ import json
 import secrets
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header
 from fastapi import Request as Connection
@@ -24,8 +25,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
+from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
-from .scheduler import Delta, QueueFull, Request, Scheduler
+from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_STOPS = 4  # as OpenAI
@@ -63,7 +65,35 @@ Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LE
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "user", "assistant"]
-    content: Text
+    content: Any  # a string, or a list of {"type": "text", "text": ...} parts: checked by message_text
+
+
+def message_text(i: int, content) -> str:
+    """A message's content as one string: the string itself, or its text parts joined; APIError naming the
+    field (as messages.0.content.1.type) for anything else."""
+    where = f"messages.{i}.content"
+
+    def text(value, where):
+        if not isinstance(value, str):
+            raise APIError(400, f"{where}: must be a string", param=where)
+        try:
+            return unicode(value)
+        except ValueError as e:
+            raise APIError(400, f"{where}: {e}", param=where) from None
+
+    if isinstance(content, str):
+        return text(content, where)
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}.{j}: must be an object {{'type': 'text', 'text': ...}}", param=f"{where}.{j}")
+        if part.get("type") != "text":
+            raise APIError(400, f"{where}.{j}.type: only 'text' parts are supported, got {part.get('type')!r}",
+                           param=f"{where}.{j}.type")
+        parts.append(text(part.get("text"), f"{where}.{j}.text"))
+    return "".join(parts)
 
 
 class StreamOptions(BaseModel):
@@ -87,10 +117,26 @@ class Body(BaseModel):
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
 
 
 class CompletionBody(Body):
     prompt: Text
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
+    echo: bool = False
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    content: Text
+    add_special: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    tokens: list[int]
 
 
 class EventStream(StreamingResponse):
@@ -198,45 +244,69 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "smollm2"}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        # add_special: the special tokens the tokenizer's own post-processor adds (SmolLM2's: none).
+        return {"tokens": tokenizer.backend.encode(body.content, add_special_tokens=body.add_special).ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens.{bad}: {body.tokens[bad]} is not a token id in [0, {tokenizer.vocab_size})",
+                           param=f"tokens.{bad}")
+        return {"content": tokenizer.decode(body.tokens)}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, connection: Connection):
         check_model(body.model)
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True)
-        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection, chat=True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
+        messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection,
+                              Reply(True, model_name, tokenizer, logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, connection: Connection):
         check_model(body.model)
-        return await complete(body, tokenizer.encode(body.prompt), body.max_tokens or COMPLETION_MAX_TOKENS,
-                              connection, chat=False)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await complete(body, tokenizer.encode(body.prompt), max_tokens, connection,
+                              Reply(False, model_name, tokenizer, body.logprobs,
+                                    body.prompt if body.echo else None))
 
     def check_model(name: str):
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, chat: bool):
+    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, reply: Reply):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:
             max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        request = scheduler.submit(prompt, max_tokens, sampling, body.stop or [])
-        reply = Reply(chat, model_name)
+        reply.prompt = prompt
+        echo_logprobs = reply.logprobs if reply.echo is not None else None
+        request = scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs, echo_logprobs)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(stream(scheduler, request, reply, usage))
         # Nothing is sent before the whole answer, so only listening tells that the client went away.
         watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, request))
-        text = []
+        text, logprobs = [], []
         try:
             async for event in request.events():
-                if isinstance(event, Delta):
+                if isinstance(event, PromptLogprobs):
+                    logprobs = event.logprobs
+                elif isinstance(event, Delta):
                     text.append(event.text)
+                    logprobs += event.logprobs
                 elif event.error:
                     raise APIError(503, event.error, "server_error")
                 else:
-                    return reply.whole("".join(text), event)
+                    return reply.whole("".join(text), event, logprobs)
         finally:
             watcher.cancel()
             scheduler.cancel(request)  # no-op once done; a shutdown mid-answer must not leave it running
@@ -245,12 +315,16 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
 
 
 class Reply:
-    """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion")."""
+    """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion").
+    logprobs: None, or the number of top tokens each token's log-probabilities list; echo: the prompt's text,
+    which a completion's text then starts with (and its tokens, its logprobs)."""
 
-    def __init__(self, chat: bool, model_name: str):
-        self.chat, self.model = chat, model_name
+    def __init__(self, chat: bool, model_name: str, tokenizer, logprobs: int | None = None, echo: str | None = None):
+        self.chat, self.model, self.tokenizer, self.logprobs, self.echo = chat, model_name, tokenizer, logprobs, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.prompt: list[int] = []  # its ids, once known
+        self.offset = 0  # completions' text_offset: characters of the text before the next token's
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return dict(id=self.id, object=kind, created=self.created, model=self.model, choices=choices, **extra)
@@ -260,21 +334,49 @@ class Reply:
         return dict(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                     total_tokens=done.prompt_tokens + done.completion_tokens)
 
-    def whole(self, text: str, done) -> dict:
+    def format_logprobs(self, items: list[TokenLogprob | None]) -> dict | None:
+        """The log-probabilities of some tokens in OpenAI's shape: chat's {"content": [...]}, or completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}. None unless the request asked for them."""
+        if self.logprobs is None:
+            return None
+        text = self.tokenizer.token_text
         if self.chat:
-            choice = dict(index=0, message=dict(role="assistant", content=text), logprobs=None,
-                          finish_reason=done.finish_reason)
+            def entry(token, logprob):
+                return dict(token=text(token), logprob=logprob, bytes=list(self.tokenizer.token_bytes(token)))
+            return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                                for lp in items]}
+        out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for i, lp in enumerate(items):
+            if lp is None:  # the prompt's first token (echo): nothing predicts it
+                token, logprob, top = self.tokenizer.token_text(self.prompt[0]), None, None
+            else:
+                token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+    def whole(self, text: str, done, logprobs: list[TokenLogprob | None] = ()) -> dict:
+        if self.chat:
+            choice = dict(index=0, message=dict(role="assistant", content=text),
+                          logprobs=self.format_logprobs(logprobs), finish_reason=done.finish_reason)
             return self._object("chat.completion", [choice], usage=self.usage(done))
-        choice = dict(index=0, text=text, logprobs=None, finish_reason=done.finish_reason)
+        choice = dict(index=0, text=(self.echo or "") + text, logprobs=self.format_logprobs(logprobs),
+                      finish_reason=done.finish_reason)
         return self._object("text_completion", [choice], usage=self.usage(done))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: list[TokenLogprob | None] = ()) -> dict:
         """A streamed piece; text None: the last piece, which carries the finish_reason."""
+        formatted = self.format_logprobs(logprobs) if logprobs else None
         if self.chat:
             delta = {} if text is None else dict(role="assistant", content=text) if role else dict(content=text)
-            return self._object("chat.completion.chunk", [dict(index=0, delta=delta, logprobs=None,
+            return self._object("chat.completion.chunk", [dict(index=0, delta=delta, logprobs=formatted,
                                                                 finish_reason=finish_reason)])
-        return self._object("text_completion", [dict(index=0, text=text or "", logprobs=None,
+        return self._object("text_completion", [dict(index=0, text=text or "", logprobs=formatted,
                                                      finish_reason=finish_reason)])
 
     def usage_chunk(self, done) -> dict:  # stream_options.include_usage: one more chunk, with no choices
@@ -296,10 +398,14 @@ async def stream(scheduler: Scheduler, request: Request, reply: Reply, include_u
     try:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
+        elif reply.echo and request.prompt_logprobs is None:
+            yield sse(reply.chunk(reply.echo))
         async for event in request.events():
-            if isinstance(event, Delta):
-                if event.text:
-                    yield sse(reply.chunk(event.text))
+            if isinstance(event, PromptLogprobs):
+                yield sse(reply.chunk(reply.echo, logprobs=event.logprobs))
+            elif isinstance(event, Delta):
+                if event.text or event.logprobs:
+                    yield sse(reply.chunk(event.text, logprobs=event.logprobs))
             elif event.error:  # the status is already sent: the error can only travel in the stream
                 yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
             else:
