@@ -173,7 +173,9 @@ MALFORMED = [
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "top_p": 0})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "seed": 1.5})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]})),
-    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 2})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 9})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 0})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 1.5})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": ""})),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": []})),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "robot", "content": "x"}]})),
@@ -529,3 +531,34 @@ def test_openai_client_logprobs_equal_transformers(model, hf_model):
         new = generate(model, [ids], 6, temperature=0)[0, len(ids):].tolist()
         assert lp.tokens == [tokenizer.token_text(t) for t in new]
         check(ids, new, lp.token_logprobs, [list(top.items()) for top in lp.top_logprobs])
+
+
+def test_n_choices_each_equal_their_seed_sent_alone(tiny):
+    model, tokenizer = tiny
+    body = dict(model=NAME, prompt="Hello there", max_tokens=8, temperature=0.9, seed=7, logprobs=1)
+    with running(create_app(model, tokenizer, model_name=NAME, max_batch_size=3)) as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        whole = client.post("/v1/completions", json={**body, "n": 4}).json()
+        alone = [client.post("/v1/completions", json={**body, "seed": 7 + i}).json() for i in range(4)]
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        for choice, one in zip(whole["choices"], alone):
+            assert choice["text"] == one["choices"][0]["text"]
+            assert choice["logprobs"]["tokens"] == one["choices"][0]["logprobs"]["tokens"]
+        assert len({c["text"] for c in whole["choices"]}) > 1
+        assert whole["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+        assert whole["usage"]["completion_tokens"] == sum(one["usage"]["completion_tokens"] for one in alone)
+
+        with client.stream("POST", "/v1/completions", json={**body, "n": 4, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+            chunks = events(r)
+        texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in range(4)]
+        assert texts == [c["text"] for c in whole["choices"]]
+        assert chunks[-1]["usage"] == whole["usage"]
+
+        chat = dict(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.9, seed=3)
+        whole = client.post("/v1/chat/completions", json={**chat, "n": 3}).json()
+        alone = [client.post("/v1/chat/completions", json={**chat, "seed": 3 + i}).json() for i in range(3)]
+        assert [c["message"]["content"] for c in whole["choices"]] == \
+            [one["choices"][0]["message"]["content"] for one in alone]
+        assert client.get("/health").json()["active"] == 0

@@ -10,11 +10,13 @@ Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import secrets
 import time
 import uuid
+from collections import abc
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header
@@ -27,11 +29,12 @@ from starlette.exceptions import HTTPException
 from ..errors import SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
-from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
+from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
+MAX_N = 8  # choices per request: each is a request of its own in the batch
 
 
 class APIError(Exception):
@@ -111,7 +114,7 @@ class Body(BaseModel):
     stop: Stops | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
 
 
 class ChatBody(Body):
@@ -286,30 +289,42 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:
             max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
         reply.prompt = prompt
         echo_logprobs = reply.logprobs if reply.echo is not None else None
-        request = scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs, echo_logprobs)
+        requests = []
+        try:  # choice i: a request of its own, seeded seed + i
+            for i in range(body.n):
+                seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
+                sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
+                requests.append(scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs,
+                                                 echo_logprobs))
+        except BaseException:
+            for request in requests:
+                scheduler.cancel(request)
+            raise
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(stream(scheduler, request, reply, usage))
+            return EventStream(stream(scheduler, requests, reply, usage))
         # Nothing is sent before the whole answer, so only listening tells that the client went away.
-        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, request))
-        text, logprobs = [], []
+        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
+        texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
         try:
-            async for event in request.events():
-                if isinstance(event, PromptLogprobs):
-                    logprobs = event.logprobs
-                elif isinstance(event, Delta):
-                    text.append(event.text)
-                    logprobs += event.logprobs
-                elif event.error:
-                    raise APIError(503, event.error, "server_error")
-                else:
-                    return reply.whole("".join(text), event, logprobs)
+            async with contextlib.aclosing(merged(requests)) as events:
+                async for i, event in events:
+                    if isinstance(event, PromptLogprobs):
+                        logprobs[i] = event.logprobs
+                    elif isinstance(event, Delta):
+                        texts[i].append(event.text)
+                        logprobs[i] += event.logprobs
+                    elif event.error:
+                        raise APIError(503, event.error, "server_error")
+                    else:
+                        dones[i] = event
+            return reply.whole(["".join(text) for text in texts], dones, logprobs)
         finally:
             watcher.cancel()
-            scheduler.cancel(request)  # no-op once done; a shutdown mid-answer must not leave it running
+            for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
+                scheduler.cancel(request)
 
     return app
 
@@ -324,17 +339,19 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt: list[int] = []  # its ids, once known
-        self.offset = 0  # completions' text_offset: characters of the text before the next token's
+        self.offsets = collections.defaultdict(int)  # completions' text_offset, per choice: characters of the
+        # text before the next token's
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return dict(id=self.id, object=kind, created=self.created, model=self.model, choices=choices, **extra)
 
     @staticmethod
-    def usage(done) -> dict:
-        return dict(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                    total_tokens=done.prompt_tokens + done.completion_tokens)
+    def usage(dones) -> dict:
+        """The prompt counted once, however many choices."""
+        prompt, completion = dones[0].prompt_tokens, sum(done.completion_tokens for done in dones)
+        return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def format_logprobs(self, items: list[TokenLogprob | None]) -> dict | None:
+    def format_logprobs(self, items: list[TokenLogprob | None], index: int = 0) -> dict | None:
         """The log-probabilities of some tokens in OpenAI's shape: chat's {"content": [...]}, or completions'
         {tokens, token_logprobs, top_logprobs, text_offset}. None unless the request asked for them."""
         if self.logprobs is None:
@@ -354,64 +371,100 @@ class Reply:
             out["tokens"].append(token)
             out["token_logprobs"].append(logprob)
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(token)
         return out
 
 
-    def whole(self, text: str, done, logprobs: list[TokenLogprob | None] = ()) -> dict:
-        if self.chat:
-            choice = dict(index=0, message=dict(role="assistant", content=text),
-                          logprobs=self.format_logprobs(logprobs), finish_reason=done.finish_reason)
-            return self._object("chat.completion", [choice], usage=self.usage(done))
-        choice = dict(index=0, text=(self.echo or "") + text, logprobs=self.format_logprobs(logprobs),
-                      finish_reason=done.finish_reason)
-        return self._object("text_completion", [choice], usage=self.usage(done))
+    def whole(self, texts: list[str], dones: list, logprobs: list[list[TokenLogprob | None]]) -> dict:
+        """The whole answer: choice i's text, its end (a scheduler Done) and its tokens' logprobs."""
+        choices = []
+        for i, (text, done, items) in enumerate(zip(texts, dones, logprobs)):
+            if self.chat:
+                choices.append(dict(index=i, message=dict(role="assistant", content=text),
+                                    logprobs=self.format_logprobs(items, i), finish_reason=done.finish_reason))
+            else:
+                choices.append(dict(index=i, text=(self.echo or "") + text, logprobs=self.format_logprobs(items, i),
+                                    finish_reason=done.finish_reason))
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=self.usage(dones))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
               logprobs: list[TokenLogprob | None] = ()) -> dict:
-        """A streamed piece; text None: the last piece, which carries the finish_reason."""
-        formatted = self.format_logprobs(logprobs) if logprobs else None
+        """A streamed piece of choice `index`; text None: its last piece, which carries the finish_reason."""
+        formatted = self.format_logprobs(logprobs, index) if logprobs else None
         if self.chat:
             delta = {} if text is None else dict(role="assistant", content=text) if role else dict(content=text)
-            return self._object("chat.completion.chunk", [dict(index=0, delta=delta, logprobs=formatted,
+            return self._object("chat.completion.chunk", [dict(index=index, delta=delta, logprobs=formatted,
                                                                 finish_reason=finish_reason)])
-        return self._object("text_completion", [dict(index=0, text=text or "", logprobs=formatted,
+        return self._object("text_completion", [dict(index=index, text=text or "", logprobs=formatted,
                                                      finish_reason=finish_reason)])
 
-    def usage_chunk(self, done) -> dict:  # stream_options.include_usage: one more chunk, with no choices
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(done))
+    def usage_chunk(self, dones) -> dict:  # stream_options.include_usage: one more chunk, with no choices
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(dones))
 
 
-async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, request: Request):
+async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, requests: list[Request]):
     # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
     while (await connection.receive())["type"] != "http.disconnect":
         pass
-    scheduler.cancel(request)
+    for request in requests:
+        scheduler.cancel(request)
+
+
+async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
+    """The events of several requests (a request's choices) as they come, each with its request's index, until
+    every request has ended."""
+    if len(requests) == 1:
+        async for event in requests[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, request: Request):
+        async for event in request.events():
+            queue.put_nowait((i, event))
+
+    pumps = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, event = await queue.get()
+            left -= isinstance(event, Done)
+            yield i, event
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def stream(scheduler: Scheduler, request: Request, reply: Reply, include_usage: bool):
+async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, include_usage: bool):
     try:
-        if reply.chat:
-            yield sse(reply.chunk("", role=True))
-        elif reply.echo and request.prompt_logprobs is None:
-            yield sse(reply.chunk(reply.echo))
-        async for event in request.events():
-            if isinstance(event, PromptLogprobs):
-                yield sse(reply.chunk(reply.echo, logprobs=event.logprobs))
-            elif isinstance(event, Delta):
-                if event.text or event.logprobs:
-                    yield sse(reply.chunk(event.text, logprobs=event.logprobs))
-            elif event.error:  # the status is already sent: the error can only travel in the stream
-                yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
-            else:
-                yield sse(reply.chunk(None, event.finish_reason))
-                if include_usage:
-                    yield sse(reply.usage_chunk(event))
+        for i, request in enumerate(requests):
+            if reply.chat:
+                yield sse(reply.chunk(i, "", role=True))
+            elif reply.echo and request.prompt_logprobs is None:
+                yield sse(reply.chunk(i, reply.echo))
+        dones, failed = [], False
+        async with contextlib.aclosing(merged(requests)) as events:
+            async for i, event in events:
+                if isinstance(event, PromptLogprobs):
+                    yield sse(reply.chunk(i, reply.echo, logprobs=event.logprobs))
+                elif isinstance(event, Delta):
+                    if event.text or event.logprobs:
+                        yield sse(reply.chunk(i, event.text, logprobs=event.logprobs))
+                elif event.error:  # the status is already sent: the error can only travel in the stream
+                    yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
+                    failed = True
+                    break
+                else:
+                    dones.append(event)
+                    yield sse(reply.chunk(i, None, event.finish_reason))
+        if include_usage and not failed:
+            yield sse(reply.usage_chunk(dones))
         yield sse("[DONE]")
     finally:
-        scheduler.cancel(request)  # no-op once done; frees the slot when the client went away mid-answer
+        for request in requests:  # no-op once done; frees the slots when the client went away mid-answer
+            scheduler.cancel(request)
