@@ -253,22 +253,22 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
     the rows that ask; a row's tokens are the same with or without them."""
     prompts = [[5, 9, 200, 31], [7, 7]]
     params = dict(temperature=0.9, top_k=20, top_p=0.8, repetition_penalty=1.3, seed=3)
-    plain = [[s.token if s else None for s in steps] for steps in stream(tiny, prompts, 6, eos_token_id=None,
-                                                                           **params)]
+    plain = [[s.token if s else None for s in row]
+             for row in stream(tiny, prompts, 6, eos_token_id=None, **params)]
     got = list(stream(tiny, prompts, 6, eos_token_id=None, logprobs=3, **params))
-    assert [[s.token if s else None for s in steps] for steps in got] == plain
+    assert [[s.token if s else None for s in row] for row in got] == plain
     with torch.inference_mode():
         for b, prompt in enumerate(prompts):
-            tokens = [steps[b].token for steps in got]
+            tokens = [row[b].token for row in got]
             logits = tiny.logits(tiny.hidden_states(torch.tensor([prompt + tokens[:-1]])))[0, len(prompt) - 1:]
             want = torch.log_softmax(logits.float(), -1)
-            for i, steps in enumerate(got):
-                lp = steps[b].logprob
+            for i, row in enumerate(got):
+                lp = row[b].logprob
                 assert lp.token == tokens[i] and lp.logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-4)
                 top = want[i].topk(3)
                 assert [t for t, _ in lp.top] == top.indices.tolist()
                 assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
-    assert all(s.logprob is None for steps in stream(tiny, prompts, 2) for s in steps if s)
+    assert all(s.logprob is None for row in stream(tiny, prompts, 2) for s in row if s)
     assert next(stream(tiny, prompts, 1, logprobs=0))[0].logprob.top == ()
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(SmolError, match="logprobs"):

@@ -57,7 +57,8 @@ def eos_ids(eos_token_id, config) -> set[int]:
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
-           conversation: Conversation | None = None, logprobs: int | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
+           conversation: Conversation | None = None, logprobs: int | None = None,
+           **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
     text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
 
