@@ -273,3 +273,16 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(SmolError, match="logprobs"):
             next(stream(tiny, prompts, 1, logprobs=bad))
+
+
+def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatch):
+    from smollm2 import evaluate
+    from smollm2.generation import logprobs
+
+    monkeypatch.setattr(logprobs, "SCORE_CHUNK", 7)  # several chunks
+    ids = [(i * 37) % 500 + 1 for i in range(30)]
+    scored = logprobs.prompt_logprobs(tiny, ids, 2)
+    assert scored[0] is None and [s.token for s in scored[1:]] == ids[1:] and all(len(s.top) == 2 for s in scored[1:])
+    want, _ = evaluate.loglikelihood(tiny, ids[:1], ids[1:])
+    assert sum(s.logprob for s in scored[1:]) == pytest.approx(want, abs=1e-4)
+    assert logprobs.prompt_logprobs(tiny, ids[:1]) == [None]

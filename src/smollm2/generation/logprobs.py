@@ -12,6 +12,7 @@ import torch
 from ..errors import SmolError
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+SCORE_CHUNK = 512  # prompt positions projected to the vocabulary at once: bounded memory for long prompts
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def token_logprobs(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor,
 
 def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
-    predicts), from one forward pass of the whole prompt."""
+    predicts), from one forward pass of the whole prompt, its logits taken SCORE_CHUNK positions at a time."""
     ids = list(ids)
     if not ids:
         raise SmolError("the prompt is empty")
@@ -61,5 +62,9 @@ def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogpro
         return [None]
     device = model.model.embed_tokens.weight.device
     with torch.inference_mode():
-        h = model.hidden_states(torch.tensor([ids[:-1]], device=device))[0]
-        return [None, *token_logprobs(model.logits(h), ids[1:], top)]
+        h = model.hidden_states(torch.tensor([ids[:-1]], device=device))[0]  # position i predicts ids[i + 1]
+        scored = [None]
+        for begin in range(0, len(h), SCORE_CHUNK):
+            scored += token_logprobs(model.logits(h[begin:begin + SCORE_CHUNK]), ids[begin + 1:begin + 1 + SCORE_CHUNK],
+                                     top)
+        return scored
