@@ -230,7 +230,12 @@ class Scheduler:
         while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
             row, prompt = len(self.active), request.sequence.prompt
             if request.prompt_logprobs is not None:
-                request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
+                try:
+                    request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
+                except Exception as e:  # out of memory, say: this request fails, the others go on
+                    log.exception("scoring a prompt failed")
+                    request.fail(f"internal error: {e}")
+                    continue
                 if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
                     request.finish()
                     continue
