@@ -56,6 +56,22 @@ def test_generate_streams_a_completion(tiny_dir, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_generate_prints_logprobs(tiny_dir, capsys):
+    from smollm2 import SmolLM2, Tokenizer
+    from smollm2.generation import stream
+
+    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "4", "--temperature", "0", "Hello"]
+    assert main([*args, "--logprobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()[-4:]
+    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    steps = [s for (s,) in stream(model, [tokenizer.encode("Hello")], 4, temperature=0, logprobs=2)]
+    for line, step in zip(lines, steps, strict=True):
+        token, logprob, top = line.split("\t")
+        assert token == repr(tokenizer.token_text(step.token)) and float(logprob) == pytest.approx(
+            step.logprob.logprob, abs=1e-4)
+        assert top.startswith("top: ") and top.count("  ") == 1
+
+
 def test_prompt_longer_than_the_context_window(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir), "word " * 600]) == 1
     assert "context window of 512" in one_error_line(capsys.readouterr().err)
@@ -161,6 +177,7 @@ def test_bench_says_what_ran_each_operation(tiny_dir, capsys, monkeypatch, tmp_p
     (["chat", "--threads", "100000", "-p", "hi"], "--threads"),
     (["generate", "--seed", str(2**64), "hi"], "--seed"),
     (["generate", "--seed", "-1", "hi"], "--seed"),
+    (["generate", "--logprobs", "21", "hi"], "--logprobs"),
     (["serve", "--port", "70000"], "--port"),
     (["train", "--seed", str(10**30), "--config", "tiny", "--data", "d", "--out", "o"], "--seed"),
 ])

@@ -246,3 +246,43 @@ def test_prompt_longer_than_the_context_window(tiny):
     with pytest.raises(SmolError, match="max_new_tokens"):
         tiny.generate([1], -1)
     assert tiny.generate([1] * (context - 5), 5, eos_token_id=None).shape == (1, context)
+
+
+def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
+    """Each Step's logprob is log-softmax of the model's logits before penalty, temperature and top-k/p, for
+    the rows that ask; a row's tokens are the same with or without them."""
+    prompts = [[5, 9, 200, 31], [7, 7]]
+    params = dict(temperature=0.9, top_k=20, top_p=0.8, repetition_penalty=1.3, seed=3)
+    plain = [[s.token if s else None for s in row]
+             for row in stream(tiny, prompts, 6, eos_token_id=None, **params)]
+    got = list(stream(tiny, prompts, 6, eos_token_id=None, logprobs=3, **params))
+    assert [[s.token if s else None for s in row] for row in got] == plain
+    with torch.inference_mode():
+        for b, prompt in enumerate(prompts):
+            tokens = [row[b].token for row in got]
+            logits = tiny.logits(tiny.hidden_states(torch.tensor([prompt + tokens[:-1]])))[0, len(prompt) - 1:]
+            want = torch.log_softmax(logits.float(), -1)
+            for i, row in enumerate(got):
+                lp = row[b].logprob
+                assert lp.token == tokens[i] and lp.logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-4)
+                top = want[i].topk(3)
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert all(s.logprob is None for row in stream(tiny, prompts, 2) for s in row if s)
+    assert next(stream(tiny, prompts, 1, logprobs=0))[0].logprob.top == ()
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(SmolError, match="logprobs"):
+            next(stream(tiny, prompts, 1, logprobs=bad))
+
+
+def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatch):
+    from smollm2 import evaluate
+    from smollm2.generation import logprobs
+
+    monkeypatch.setattr(logprobs, "SCORE_CHUNK", 7)  # several chunks
+    ids = [(i * 37) % 500 + 1 for i in range(30)]
+    scored = logprobs.prompt_logprobs(tiny, ids, 2)
+    assert scored[0] is None and [s.token for s in scored[1:]] == ids[1:] and all(len(s.top) == 2 for s in scored[1:])
+    want, _ = evaluate.loglikelihood(tiny, ids[:1], ids[1:])
+    assert sum(s.logprob for s in scored[1:]) == pytest.approx(want, abs=1e-4)
+    assert logprobs.prompt_logprobs(tiny, ids[:1]) == [None]

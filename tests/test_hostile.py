@@ -263,13 +263,19 @@ SERVER_FIELDS = {
     "seed": [0, 2**64 - 1, None, -1, 2**64, 10**30, 1.5, "1", [1], True],
     "stop": [None, "\n", ["a", "b"], "", ["a"] * 1000, "x" * 10**5, 1, [1], [None], {"a": 1}, "\ud800",
              ["ok", "\udfff"]],
-    "n": [1, 0, 2, "1", 1.5, -1, None],
+    "n": [1, 0, 2, 8, 9, "1", 1.5, -1, None],
+    "logprobs": [None, True, 0, 5, 20, 21, -1, "1", 1.5],
+    "top_logprobs": [None, 0, 20, 21, -1, "2"],
+    "echo": [False, True, "yes", 1],
     "stream": [False, "yes", 1, None, [True]],
     "model": ["tiny", 1, None, "", "\ud800", "other"],
 }
 MESSAGES = [[], "hi", [{"role": "user"}], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 1}],
             [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": "a\udfffb"}], [None], [[1]],
             [{"role": "user", "content": ["hi"]}], [{"role": "user", "content": None}], {"role": "user"},
+            [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user", "content": [{}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+            [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}],
             [{"role": "user", "content": "x" * 10**6}], [{"role": "user", "content": "hi", "extra": 1}]]
 
 

@@ -173,11 +173,29 @@ MALFORMED = [
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "top_p": 0})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "seed": 1.5})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]})),
-    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 2})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 9})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "n": 0})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 1.5})),
     ("/v1/completions", json.dumps({"model": NAME, "prompt": ""})),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": []})),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "robot", "content": "x"}]})),
     ("/v1/chat/completions", json.dumps({"model": NAME, "messages": "hello"})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "logprobs": 21})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "logprobs": True})),
+    ("/v1/completions", json.dumps({"model": NAME, "prompt": "hi", "echo": "yes"})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                         "logprobs": True, "top_logprobs": -1})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                         "top_logprobs": 2})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                         "logprobs": 1})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": 5}]})),
+    ("/v1/chat/completions", json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]})),
+    ("/tokenize", json.dumps({"content": 5})),
+    ("/detokenize", json.dumps({"tokens": [1, -2]})),
+    ("/detokenize", json.dumps({"tokens": [1, 10**9]})),
+    ("/detokenize", json.dumps({"tokens": "12"})),
     ("/v1/nothing", b"{}"),
 ]
 
@@ -205,6 +223,9 @@ def test_text_that_is_not_unicode_gets_400_naming_the_field(tiny):
              "messages.0.content"),
             ("/v1/completions", dict(model="\udcff", prompt="Hi"), "model"),
             ("/v1/completions", dict(model=NAME, prompt="Hi", stop="\ud800"), "stop.0"),
+            ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "\ud800"}]}]), "messages.0.content.0.text"),
+            ("/tokenize", dict(content="\ud800"), "content"),
         ]:  # valid JSON: a lone surrogate escaped as \ud800
             r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
             assert r.status_code == 400, r.text
@@ -375,3 +396,169 @@ def test_openai_client_against_the_embedded_model(model):
         chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
                                                 max_tokens=20, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+def test_new_fields_bad_values_name_the_field(tiny):
+    model, tokenizer = tiny
+    user = [{"role": "user", "content": "x"}]
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        for path, body, field in [
+            ("/v1/completions", dict(model=NAME, prompt="hi", logprobs=21), "logprobs"),
+            ("/v1/completions", dict(model=NAME, prompt="hi", echo=1), "echo"),
+            ("/v1/chat/completions", dict(model=NAME, messages=user, logprobs=True, top_logprobs=21), "top_logprobs"),
+            ("/v1/chat/completions", dict(model=NAME, messages=user, top_logprobs=1), "top_logprobs"),
+            ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+             "messages.0.content.1.type"),
+            ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": None}]),
+             "messages.0.content"),
+            ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": ["a"]}]),
+             "messages.0.content.0"),
+            ("/detokenize", dict(tokens=[3, 49152]), "tokens.1"),
+            ("/detokenize", dict(tokens=[3, "4"]), "tokens.1"),
+        ]:
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == field, (body, r.text)
+            assert r.json()["error"]["message"].startswith(field)
+        assert client.get("/health").json()["active"] == 0
+
+
+def test_text_content_parts_are_joined(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        def answer(content):
+            body = dict(model=NAME, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0)
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        assert answer([{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]) == \
+            answer("What is 2 + 2?")
+
+
+def test_tokenize_and_detokenize(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        r = client.post("/tokenize", json={"content": "Hello wörld 😀"})
+        assert r.json() == {"tokens": tokenizer.encode("Hello wörld 😀")}
+        assert client.post("/tokenize", json={"content": "Hi", "add_special": True}).status_code == 200
+        r = client.post("/detokenize", json={"tokens": r.json()["tokens"]})
+        assert r.json() == {"content": "Hello wörld 😀"}
+        assert client.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+
+
+def test_echo_scores_the_prompt_as_loglikelihood(tiny):
+    """echo + logprobs with max_tokens 0 (lm-eval's local-completions): the prompt's tokens, the first
+    unscored, the rest as smollm2.evaluate scores them."""
+    from smollm2 import evaluate
+
+    model, tokenizer = tiny
+    prompt = PROMPTS[2]
+    ids = tokenizer.encode(prompt)
+    want, _ = evaluate.loglikelihood(model, ids[:1], ids[1:])
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+        body = dict(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt and "".join(lp["tokens"]) == prompt
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert sum(lp["token_logprobs"][1:]) == pytest.approx(want, abs=1e-4)
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = events(r)
+        assert chunks[0]["choices"][0]["text"] == prompt
+        assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"]
+
+        # With new tokens: the prompt, then the answer, each token with its logprob.
+        r = client.post("/v1/completions", json={**body, "max_tokens": 5}).json()["choices"][0]
+        new = expected(model, tokenizer, ids, 5)
+        assert r["text"] == prompt + new
+        assert r["logprobs"]["token_logprobs"][0] is None
+        assert r["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+        assert len(r["logprobs"]["tokens"]) == len(ids) + 5
+        assert "".join(r["logprobs"]["tokens"]) == prompt + new
+        # echo without logprobs: the text alone
+        r = client.post("/v1/completions", json={**body, "logprobs": None, "max_tokens": 3}).json()["choices"][0]
+        assert r["text"] == prompt + expected(model, tokenizer, ids, 3) and r["logprobs"] is None
+
+
+def test_openai_client_logprobs_equal_transformers(model, hf_model):
+    """Greedy on the embedded model: every token's logprob and top logprobs, chat and completions, streamed
+    or not, are log-softmax of transformers' logits."""
+    import torch
+    from openai import OpenAI
+
+    tokenizer = Tokenizer.from_pretrained()
+    name = "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(question)
+
+    def reference(prompt, tokens):
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+        return torch.log_softmax(logits, -1)
+
+    def check(prompt, tokens, logprobs, tops):
+        want = reference(prompt, tokens)
+        assert logprobs == pytest.approx(want[range(len(tokens)), tokens].tolist(), abs=1e-4)
+        for i, top in enumerate(tops):
+            values = want[i].topk(len(top)).values.tolist()
+            assert [v for _, v in top] == pytest.approx(values, abs=1e-4)
+
+    app = create_app(model, tokenizer, model_name=name, max_batch_size=2, max_seq_len=1024)
+    with running(app) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model=name, messages=question, temperature=0, max_tokens=12,
+                                                logprobs=True, top_logprobs=5)
+        content = answer.choices[0].logprobs.content
+        tokens = generate(model, [prompt], 12, temperature=0)[0, len(prompt):].tolist()[:len(content)]
+        assert [bytes(c.bytes) for c in content] == [tokenizer.token_bytes(t) for t in tokens]
+        check(prompt, tokens, [c.logprob for c in content],
+              [[(t.token, t.logprob) for t in c.top_logprobs] for c in content])
+        assert all(len(c.top_logprobs) == 5 and c.top_logprobs[0].logprob == c.logprob for c in content)
+
+        chunks = client.chat.completions.create(model=name, messages=question, temperature=0, max_tokens=12,
+                                                logprobs=True, top_logprobs=5, stream=True)
+        streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                    for c in chunk.choices[0].logprobs.content]
+        assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+        text = "The capital of France is"
+        ids = tokenizer.encode(text)
+        done = client.completions.create(model=name, prompt=text, temperature=0, max_tokens=6, logprobs=3)
+        lp = done.choices[0].logprobs
+        new = generate(model, [ids], 6, temperature=0)[0, len(ids):].tolist()
+        assert lp.tokens == [tokenizer.token_text(t) for t in new]
+        check(ids, new, lp.token_logprobs, [list(top.items()) for top in lp.top_logprobs])
+
+
+def test_n_choices_each_equal_their_seed_sent_alone(tiny):
+    model, tokenizer = tiny
+    body = dict(model=NAME, prompt="Hello there", max_tokens=8, temperature=0.9, seed=7, logprobs=1)
+    with running(create_app(model, tokenizer, model_name=NAME, max_batch_size=3)) as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        whole = client.post("/v1/completions", json={**body, "n": 4}).json()
+        alone = [client.post("/v1/completions", json={**body, "seed": 7 + i}).json() for i in range(4)]
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        for choice, one in zip(whole["choices"], alone):
+            assert choice["text"] == one["choices"][0]["text"]
+            assert choice["logprobs"]["tokens"] == one["choices"][0]["logprobs"]["tokens"]
+        assert len({c["text"] for c in whole["choices"]}) > 1
+        assert whole["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+        assert whole["usage"]["completion_tokens"] == sum(one["usage"]["completion_tokens"] for one in alone)
+
+        with client.stream("POST", "/v1/completions", json={**body, "n": 4, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+            chunks = events(r)
+        texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in range(4)]
+        assert texts == [c["text"] for c in whole["choices"]]
+        assert chunks[-1]["usage"] == whole["usage"]
+
+        chat = dict(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.9, seed=3)
+        whole = client.post("/v1/chat/completions", json={**chat, "n": 3}).json()
+        alone = [client.post("/v1/chat/completions", json={**chat, "seed": 3 + i}).json() for i in range(3)]
+        assert [c["message"]["content"] for c in whole["choices"]] == \
+            [one["choices"][0]["message"]["content"] for one in alone]
+        assert client.get("/health").json()["active"] == 0

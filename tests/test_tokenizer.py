@@ -366,3 +366,13 @@ def test_template_cost_is_bounded(tok, monkeypatch, template, reason):
     with pytest.raises(SmolError, match=f"dir/chat_template.jinja: chat template failed: .*{reason}"):
         hostile.render_chat([{"role": "user", "content": "hi"}])
     assert time.perf_counter() - start < 2
+
+
+def test_token_bytes_join_into_the_text():
+    tok = Tokenizer.from_pretrained()
+    text = "Hello wörld 😀 <|im_end|> 12\n\tx"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert [tok.token_text(i) for i in tok.encode("😀")][0].endswith("\ufffd")  # a piece of a character
+    with pytest.raises(SmolError):
+        tok.token_bytes(tok.vocab_size)

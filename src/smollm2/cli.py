@@ -22,6 +22,7 @@ from .errors import SmolError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
+MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
 
 
 class Parser(argparse.ArgumentParser):
@@ -111,15 +112,23 @@ def sampling(args) -> dict:
 
 
 def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> str:
-    """Generate from one prompt, printing its text as it becomes final; returns the text."""
+    """Generate from one prompt, printing its text as it becomes final; returns the text. With --logprobs N,
+    then one line per generated token: the token, its log-probability, and the N most likely tokens'."""
     from .generation import stream
 
-    text = []
+    text, logprobs = [], []
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
-                          compile=args.compile, conversation=conversation, **sampling(args)):
+                          compile=args.compile, conversation=conversation, logprobs=getattr(args, "logprobs", None),
+                          **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
+        logprobs.append(step.logprob)
     print(flush=True)
+    if getattr(args, "logprobs", None) is not None:
+        token = tokenizer.token_text
+        for lp in logprobs:
+            top = "  ".join(f"{token(t)!r} {v:.4f}" for t, v in lp.top)
+            print(f"{token(lp.token)!r}\t{lp.logprob:.4f}" + (f"\ttop: {top}" if top else ""))
     return "".join(text)
 
 
@@ -386,6 +395,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
+    c.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
+                   help="after the text, one line per token: its log-probability and the N most likely tokens'")
     c.set_defaults(run=generate)
 
     c = commands.add_parser("chat", parents=[model, sample], help="chat with the model (chat template)")

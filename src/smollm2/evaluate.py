@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SmolError
+from .generation.logprobs import token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +116,10 @@ def loglikelihoods(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]
         for row, (context, continuation) in enumerate(batch):
             # Hidden state i predicts input token i + 1: the continuation's from the context's last on.
             start = len(context) - 1
-            logits = model.logits(h[row, start:start + len(continuation)]).float()
-            target = torch.tensor(continuation, device=device)
-            logprobs = torch.log_softmax(logits, dim=-1)
-            results.append((logprobs.gather(-1, target[:, None]).sum().item(),
-                            bool(torch.equal(logits.argmax(-1), target))))
+            logits = model.logits(h[row, start:start + len(continuation)])
+            scored = token_logprobs(logits, continuation)  # as the server's echo scores a prompt's tokens
+            results.append((math.fsum(s.logprob for s in scored),
+                            logits.argmax(-1).tolist() == list(continuation)))
     return results
 
 

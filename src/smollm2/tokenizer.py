@@ -208,6 +208,24 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a character, for some): its byte-level BPE string mapped
+        back to bytes; a special token's own text, as UTF-8."""
+        (token_id,) = self._check_ids([token_id])
+        piece = self.backend.id_to_token(token_id) or ""
+        table = _unicode_to_byte()
+        if token_id in self._special_ids or not all(c in table for c in piece):
+            return piece.encode("utf-8")
+        return bytes(table[c] for c in piece)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text: its bytes as UTF-8, an incomplete character shown as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
@@ -227,6 +245,20 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes its own special tokens, so none are added around it.
         return self.backend.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class TemplateLimit(jinja2.TemplateError):

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import SmolError
 from .sampling import Sampling
-from .sequence import Sequence, Step, check_request, next_tokens, prompt_rows
+from .logprobs import check_top
+from .sequence import Sequence, Step, advance, check_request, prompt_rows
 from .steps import cache_length, compiled_decode_step, decode_step, prefill
 
 CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
@@ -56,7 +57,8 @@ def eos_ids(eos_token_id, config) -> set[int]:
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
-           conversation: Conversation | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
+           conversation: Conversation | None = None, logprobs: int | None = None,
+           **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
     text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
 
@@ -69,13 +71,17 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     the compiled step runs on torch's kernels instead of smollm2.kernels, slower than the eager step.
     conversation: a Conversation whose cache this one prompt continues (compile=False on CUDA): the tokens
     it shares with the previous call's are not prefilled again.
+    logprobs: None (the default) or 0..20: each Step's `logprob` is then a TokenLogprob, the token's
+    log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
+    likely tokens at its position with theirs.
     """
     config = model.config
     context = config.max_position_embeddings
     rows = check_request(input_ids, max_new_tokens, stop, config.vocab_size, context)
     device = model.model.embed_tokens.weight.device
     params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
-    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device) for row in rows]
+    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs))
+                 for row in rows]
     if compile is None:
         compile = device.type == "cuda"
     if conversation is not None and (len(rows) > 1 or compile):
@@ -108,9 +114,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     logits = model.logits(h)  # (B, V): only the last position is needed
 
     for pos in range(T, T + max_new_tokens):
-        next_ids = next_tokens(logits, sequences)  # (B,)
-        new = next_ids.tolist()
-        yield [None if s.finish_reason else s.accept(token) for s, token in zip(sequences, new)]
+        next_ids, steps = advance(logits, sequences)  # (B,), a Step per unfinished row
+        yield steps
         if all(s.finish_reason for s in sequences):
             return
         # Compiled: one static shape, the whole cache with unfilled slots masked; eager: the filled slots only.
@@ -119,7 +124,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
                          cache if compile else cache.view(length=filled),
                          None if attention_mask is None else attention_mask[:, :filled])
         if conversation:
-            conversation.tokens.append(new[0])
+            conversation.tokens.append(steps[0].token)
 
 
 def generate(model, input_ids, max_new_tokens: int = 128, **kwargs) -> torch.LongTensor:

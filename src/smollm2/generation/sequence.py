@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
+from .logprobs import TokenLogprob, check_top, token_logprobs
 from .sampling import Sampling, sample
 
 
@@ -104,21 +105,24 @@ def borders(s: str) -> list[int]:
 class Step:
     """What one token did to its sequence. text: the text that became final with it (often "", while a
     character or a possible stop string is incomplete; always "" without a tokenizer); finish_reason: "stop"
-    (EOS or a stop string) or "length" on the sequence's last token, else None."""
+    (EOS or a stop string) or "length" on the sequence's last token, else None. logprob: the token's
+    log-probability and its position's most likely tokens, when the sequence was asked for them."""
     token: int
     text: str
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
 
 
 class Sequence:
     """A prompt and everything generated after it, for one row of a batch."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos: abc.Collection[int],
-                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu"):
+                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu", logprobs: int | None = None):
         if stop and tokenizer is None:
             raise SmolError("stop strings need a tokenizer: pass tokenizer=")
         self.prompt, self.max_new_tokens, self.eos = prompt, max_new_tokens, frozenset(eos)
         self.sampling, self.generator = sampling, sampling.generator(device)
+        self.logprobs = check_top(logprobs)  # None: none; n: each token's logprob and its position's top n
         self.stops = StopStrings(stop)
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
         self.tokens: list[int] = []  # generated so far, EOS included
@@ -126,8 +130,8 @@ class Sequence:
         self.released = 0  # characters of text already returned
         self.finish_reason: str | None = None if max_new_tokens else "length"
 
-    def accept(self, token: int) -> Step:
-        """Take the next token; returns the text that is now final."""
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> Step:
+        """Take the next token (and its log-probabilities); returns the text that is now final."""
         self.tokens.append(token)
         if token in self.eos:
             self._finish("stop")
@@ -144,7 +148,7 @@ class Sequence:
         end = len(self.text) if self.finish_reason else len(self.text) - self.stops.held
         text = self.text[self.released:end]
         self.released += len(text)
-        return Step(token, text, self.finish_reason)
+        return Step(token, text, self.finish_reason, logprob)
 
     def _finish(self, reason: str) -> None:
         if self.decoder:  # a character still incomplete at the end comes out as decode() shows it
@@ -162,3 +166,17 @@ def next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor
             row[:len(seen)] = torch.tensor(seen)
         history = history.to(logits.device)
     return sample(logits, [s.sampling for s in sequences], [s.generator for s in sequences], history)
+
+
+def advance(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, list[Step | None]]:
+    """Every sequence's next token, (B,), from its row of logits (B, V), handed to the sequences that have not
+    finished; their Steps (None for a finished one) carry the token's log-probabilities where asked."""
+    ids = next_tokens(logits, sequences)
+    tokens = ids.tolist()
+    want = [b for b, s in enumerate(sequences) if s.logprobs is not None and not s.finish_reason]
+    logprobs = [None] * len(sequences)
+    if want:
+        rows = torch.tensor(want, device=logits.device)
+        for b, lp in zip(want, token_logprobs(logits[rows], ids[rows], [sequences[b].logprobs for b in want])):
+            logprobs[b] = lp
+    return ids, [None if s.finish_reason else s.accept(t, lp) for s, t, lp in zip(sequences, tokens, logprobs)]

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics (Prometheus).
+/metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
@@ -10,12 +10,14 @@ Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import secrets
 import time
 import uuid
-from typing import Annotated, Literal
+from collections import abc
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header
 from fastapi import Request as Connection
@@ -25,13 +27,15 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
+from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
 from .metrics import CountResponses, Metrics
-from .scheduler import Delta, QueueFull, Request, Scheduler
+from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
+MAX_N = 8  # choices per request: each is a request of its own in the batch
 
 
 class APIError(Exception):
@@ -65,7 +69,35 @@ Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LE
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "user", "assistant"]
-    content: Text
+    content: Any  # a string, or a list of {"type": "text", "text": ...} parts: checked by message_text
+
+
+def message_text(i: int, content) -> str:
+    """A message's content as one string: the string itself, or its text parts joined; APIError naming the
+    field (as messages.0.content.1.type) for anything else."""
+    where = f"messages.{i}.content"
+
+    def text(value, where):
+        if not isinstance(value, str):
+            raise APIError(400, f"{where}: must be a string", param=where)
+        try:
+            return unicode(value)
+        except ValueError as e:
+            raise APIError(400, f"{where}: {e}", param=where) from None
+
+    if isinstance(content, str):
+        return text(content, where)
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}.{j}: must be an object {{'type': 'text', 'text': ...}}", param=f"{where}.{j}")
+        if part.get("type") != "text":
+            raise APIError(400, f"{where}.{j}.type: only 'text' parts are supported, got {part.get('type')!r}",
+                           param=f"{where}.{j}.type")
+        parts.append(text(part.get("text"), f"{where}.{j}.text"))
+    return "".join(parts)
 
 
 class StreamOptions(BaseModel):
@@ -83,16 +115,32 @@ class Body(BaseModel):
     stop: Stops | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
 
 
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
 
 
 class CompletionBody(Body):
     prompt: Text
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
+    echo: bool = False
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    content: Text
+    add_special: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+    tokens: list[int]
 
 
 class EventStream(StreamingResponse):
@@ -207,114 +255,224 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "smollm2"}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        # add_special: the special tokens the tokenizer's own post-processor adds (SmolLM2's: none).
+        return {"tokens": tokenizer.backend.encode(body.content, add_special_tokens=body.add_special).ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens.{bad}: {body.tokens[bad]} is not a token id in [0, {tokenizer.vocab_size})",
+                           param=f"tokens.{bad}")
+        return {"content": tokenizer.decode(body.tokens)}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, connection: Connection):
         check_model(body.model)
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True)
-        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection, chat=True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
+        messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection,
+                              Reply(True, model_name, tokenizer, logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, connection: Connection):
         check_model(body.model)
-        return await complete(body, tokenizer.encode(body.prompt), body.max_tokens or COMPLETION_MAX_TOKENS,
-                              connection, chat=False)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await complete(body, tokenizer.encode(body.prompt), max_tokens, connection,
+                              Reply(False, model_name, tokenizer, body.logprobs,
+                                    body.prompt if body.echo else None))
 
     def check_model(name: str):
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, chat: bool):
+    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, reply: Reply):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:
             max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        request = scheduler.submit(prompt, max_tokens, sampling, body.stop or [])
-        reply = Reply(chat, model_name)
+        reply.prompt = prompt
+        echo_logprobs = reply.logprobs if reply.echo is not None else None
+        requests = []
+        try:  # choice i: a request of its own, seeded seed + i
+            for i in range(body.n):
+                seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
+                sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
+                requests.append(scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs,
+                                                 echo_logprobs))
+        except BaseException:
+            for request in requests:
+                scheduler.cancel(request)
+            raise
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(stream(scheduler, request, reply, usage))
+            return EventStream(stream(scheduler, requests, reply, usage))
         # Nothing is sent before the whole answer, so only listening tells that the client went away.
-        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, request))
-        text = []
+        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
+        texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
         try:
-            async for event in request.events():
-                if isinstance(event, Delta):
-                    text.append(event.text)
-                elif event.error:
-                    raise APIError(503, event.error, "server_error")
-                else:
-                    return reply.whole("".join(text), event)
+            async with contextlib.aclosing(merged(requests)) as events:
+                async for i, event in events:
+                    if isinstance(event, PromptLogprobs):
+                        logprobs[i] = event.logprobs
+                    elif isinstance(event, Delta):
+                        texts[i].append(event.text)
+                        logprobs[i] += event.logprobs
+                    elif event.error:
+                        raise APIError(503, event.error, "server_error")
+                    else:
+                        dones[i] = event
+            return reply.whole(["".join(text) for text in texts], dones, logprobs)
         finally:
             watcher.cancel()
-            scheduler.cancel(request)  # no-op once done; a shutdown mid-answer must not leave it running
+            for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
+                scheduler.cancel(request)
 
     return app
 
 
 class Reply:
-    """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion")."""
+    """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion").
+    logprobs: None, or the number of top tokens each token's log-probabilities list; echo: the prompt's text,
+    which a completion's text then starts with (and its tokens, its logprobs)."""
 
-    def __init__(self, chat: bool, model_name: str):
-        self.chat, self.model = chat, model_name
+    def __init__(self, chat: bool, model_name: str, tokenizer, logprobs: int | None = None, echo: str | None = None):
+        self.chat, self.model, self.tokenizer, self.logprobs, self.echo = chat, model_name, tokenizer, logprobs, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.prompt: list[int] = []  # its ids, once known
+        self.offsets = collections.defaultdict(int)  # completions' text_offset, per choice: characters of the
+        # text before the next token's
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return dict(id=self.id, object=kind, created=self.created, model=self.model, choices=choices, **extra)
 
     @staticmethod
-    def usage(done) -> dict:
-        return dict(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                    total_tokens=done.prompt_tokens + done.completion_tokens)
+    def usage(dones) -> dict:
+        """The prompt counted once, however many choices."""
+        prompt, completion = dones[0].prompt_tokens, sum(done.completion_tokens for done in dones)
+        return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def whole(self, text: str, done) -> dict:
+    def format_logprobs(self, items: list[TokenLogprob | None], index: int = 0) -> dict | None:
+        """The log-probabilities of some tokens in OpenAI's shape: chat's {"content": [...]}, or completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}. None unless the request asked for them."""
+        if self.logprobs is None:
+            return None
+        text = self.tokenizer.token_text
         if self.chat:
-            choice = dict(index=0, message=dict(role="assistant", content=text), logprobs=None,
-                          finish_reason=done.finish_reason)
-            return self._object("chat.completion", [choice], usage=self.usage(done))
-        choice = dict(index=0, text=text, logprobs=None, finish_reason=done.finish_reason)
-        return self._object("text_completion", [choice], usage=self.usage(done))
+            def entry(token, logprob):
+                return dict(token=text(token), logprob=logprob, bytes=list(self.tokenizer.token_bytes(token)))
+            return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                                for lp in items]}
+        out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for i, lp in enumerate(items):
+            if lp is None:  # the prompt's first token (echo): nothing predicts it
+                token, logprob, top = self.tokenizer.token_text(self.prompt[0]), None, None
+            else:
+                token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return out
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
-        """A streamed piece; text None: the last piece, which carries the finish_reason."""
+
+    def whole(self, texts: list[str], dones: list, logprobs: list[list[TokenLogprob | None]]) -> dict:
+        """The whole answer: choice i's text, its end (a scheduler Done) and its tokens' logprobs."""
+        choices = []
+        for i, (text, done, items) in enumerate(zip(texts, dones, logprobs)):
+            if self.chat:
+                choices.append(dict(index=i, message=dict(role="assistant", content=text),
+                                    logprobs=self.format_logprobs(items, i), finish_reason=done.finish_reason))
+            else:
+                choices.append(dict(index=i, text=(self.echo or "") + text, logprobs=self.format_logprobs(items, i),
+                                    finish_reason=done.finish_reason))
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=self.usage(dones))
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: list[TokenLogprob | None] = ()) -> dict:
+        """A streamed piece of choice `index`; text None: its last piece, which carries the finish_reason."""
+        formatted = self.format_logprobs(logprobs, index) if logprobs else None
         if self.chat:
             delta = {} if text is None else dict(role="assistant", content=text) if role else dict(content=text)
-            return self._object("chat.completion.chunk", [dict(index=0, delta=delta, logprobs=None,
+            return self._object("chat.completion.chunk", [dict(index=index, delta=delta, logprobs=formatted,
                                                                 finish_reason=finish_reason)])
-        return self._object("text_completion", [dict(index=0, text=text or "", logprobs=None,
+        return self._object("text_completion", [dict(index=index, text=text or "", logprobs=formatted,
                                                      finish_reason=finish_reason)])
 
-    def usage_chunk(self, done) -> dict:  # stream_options.include_usage: one more chunk, with no choices
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(done))
+    def usage_chunk(self, dones) -> dict:  # stream_options.include_usage: one more chunk, with no choices
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(dones))
 
 
-async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, request: Request):
+async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, requests: list[Request]):
     # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
     while (await connection.receive())["type"] != "http.disconnect":
         pass
-    scheduler.cancel(request)
+    for request in requests:
+        scheduler.cancel(request)
+
+
+async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
+    """The events of several requests (a request's choices) as they come, each with its request's index, until
+    every request has ended."""
+    if len(requests) == 1:
+        async for event in requests[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, request: Request):
+        async for event in request.events():
+            queue.put_nowait((i, event))
+
+    pumps = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, event = await queue.get()
+            left -= isinstance(event, Done)
+            yield i, event
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def stream(scheduler: Scheduler, request: Request, reply: Reply, include_usage: bool):
+async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, include_usage: bool):
     try:
-        if reply.chat:
-            yield sse(reply.chunk("", role=True))
-        async for event in request.events():
-            if isinstance(event, Delta):
-                if event.text:
-                    yield sse(reply.chunk(event.text))
-            elif event.error:  # the status is already sent: the error can only travel in the stream
-                yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
-            else:
-                yield sse(reply.chunk(None, event.finish_reason))
-                if include_usage:
-                    yield sse(reply.usage_chunk(event))
+        for i, request in enumerate(requests):
+            if reply.chat:
+                yield sse(reply.chunk(i, "", role=True))
+            elif reply.echo and request.prompt_logprobs is None:
+                yield sse(reply.chunk(i, reply.echo))
+        dones, failed = [], False
+        async with contextlib.aclosing(merged(requests)) as events:
+            async for i, event in events:
+                if isinstance(event, PromptLogprobs):
+                    yield sse(reply.chunk(i, reply.echo, logprobs=event.logprobs))
+                elif isinstance(event, Delta):
+                    if event.text or event.logprobs:
+                        yield sse(reply.chunk(i, event.text, logprobs=event.logprobs))
+                elif event.error:  # the status is already sent: the error can only travel in the stream
+                    yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
+                    failed = True
+                    break
+                else:
+                    dones.append(event)
+                    yield sse(reply.chunk(i, None, event.finish_reason))
+        if include_usage and not failed:
+            yield sse(reply.usage_chunk(dones))
         yield sse("[DONE]")
     finally:
-        scheduler.cancel(request)  # no-op once done; frees the slot when the client went away mid-answer
+        for request in requests:  # no-op once done; frees the slots when the client went away mid-answer
+            scheduler.cancel(request)

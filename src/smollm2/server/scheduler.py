@@ -26,13 +26,14 @@ import logging
 import threading
 import time
 from collections import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import SmolError
+from ..generation.logprobs import TokenLogprob, check_top, prompt_logprobs
 from ..generation.sampling import Sampling
-from ..generation.sequence import Sequence, Step, check_request, next_tokens
+from ..generation.sequence import Sequence, Step, advance, check_request
 from ..generation.steps import cache_length, decode_step, prefill
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Delta:
-    """Text for the client, final: never part of a stop string."""
+    """Text for the client, final: never part of a stop string; with the log-probabilities of the tokens
+    generated since the last Delta, when the request asked for them."""
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens' log-probabilities (None for the first), before any Delta: asked by echo."""
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass
@@ -61,21 +70,22 @@ class QueueFull(Exception):
 class Request:
     """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
-    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop):
+    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None):
         self.sequence = sequence
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
+        self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
 
-    async def events(self) -> abc.AsyncIterator[Delta | Done]:
+    async def events(self) -> abc.AsyncIterator[PromptLogprobs | Delta | Done]:
         while True:
             event = await self._events.get()
             yield event
             if isinstance(event, Done):
                 return
 
-    def _emit(self, event: Delta | Done) -> None:  # scheduler thread
+    def _emit(self, event: PromptLogprobs | Delta | Done) -> None:  # scheduler thread
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -83,10 +93,13 @@ class Request:
 
     def send(self, step: Step) -> None:  # scheduler thread
         """Send the text its sequence's new token made final, and the end once it has finished."""
-        if step.text:
-            self._emit(Delta(step.text))
+        if step.text or step.logprob:
+            self._emit(Delta(step.text, [step.logprob] if step.logprob else []))
         if step.finish_reason:
             self.finish()
+
+    def send_prompt(self, logprobs: list[TokenLogprob | None]) -> None:  # scheduler thread
+        self._emit(PromptLogprobs(logprobs))
 
     def finish(self) -> None:
         self.done = True  # first: /health must not count it once its client has the answer
@@ -130,13 +143,17 @@ class Scheduler:
         self._thread.join()
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
-               stop: abc.Sequence[str] = ()) -> Request:
-        """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting."""
+               stop: abc.Sequence[str] = (), logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Request:
+        """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
+        logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
+        prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event)."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
-        sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device)
-        request = Request(sequence, asyncio.get_running_loop())
-        if sequence.finish_reason:  # max_tokens 0: nothing to generate
+        sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
+                            logprobs)
+        request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"))
+        if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
             self._ended(request)
             request.finish()
             return request
@@ -220,6 +237,18 @@ class Scheduler:
         admitted, logits = [], []
         while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
             row, prompt = len(self.active), request.sequence.prompt
+            if request.prompt_logprobs is not None:
+                try:
+                    request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
+                except Exception as e:  # out of memory, say: this request fails, the others go on
+                    log.exception("scoring a prompt failed")
+                    self._ended(request)
+                    request.fail(f"internal error: {e}")
+                    continue
+                if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
+                    self._ended(request)
+                    request.finish()
+                    continue
             self.active.append(request)  # first: should the prefill fail, the request is failed with the others
             cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
             logits.append(self.model.logits(prefill(self.model, torch.tensor([prompt], device=self.device), cache)))
@@ -240,10 +269,11 @@ class Scheduler:
     def _take(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Every request's next token from its row of logits, in one sampling call; each request then sends
         the text that became final, and its end once it has finished."""
-        tokens = next_tokens(logits, [r.sequence for r in requests]).tolist()
+        _, steps = advance(logits, [r.sequence for r in requests])
         now = time.perf_counter()
-        for request, token in zip(requests, tokens):
-            step = request.sequence.accept(token)
+        for request, step in zip(requests, steps):
+            if step is None:
+                continue
             request.token_times.append(now)
             if step.finish_reason:
                 self._ended(request)  # before its client hears of it: /metrics has counted it by then

@@ -1,0 +1,70 @@
+"""Log-probabilities of tokens, as OpenAI and vLLM define them: log-softmax, in float32, of the model's raw
+logits, before any sampling transform (repetition penalty, temperature, top-k/p, min-p). Shared by the
+drivers' next tokens and by the scoring of a prompt (echo, lm-eval's log-likelihoods)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SmolError
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+SCORE_CHUNK = 512  # prompt positions projected to the vocabulary at once: bounded memory for long prompts
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability, and the `top` most likely tokens at its position with theirs, most likely
+    first: (token id, logprob) pairs."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def check_top(top, name: str = "logprobs") -> int | None:
+    """None (no log-probabilities) or a whole number 0..MAX_TOP_LOGPROBS (how many top tokens to list)."""
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise SmolError(f"{name} must be None or a whole number from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
+    return top
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) raw logits -> float32 log-probabilities."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor,
+                   tops: Sequence[int] | int = 0) -> list[TokenLogprob]:
+    """For each row of logits (N, V), the log-probability of its target token, and its `tops[i]` (one number
+    for all rows) most likely tokens. One host transfer for all rows."""
+    logp = log_probs(logits)
+    targets = torch.as_tensor(targets, device=logp.device).reshape(-1, 1)
+    tops = [tops] * logp.shape[0] if isinstance(tops, int) else list(tops)
+    chosen = logp.gather(-1, targets)[:, 0].tolist()
+    k = max(tops, default=0)
+    if k:
+        values, ids = logp.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, lp, tuple(zip(ids[i][:n], values[i][:n])) if n else ())
+            for i, (t, lp, n) in enumerate(zip(targets[:, 0].tolist(), chosen, tops))]
+
+
+def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
+    predicts), from one forward pass of the whole prompt, its logits taken SCORE_CHUNK positions at a time."""
+    ids = list(ids)
+    if not ids:
+        raise SmolError("the prompt is empty")
+    if len(ids) == 1:
+        return [None]
+    device = model.model.embed_tokens.weight.device
+    with torch.inference_mode():
+        h = model.hidden_states(torch.tensor([ids[:-1]], device=device))[0]  # position i predicts ids[i + 1]
+        scored = [None]
+        for begin in range(0, len(h), SCORE_CHUNK):
+            scored += token_logprobs(model.logits(h[begin:begin + SCORE_CHUNK]), ids[begin + 1:begin + 1 + SCORE_CHUNK],
+                                     top)
+        return scored
