@@ -14,7 +14,7 @@ The grammar engine is xgrammar, chosen over llguidance by measurement (benchmark
 CPU cores, SmolLM2's tokenizer, replaying valid JSON answers): computing the allowed-token bitmask and
 advancing the matcher took 4.3 us a token on average with xgrammar (p99 16 us), 19 us with llguidance (p99
 105 us). Both are small beside the model's own ~5-7 ms decode step; applying the mask to a 49152-wide row
-(~0.13 ms) costs more than either. xgrammar compiles a JSON schema in ~5 ms (llguidance ~1 ms, as it compiles
+(~0.13 ms, xgrammar's CPU kernel) costs more than either. xgrammar compiles a JSON schema in ~5 ms (llguidance ~1 ms, as it compiles
 lazily), which the LRU cache below pays once per schema, and builds its tokenizer tables in ~1 s, once per
 tokenizer.
 """
@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from ..errors import SmolError
@@ -93,8 +94,7 @@ class Matcher:
     def __init__(self, grammar: Grammar):
         import xgrammar as xgr
         self._xgr, self.grammar = xgr, grammar
-        # max_rollback_tokens=0: no speculative decoding here, so no history is kept for rolling back.
-        self._m = xgr.GrammarMatcher(grammar._compiled, max_rollback_tokens=0)
+        self._m = xgr.GrammarMatcher(grammar._compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # (1, ceil(V/32)) int32, reused
 
     @property
@@ -106,23 +106,36 @@ class Matcher:
         """(width,) bool, True where a token may come next. width: the logits' size (default the tokenizer's):
         ids past the tokenizer's vocabulary (padding rows of the model's embedding) are never allowed, and a
         narrower width drops the ids the model cannot produce anyway."""
-        if self._m.is_terminated():
-            raise SmolError("the grammar is finished: no token may follow EOS")
-        width = self.grammar.vocab_size if width is None else width
-        self._m.fill_next_token_bitmask(self._bitmask)
-        # Bit j of word w allows token 32*w + j (little-endian within each int32 word).
-        bits = (self._bitmask[0, :, None] >> _SHIFTS) & 1
-        allowed = bits.view(-1)[: self.grammar.vocab_size].bool()
-        if width <= allowed.shape[0]:
-            return allowed[:width]
-        return torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+        V = self.grammar.vocab_size
+        width = V if width is None else width
+        self._fill()
+        # Bit j of word w allows token 32*w + j (little-endian within each int32 word). numpy, not torch: one
+        # thread, no wait on torch's pool, which the model's matmuls keep busy.
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:min(V, width)]
+        allowed = torch.from_numpy(bits).bool()
+        if width > allowed.shape[0]:
+            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+        return allowed
 
     def allowed(self, logits_row: torch.Tensor) -> torch.Tensor:
-        """Set the forbidden tokens of a (V,) logits row to -inf, in place; returns the row."""
+        """Set the forbidden tokens of a (V,) float logits row to -inf, in place; returns the row."""
         if logits_row.dim() != 1:
             raise SmolError(f"allowed() takes one (V,) logits row, not shape {tuple(logits_row.shape)}")
-        mask = self.mask(logits_row.shape[0]).to(logits_row.device)
-        return logits_row.masked_fill_(~mask, float("-inf"))
+        self._fill()
+        n = min(self.grammar.vocab_size, logits_row.shape[0])
+        if logits_row.device.type == "cpu":
+            # xgrammar's C++ kernel on the CPU: ~0.13 ms a 49152-wide row, and no tail when the CPUs are busy
+            # (torch's own ops on a row this wide go through its thread pool: tens of ms at p99 under load).
+            self._xgr.apply_token_bitmask_inplace(logits_row[None, :n], self._bitmask, vocab_size=n)
+        else:
+            logits_row[:n].masked_fill_(~self.mask(n).to(logits_row.device), float("-inf"))
+        logits_row[n:] = float("-inf")  # ids the tokenizer does not have
+        return logits_row
+
+    def _fill(self) -> None:
+        if self._m.is_terminated():
+            raise SmolError("the grammar is finished: no token may follow EOS")
+        self._m.fill_next_token_bitmask(self._bitmask)
 
     def accept(self, token: int) -> None:
         """Advance by the sampled token; SmolError if the grammar does not allow it here."""
@@ -131,9 +144,6 @@ class Matcher:
             raise SmolError(f"token {token} after the grammar's end (EOS)")
         if not 0 <= token < self.grammar.vocab_size or not self._m.accept_token(token):
             raise SmolError(f"token {token} is not allowed by the {self.grammar.key[:80]} grammar here")
-
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def _compiler(tokenizer):
