@@ -80,7 +80,7 @@ class Grammar:
             else:
                 compiled = _compile(compiler, schema)
                 _compiled[cache_key] = compiled
-                if len(_compiled) > CACHE_SIZE:
+                while len(_compiled) > CACHE_SIZE:
                     _compiled.popitem(last=False)
         return cls(compiled, tokenizer.vocab_size, tokenizer.eos_token_id, key)
 
