@@ -178,7 +178,11 @@ def test_mask_width_and_accept(tokenizer):
         m.accept(tokenizer.encode("hello")[0])
     with pytest.raises(SmolError, match="not allowed"):
         m.accept(V + 5)
-    for t in tokenizer.encode('{"a": 1}'):
+    for t in tokenizer.encode('{"a": "'):
+        m.accept(t)
+    specials = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
+    assert len(specials) > 2 and not m.mask()[specials].any()  # in a string, "<|im_start|>" is no text
+    for t in tokenizer.encode('b"}'):
         m.accept(t)
     assert not m.finished
     only = m.mask()

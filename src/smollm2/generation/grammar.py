@@ -23,6 +23,7 @@ lazily, as tokens come), paid once per schema thanks to the LRU cache below, and
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import weakref
@@ -39,8 +40,9 @@ CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 _lock = threading.Lock()  # the server's handlers may compile concurrently; the caches are shared
-_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> xgrammar GrammarCompiler
-_compiled: OrderedDict = OrderedDict()  # (id(compiler), key) -> CompiledGrammar
+_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (serial, GrammarCompiler)
+_compiled: OrderedDict = OrderedDict()  # (the compiler's serial, key) -> CompiledGrammar
+_serials = itertools.count()  # not id(): a dropped tokenizer's compiler may leave its id to another's
 
 
 class Grammar:
@@ -74,8 +76,8 @@ class Grammar:
         if tokenizer.eos_token_id is None:
             raise SmolError(f"{tokenizer.source}: the tokenizer has no EOS token to end a structured answer")
         with _lock:
-            compiler = _compiler(tokenizer)
-            cache_key = (id(compiler), key)
+            serial, compiler = _compiler(tokenizer)
+            cache_key = (serial, key)
             compiled = _compiled.get(cache_key)
             if compiled is not None:
                 _compiled.move_to_end(cache_key)
@@ -150,21 +152,26 @@ class Matcher:
 
 def _compiler(tokenizer):
     """xgrammar's tables for a tokenizer (~1 s to build: every token's bytes sorted into a trie), once each."""
-    compiler = _compilers.get(tokenizer)
-    if compiler is None:
+    entry = _compilers.get(tokenizer)
+    if entry is None:
         import xgrammar as xgr
         backend = tokenizer.backend
         # The vocabulary as stored (byte-level BPE: bytes as GPT-2's printable characters); xgrammar decodes it
         # the way the tokenizer.json's decoder does, which it detects from the serialized tokenizer.
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
         vocab = [backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
+        # Special tokens (<|im_start|>, <filename>, ...) are not their spelling: as text, "<|im_start|>" would be
+        # allowed inside any JSON string. An empty string is how xgrammar marks a token as special, never allowed
+        # (EOS is allowed where the grammar ends, as the stop token).
+        for i, added in backend.get_added_tokens_decoder().items():
+            if added.special and i < len(vocab):
+                vocab[i] = ""
         info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=tokenizer.vocab_size,
                                  stop_token_ids=[tokenizer.eos_token_id],
                                  add_prefix_space=meta["add_prefix_space"])
         # One thread: the CPUs belong to the model's matmuls. Our own LRU replaces xgrammar's unbounded cache.
-        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        _compilers[tokenizer] = compiler
-    return compiler
+        entry = _compilers[tokenizer] = next(_serials), xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return entry
 
 
 def _compile(compiler, schema):
