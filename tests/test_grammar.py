@@ -11,6 +11,7 @@ from smollm2 import Tokenizer
 from smollm2.errors import SmolError
 from smollm2.generation import grammar as grammar_module
 from smollm2.generation.grammar import Grammar
+from smollm2.generation.steps import decode_step, prefill
 
 MAX_NEW_TOKENS = 64
 
@@ -124,10 +125,10 @@ def constrained_generate(model, tokenizer, grammar: Grammar, prompt: str, genera
     cache = model.new_cache(1, ids.shape[1] + MAX_NEW_TOKENS)
     out = []
     with torch.inference_mode():
-        h = model.hidden_states(ids, torch.arange(ids.shape[1]), cache.view(length=ids.shape[1]), last_only=True)
+        logits = model.logits(prefill(model, ids, cache.view(length=ids.shape[1])))[0]
         pos = ids.shape[1]
         for _ in range(MAX_NEW_TOKENS):
-            row = matcher.allowed(model.logits(h[:, -1])[0].float())
+            row = matcher.allowed(logits.float())
             if generator is None:
                 token = int(row.argmax())
             else:
@@ -136,7 +137,7 @@ def constrained_generate(model, tokenizer, grammar: Grammar, prompt: str, genera
             if token == tokenizer.eos_token_id:
                 break
             out.append(token)
-            h = model.hidden_states(torch.tensor([[token]]), torch.tensor([pos]), cache)
+            logits = decode_step(model, torch.tensor([[token]]), torch.tensor([pos]), cache, None)[0]
             pos += 1
     return tokenizer.decode(out), matcher.finished
 
