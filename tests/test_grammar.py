@@ -1,0 +1,248 @@
+"""Structured output: every answer the embedded model writes under a grammar parses and fits its schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from smollm2 import Tokenizer
+from smollm2.errors import SmolError
+from smollm2.generation import grammar as grammar_module
+from smollm2.generation.grammar import Grammar
+from smollm2.generation.steps import decode_step, prefill
+
+MAX_NEW_TOKENS = 64
+
+NAME = {"type": "string", "maxLength": 24}
+PERSON = {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "student": {"type": "boolean"}},
+          "required": ["name", "age", "student"]}
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue", "yellow"]}},
+         "required": ["color"]}
+CITY = {"type": "object", "properties": {"city": NAME, "country": NAME,
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "country", "population"]}
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                  "minItems": 1, "maxItems": 3}},
+        "required": ["tags"]}
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"]}
+NESTED = {"type": "object", "properties": {
+    "book": {"type": "object", "properties": {"title": NAME, "year": {"type": "integer", "minimum": 0,
+                                                                      "maximum": 2100}},
+             "required": ["title", "year"]},
+    "rating": {"enum": [1, 2, 3, 4, 5]}},
+    "required": ["book", "rating"]}
+PRICE = {"type": "object", "properties": {"item": NAME, "price": {"type": "number", "minimum": 0, "maximum": 1000},
+                                          "currency": {"enum": ["USD", "EUR", "GBP"]}},
+         "required": ["item", "price", "currency"]}
+MOOD = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "neutral"]},
+                                         "words": {"type": "array", "items": {"enum": ["good", "bad", "fine"]},
+                                                   "maxItems": 2}},
+        "required": ["mood", "words"]}
+
+SCHEMAS = {"person": PERSON, "color": COLOR, "city": CITY, "tags": TAGS, "answer": ANSWER, "nested": NESTED,
+           "price": PRICE, "mood": MOOD}
+PROMPTS = {
+    "person": ["Describe a student named Ana as JSON.", "Give me a fictional person as JSON.",
+               "Return JSON about your favourite teacher.", "Invent a character for a story, as JSON.",
+               "Who is Tom, 30, not a student? JSON please."],
+    "color": ["What colour is the sky? Answer in JSON.", "Pick a colour for a banana, as JSON.",
+              "What colour is grass? JSON.", "Favourite colour, JSON only.", "Colour of a tomato, in JSON."],
+    "city": ["Tell me about Paris as JSON.", "Describe Tokyo in JSON.", "A city in Brazil, as JSON.",
+             "Where do kangaroos live? Give a city as JSON.", "The capital of Italy, as JSON."],
+    "tags": ["Tag this text as JSON: 'The cat sat on the mat.'", "Give tags for a cooking blog, JSON.",
+             "Keywords for a football match report, as JSON.", "Tags for a photo of mountains, JSON.",
+             "Label this: 'Stocks fell today.' JSON."],
+    "answer": ["What is 2 + 3? Answer in JSON.", "How many legs does a spider have? JSON.",
+               "What is 10 times 10? JSON.", "How many days are in a week? JSON.", "What is 7 minus 9? JSON."],
+    "nested": ["Recommend a book as JSON.", "Review a novel from 1990, as JSON.",
+               "Rate the book 'Dune' in JSON.", "Your favourite book and a rating, JSON.",
+               "A classic novel and how good it is, as JSON."],
+    "price": ["How much is a coffee? JSON.", "Price of a bicycle in euros, as JSON.",
+              "What does a book cost in London? JSON.",
+              "Price of a sandwich in New York, JSON.", "How much is a train ticket in Germany? JSON."],
+    "mood": ["How do you feel today? JSON.", "Describe the mood of 'I lost my keys', as JSON.",
+             "Mood of a sunny holiday, in JSON.",
+             "The mood of a rainy Monday, JSON.", "How does a winner feel? JSON."],
+}
+JSON_OBJECT_PROMPTS = [
+    'Reply with a JSON object with the key "answer": what is the capital of France?',
+    'Give a JSON object {"name": ..., "age": ...} for a person called Bob.',
+    'Return a JSON object with one key "ok" set to true.',
+    'Output JSON: the key "fruit" with the name of a red fruit.',
+    'Reply in JSON with the key "sum": what is 1 + 1?',
+    'Return a JSON object with the keys "x" and "y" for the point (1, 2).',
+    'Give a JSON object with the key "color" for the colour of snow.',
+    'Return a JSON object with the key "animal" naming a pet.',
+    'Return a JSON object with the key "day" naming the first day of the week.',
+    'Reply in JSON with the key "planet": which planet do we live on?',
+]
+CASES = ([("json_schema", key, prompt) for key, prompts in PROMPTS.items() for prompt in prompts]
+         + [("json_object", None, prompt) for prompt in JSON_OBJECT_PROMPTS])
+assert len(CASES) == 50
+
+
+def validate(value, schema: dict, path: str = "$") -> None:
+    """The schema features the cases use: type, enum, properties, required, items, bounds and lengths."""
+    if "enum" in schema:
+        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
+    kind = schema.get("type")
+    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if kind is not None:
+        assert checks[kind](value), f"{path}: {value!r} is not {kind}"
+    if kind == "object":
+        for key in schema.get("required", []):
+            assert key in value, f"{path}: required {key!r} missing"
+        for key, v in value.items():
+            assert key in schema.get("properties", {}), f"{path}: unexpected property {key!r}"
+            validate(v, schema["properties"][key], f"{path}.{key}")
+    if kind == "array":
+        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)), f"{path}: length"
+        for i, v in enumerate(value):
+            validate(v, schema["items"], f"{path}[{i}]")
+    if kind == "string":
+        assert schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)), f"{path}: length"
+    if kind in ("integer", "number"):
+        assert schema.get("minimum", value) <= value <= schema.get("maximum", value), f"{path}: {value} out of range"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained()
+
+
+def constrained_generate(model, tokenizer, grammar: Grammar, prompt: str, generator=None) -> tuple[str, bool]:
+    """Greedy (generator None) or sampled at temperature 0.7, under the grammar, at most MAX_NEW_TOKENS."""
+    matcher = grammar.matcher()
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": prompt}])])
+    cache = model.new_cache(1, ids.shape[1] + MAX_NEW_TOKENS)
+    out = []
+    with torch.inference_mode():
+        logits = model.logits(prefill(model, ids, cache.view(length=ids.shape[1])))[0]
+        pos = ids.shape[1]
+        for _ in range(MAX_NEW_TOKENS):
+            row = matcher.allowed(logits.float())
+            if generator is None:
+                token = int(row.argmax())
+            else:
+                token = int(torch.multinomial(torch.softmax(row / 0.7, -1), 1, generator=generator))
+            matcher.accept(token)
+            if token == tokenizer.eos_token_id:
+                break
+            out.append(token)
+            logits = decode_step(model, torch.tensor([[token]]), torch.tensor([pos]), cache, None)[0]
+            pos += 1
+    return tokenizer.decode(out), matcher.finished
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_answers_parse_and_validate(model, tokenizer, i):
+    kind, key, prompt = CASES[i]
+    if kind == "json_object":
+        response_format = {"type": "json_object"}
+    else:
+        response_format = {"type": "json_schema", "json_schema": {"name": key, "schema": SCHEMAS[key]}}
+    grammar = Grammar.from_response_format(response_format, tokenizer)
+    # Even cases greedy, odd ones sampled with a fixed seed: the grammar must hold for any choice it allows.
+    generator = None if i % 2 == 0 else torch.Generator().manual_seed(i)
+    text, finished = constrained_generate(model, tokenizer, grammar, prompt, generator)
+    assert finished, f"no EOS within {MAX_NEW_TOKENS} tokens: {text!r}"
+    value = json.loads(text)
+    if kind == "json_object":
+        assert isinstance(value, dict), text
+    else:
+        validate(value, SCHEMAS[key])
+
+
+def test_mask_width_and_accept(tokenizer):
+    grammar = Grammar.from_response_format({"type": "json_object"}, tokenizer)
+    m = grammar.matcher()
+    V = tokenizer.vocab_size
+    mask = m.mask()
+    assert mask.shape == (V,) and mask.dtype == torch.bool
+    assert mask[tokenizer.encode("{")[0]] and not mask[tokenizer.encode("hello")[0]]
+    assert not mask[tokenizer.eos_token_id]  # nothing written yet: EOS would leave no JSON
+    wide = m.mask(V + 64)  # a model whose embedding is padded past the tokenizer's vocabulary
+    assert torch.equal(wide[:V], mask) and not wide[V:].any()
+    assert torch.equal(m.mask(V - 10), mask[:V - 10])
+    row = m.allowed(torch.zeros(V + 64))
+    assert torch.equal(row == 0, wide) and (row[~wide] == float("-inf")).all()
+    with pytest.raises(SmolError, match="not allowed"):
+        m.accept(tokenizer.encode("hello")[0])
+    with pytest.raises(SmolError, match="not allowed"):
+        m.accept(V + 5)
+    for t in tokenizer.encode('{"a": "'):
+        m.accept(t)
+    specials = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
+    assert len(specials) > 2 and not m.mask()[specials].any()  # in a string, "<|im_start|>" is no text
+    for t in tokenizer.encode('b"}'):
+        m.accept(t)
+    assert not m.finished
+    only = m.mask()
+    assert only[tokenizer.eos_token_id] and only.sum() == 1  # the object is complete: EOS alone may follow
+    m.accept(tokenizer.eos_token_id)
+    assert m.finished
+    with pytest.raises(SmolError, match="after the grammar's end"):
+        m.accept(tokenizer.eos_token_id)
+
+
+def test_cache_is_bounded_and_keyed_by_schema(tokenizer, monkeypatch):
+    monkeypatch.setattr(grammar_module, "CACHE_SIZE", 3)
+    rf = lambda n: {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        f"k{n}": {"type": "integer"}}, "required": [f"k{n}"]}}}
+    first = Grammar.from_response_format(rf(0), tokenizer)
+    assert Grammar.from_response_format(rf(0), tokenizer)._compiled is first._compiled
+    for n in range(1, 5):
+        Grammar.from_response_format(rf(n), tokenizer)
+    assert len(grammar_module._compiled) <= 3
+    assert Grammar.from_response_format(rf(0), tokenizer)._compiled is not first._compiled
+    assert Grammar.from_response_format({"type": "text"}, tokenizer) is None
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ("json", "must be an object"),
+    ({"type": "xml"}, "is not one of"),
+    ({"type": "json_schema"}, "needs"),
+    ({"type": "json_schema", "json_schema": {"schema": [1, 2]}}, "must be an object, not list"),
+    ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "must be an object, not str"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}, "unknown type 'strnig' at #"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "a": {"type": "lizard"}}}}}, "unknown type 'lizard' at #/properties/a"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "description": "x" * 100} for i in range(1000)}}}}, "characters, more than"),
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/definitions/missing"}}}, "missing"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(unclosed"}}}, "json_schema"),
+])
+def test_hostile_response_formats(tokenizer, response_format, message):
+    with pytest.raises(SmolError, match=message):
+        Grammar.from_response_format(response_format, tokenizer)
+
+
+def test_deeply_nested_schema(tokenizer):
+    schema = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(SmolError, match="nested deeper than"):
+        Grammar.from_response_format({"type": "json_schema", "json_schema": {"schema": schema}}, tokenizer)
+    schema = {}
+    node = schema
+    for _ in range(5000):  # deeper than json.dumps recurses
+        node["items"] = node = {}
+    with pytest.raises(SmolError):
+        Grammar.from_response_format({"type": "json_schema", "json_schema": {"schema": schema}}, tokenizer)
+
+
+def test_property_named_type(tokenizer):
+    schema = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
+    m = Grammar.from_response_format({"type": "json_schema", "json_schema": {"schema": schema}}, tokenizer).matcher()
+    for t in tokenizer.encode('{"type": "x"}') + [tokenizer.eos_token_id]:
+        m.accept(t)
+    assert m.finished
