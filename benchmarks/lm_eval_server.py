@@ -1,6 +1,6 @@
 """lm-evaluation-harness against `smollm2 serve`: its log-likelihoods, asked over HTTP, against the library's.
 
-    .venv/bin/pip install lm-eval        # not a project dependency (it brings datasets, pandas, pyarrow, ...)
+    .venv/bin/pip install "lm-eval[api]"  # not a project dependency (it brings datasets, pandas, pyarrow, ...)
     .venv/bin/python benchmarks/lm_eval_server.py [--model SRC]
 
 Serves the model (default: the embedded one) on a free local port and runs lm-eval's `local-completions` model

@@ -562,3 +562,18 @@ def test_n_choices_each_equal_their_seed_sent_alone(tiny):
         assert [c["message"]["content"] for c in whole["choices"]] == \
             [one["choices"][0]["message"]["content"] for one in alone]
         assert client.get("/health").json()["active"] == 0
+
+
+def test_a_completions_prompt_as_text_token_ids_or_a_list_of_one(tiny):
+    """OpenAI's prompt forms; lm-evaluation-harness sends a list of one list of token ids."""
+    model, tokenizer = tiny
+    ids = tokenizer.encode(PROMPTS[1])
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        want = completion(client, PROMPTS[1], 6)
+        for prompt in (ids, [ids], [PROMPTS[1]]):
+            assert completion(client, prompt, 6) == want
+        for prompt, message in (([PROMPTS[0], PROMPTS[1]], "one prompt per request"),
+                                ([ids, ids], "one prompt per request"), ([5, 10 ** 9], "not a token id")):
+            r = client.post("/v1/completions", json=dict(model=NAME, prompt=prompt, max_tokens=2))
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert client.get("/health").json()["status"] == "ok"

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from ..errors import SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
+from ..generation.sequence import prompt_rows
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
 
@@ -125,8 +126,18 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
 
 
+def one_prompt(prompt):
+    """OpenAI's prompt is a string, token ids, or a list of those; here one prompt makes one request (a list of
+    one is that one: what lm-evaluation-harness sends)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise ValueError(f"{len(prompt)} prompts in one request: send one prompt per request")
+        return prompt[0]
+    return prompt
+
+
 class CompletionBody(Body):
-    prompt: Text
+    prompt: Annotated[Text | list[Annotated[int, Field(ge=0)]], BeforeValidator(one_prompt)]  # text or token ids
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
     echo: bool = False
@@ -283,9 +294,13 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     async def completions(body: CompletionBody, connection: Connection):
         check_model(body.model)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        return await complete(body, tokenizer.encode(body.prompt), max_tokens, connection,
-                              Reply(False, model_name, tokenizer, body.logprobs,
-                                    body.prompt if body.echo else None))
+        if isinstance(body.prompt, str):
+            ids, text = tokenizer.encode(body.prompt), body.prompt
+        else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
+            (ids,) = prompt_rows([body.prompt], model.config.vocab_size)
+            text = tokenizer.decode(ids)
+        return await complete(body, ids, max_tokens, connection,
+                              Reply(False, model_name, tokenizer, body.logprobs, text if body.echo else None))
 
     def check_model(name: str):
         if name != model_name:
