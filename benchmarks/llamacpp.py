@@ -263,7 +263,7 @@ def main() -> int:
                          "another installation (PYTHONPATH?) shadows the tier's")
     llamacpp_info = system_info(args.tier)
     torch.set_num_threads(THREADS)
-    ours_built = f"-march={kernels.MARCH}" if kernels.library() else "unavailable: torch's kernels"
+    ours_built = f"-march={kernels.MARCH}" if kernels.compiled() else "unavailable: torch's kernels"
 
     original = default_model_path()
     model = SmolLM2.from_pretrained()

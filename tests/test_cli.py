@@ -151,7 +151,7 @@ def test_bench_beside_transformers(tiny_dir, capsys):
 
 
 @pytest.mark.subprocess
-@pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+@pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
 def test_bench_says_what_ran_each_operation(tiny_dir, capsys, monkeypatch, tmp_path):
     """Measured in smollm2's own process (SMOLLM2_KERNELS=auto), its choices come back with its speeds."""
     built = kernels.cache_dir() / f"kernels-{kernels.build_key()}.so"

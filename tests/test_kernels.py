@@ -25,7 +25,7 @@ from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.choosing import Choices, Key, rows_bucket
 from smollm2.quantize import quantize_int8
 
-pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
 
 
 @pytest.fixture(autouse=True)
@@ -337,22 +337,22 @@ def test_bf16_decoding_is_as_exact_as_the_reference(reference_model, english):
 def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    kernels.library.cache_clear()
+    kernels.compiled.cache_clear()
     try:
         with pytest.warns(UserWarning, match="kernels unavailable"):
-            assert kernels.library() is None
+            assert kernels.compiled() is None
         x, (w, _) = torch.randn(1, 64), weights(torch.float32)
         assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
         model = tiny("gqa", "float32")
         assert type(accelerate(model)) is SmolLM2  # left as it is
     finally:
-        kernels.library.cache_clear()
+        kernels.compiled.cache_clear()
 
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.skipif(platform.machine() != "x86_64" or kernels.library() is None,
+@pytest.mark.skipif(platform.machine() != "x86_64" or kernels.compiled() is None,
                     reason="x86-64 instruction sets, and a working C compiler")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "skylake-avx512"])  # SSE2, AVX2, AVX-512 without bf16
 def test_the_kernels_compile_for_other_x86_cpus(march, tmp_path):

@@ -110,7 +110,7 @@ class CFunction:
 
 
 @functools.cache
-def library() -> SimpleNamespace | None:
+def compiled() -> SimpleNamespace | None:
     """kernels.c built for this machine, its functions declared as in kernels.c; None without a C compiler."""
     compiler = os.environ.get("CC", "cc")
     try:
@@ -147,7 +147,7 @@ def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can compute with x: inference (no gradients, no torch.compile) on the CPU, in float32
     or bf16, unless they are off."""
     return (choices.mode != "off" and x.device.type == "cpu" and x.dtype in DTYPES
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and library() is not None)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and compiled() is not None)
 
 
 def multiplies(x: torch.Tensor, rows: int) -> bool:
@@ -230,7 +230,7 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tens
     def kernel():
         contiguous = x.contiguous()
         y = torch.empty(rows * sum(sizes), dtype=x.dtype)
-        library().linear(x=contiguous.data_ptr(), type=TYPES[x.dtype], count=len(sizes),
+        compiled().linear(x=contiguous.data_ptr(), type=TYPES[x.dtype], count=len(sizes),
                          w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
                          scale=pointers(float_scales), y=y.data_ptr(), B=rows, N=(ctypes.c_long * len(sizes))(*sizes),
                          K=K)
@@ -276,7 +276,7 @@ def blocks(weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | No
 
     def kernel():
         y = x.contiguous().clone()  # the residual stream, updated in place
-        if library().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
+        if compiled().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
                             sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
                             k_cache=k_layers, v_cache=v_layers, S=S, stride_b=k.stride(1), stride_h=k.stride(2),
                             mask=None if full_mask is None else full_mask.data_ptr()):
@@ -314,7 +314,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def kernel():
         out = torch.empty_like(q)
-        if library().prompt_attention(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+        if compiled().prompt_attention(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
                                       type=TYPES[q.dtype], B=B, T=T, H=H, KVH=KVH, D=D,
                                       k_stride=(ctypes.c_long * 3)(*k.stride()[:3]),
                                       v_stride=(ctypes.c_long * 3)(*v.stride()[:3])):
@@ -333,7 +333,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, plain: Callable[[], torch.Ten
 
     def kernel():
         out = torch.empty_like(gate)
-        library().silu_mul(gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), type=TYPES[gate.dtype],
+        compiled().silu_mul(gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), type=TYPES[gate.dtype],
                            n=gate.numel())
         return out
 
@@ -350,7 +350,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plain: Callable[
 
     def kernel():
         out = torch.empty_like(x)
-        library().rope_rows(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out=out.data_ptr(),
+        compiled().rope_rows(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out=out.data_ptr(),
                             type=TYPES[x.dtype], R=B * T, heads=heads, D=D)
         return out
 
@@ -367,7 +367,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: Callable[
 
     def kernel():
         out = torch.empty_like(x)
-        library().norm_rows(x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), type=TYPES[x.dtype],
+        compiled().norm_rows(x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), type=TYPES[x.dtype],
                             R=x.numel() // C, C=C, eps=eps)
         return out
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..model import MLP, Attention, RMSNorm, SmolLM2
 from ..quantize import Int8Linear
-from . import (LINEARS, MAX_HEAD_DIM, MAX_ROWS, TYPES, WEIGHT_FORMATS, BlockWeights, Packed, choices, library,
+from . import (LINEARS, MAX_HEAD_DIM, MAX_ROWS, TYPES, WEIGHT_FORMATS, BlockWeights, Packed, choices, compiled,
                streamed, streams)
 from . import blocks as kernel_blocks
 from . import linear as kernel_linear
@@ -206,7 +206,7 @@ def accelerate(model: SmolLM2, packed: dict[str, Packed] | None = None) -> SmolL
 
     packed: GGUF's packed copies of float32 weights, by parameter name (Checkpoint.packed). Apply it after
     any other module swap (quantize_int8). A model on another device, or without a C compiler, stays as it is."""
-    if next(model.parameters()).device.type != "cpu" or library() is None:
+    if next(model.parameters()).device.type != "cpu" or compiled() is None:
         return model
     for module in model.modules():
         fast = FAST.get(type(module))
@@ -224,7 +224,7 @@ def weight_format(model: SmolLM2) -> str:
     packed blocks a float32 model streams (for benchmarks to say what they measured)."""
     linears = [m for block in model.model.layers for m in block_linears(block)]
     weights = [m.weight for m in linears]
-    if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or library() is None:
+    if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or compiled() is None:
         return str(weights[0].dtype).removeprefix("torch.")
     return WEIGHT_FORMATS[streamed(weights, [packed_of(m) for m in linears])[0]]
 

@@ -128,16 +128,20 @@ class ChatBody(Body):
 
 def one_prompt(prompt):
     """OpenAI's prompt is a string, token ids, or a list of those; here one prompt makes one request (a list of
-    one is that one: what lm-evaluation-harness sends)."""
+    one is that one: what lm-evaluation-harness sends). Checked whole here, so an error names `prompt` alone."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 1:
             raise ValueError(f"{len(prompt)} prompts in one request: send one prompt per request")
-        return prompt[0]
-    return prompt
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return unicode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return prompt
+    raise ValueError("must be text or a list of token ids")
 
 
 class CompletionBody(Body):
-    prompt: Annotated[Text | list[Annotated[int, Field(ge=0)]], BeforeValidator(one_prompt)]  # text or token ids
+    prompt: Annotated[str | list[int], BeforeValidator(one_prompt)]  # text or token ids
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
     echo: bool = False
