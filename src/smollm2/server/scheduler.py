@@ -70,8 +70,9 @@ class QueueFull(Exception):
 class Request:
     """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
-    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None):
-        self.sequence = sequence
+    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None,
+                 on_end: abc.Callable[[Request], None] | None = None):
+        self.sequence, self.on_end = sequence, on_end  # on_end(request): told as it ends, however it ends
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
@@ -103,10 +104,15 @@ class Request:
 
     def finish(self) -> None:
         self.done = True  # first: /health must not count it once its client has the answer
-        self._emit(Done(self.sequence.finish_reason, len(self.sequence.prompt), len(self.sequence.tokens)))
+        self._last(Done(self.sequence.finish_reason, len(self.sequence.prompt), len(self.sequence.tokens)))
 
     def fail(self, error: str) -> None:
-        self._emit(Done(None, len(self.sequence.prompt), len(self.sequence.tokens), error))
+        self._last(Done(None, len(self.sequence.prompt), len(self.sequence.tokens), error))
+
+    def _last(self, done: Done) -> None:
+        if self.on_end is not None:
+            self.on_end(self)  # before its client can hear of the end: /metrics has counted it by then
+        self._emit(done)
 
 
 class Scheduler:
@@ -152,9 +158,9 @@ class Scheduler:
         (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
                             logprobs)
-        request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"))
+        request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
+                          self.on_end)
         if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
-            self._ended(request)
             request.finish()
             return request
         with self._wake:
@@ -242,11 +248,9 @@ class Scheduler:
                     request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
                 except Exception as e:  # out of memory, say: this request fails, the others go on
                     log.exception("scoring a prompt failed")
-                    self._ended(request)
                     request.fail(f"internal error: {e}")
                     continue
                 if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
-                    self._ended(request)
                     request.finish()
                     continue
             self.active.append(request)  # first: should the prefill fail, the request is failed with the others
@@ -275,8 +279,6 @@ class Scheduler:
             if step is None:
                 continue
             request.token_times.append(now)
-            if step.finish_reason:
-                self._ended(request)  # before its client hears of it: /metrics has counted it by then
             request.send(step)
 
     def _take_active(self) -> list[Request]:
@@ -286,13 +288,8 @@ class Scheduler:
     def _end(self, requests: list[Request], error: str) -> None:
         for request in requests:
             request.fail(error)
-            self._ended(request)
 
-    def _cancelled(self, request: Request) -> None:
+    @staticmethod
+    def _cancelled(request: Request) -> None:
         # Its last event, which nobody may hear: whoever still waits on it (an answer not streamed) stops waiting.
         request.fail("cancelled: the client went away")
-        self._ended(request)
-
-    def _ended(self, request: Request) -> None:
-        if self.on_end is not None:
-            self.on_end(request)
