@@ -392,7 +392,7 @@ class Reply:
         out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for i, lp in enumerate(items):
             if lp is None:  # the prompt's first token (echo): nothing predicts it
-                token, logprob, top = self.tokenizer.token_text(self.prompt[0]), None, None
+                token, logprob, top = text(self.prompt[0]), None, None
             else:
                 token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
             out["tokens"].append(token)
@@ -401,7 +401,6 @@ class Reply:
             out["text_offset"].append(self.offsets[index])
             self.offsets[index] += len(token)
         return out
-
 
     def whole(self, texts: list[str], dones: list, logprobs: list[list[TokenLogprob | None]]) -> dict:
         """The whole answer: choice i's text, its end (a scheduler Done) and its tokens' logprobs."""
