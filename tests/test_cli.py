@@ -245,3 +245,27 @@ def test_a_trainer_state_replaced_by_a_pickle(tiny_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main([*args, "--steps", "2", "--resume"]) == 1
     assert f"{trainer}: not a trainer state" in one_error_line(capsys.readouterr().err)
+
+
+def test_json_schema_answers_fit_it(model, tmp_path, capsys):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"]}
+    path = tmp_path / "city.json"
+    path.write_text(json.dumps(schema))
+    assert main(["chat", "--json-schema", str(path), "--temperature", "0", "-p", "Tell me about Paris."]) == 0
+    value = json.loads(capsys.readouterr().out)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    assert main(["generate", "--json", "--temperature", "0", "--max-new-tokens", "64", "A JSON object:"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
+
+
+@pytest.mark.parametrize("text, message", [(None, "cannot read"), ("{not json", "is not JSON"),
+                                           ('{"type": "lizard"}', "unknown type 'lizard'")])
+def test_bad_json_schema_files(tiny_dir, tmp_path, capsys, text, message):
+    path = tmp_path / "schema.json"
+    if text is not None:
+        path.write_text(text)
+    assert main(["generate", "--model", str(tiny_dir), "--json-schema", str(path), "hi"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert message in line and (text is not None or str(path) in line)

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from smollm2 import Tokenizer
 from smollm2.errors import SmolError
 from smollm2.generation import grammar as grammar_module
 from smollm2.generation.grammar import Grammar
-from smollm2.generation.steps import decode_step, prefill
+from smollm2.generation import generate
+from smollm2.server import create_app
+from test_server import running
 
 MAX_NEW_TOKENS = 64
+SERVED = "smollm2"  # the model name the test servers answer to
 
 NAME = {"type": "string", "maxLength": 24}
 PERSON = {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -118,48 +125,61 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_pretrained()
 
 
-def constrained_generate(model, tokenizer, grammar: Grammar, prompt: str, generator=None) -> tuple[str, bool]:
-    """Greedy (generator None) or sampled at temperature 0.7, under the grammar, at most MAX_NEW_TOKENS."""
-    matcher = grammar.matcher()
-    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": prompt}])])
-    cache = model.new_cache(1, ids.shape[1] + MAX_NEW_TOKENS)
-    out = []
-    with torch.inference_mode():
-        logits = model.logits(prefill(model, ids, cache.view(length=ids.shape[1])))[0]
-        pos = ids.shape[1]
-        for _ in range(MAX_NEW_TOKENS):
-            row = matcher.allowed(logits.float())
-            if generator is None:
-                token = int(row.argmax())
-            else:
-                token = int(torch.multinomial(torch.softmax(row / 0.7, -1), 1, generator=generator))
-            matcher.accept(token)
-            if token == tokenizer.eos_token_id:
-                break
-            out.append(token)
-            logits = decode_step(model, torch.tensor([[token]]), torch.tensor([pos]), cache, None)[0]
-            pos += 1
-    return tokenizer.decode(out), matcher.finished
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("i", range(len(CASES)))
-def test_answers_parse_and_validate(model, tokenizer, i):
-    kind, key, prompt = CASES[i]
+def response_format(i: int) -> dict:
+    kind, key, _ = CASES[i]
     if kind == "json_object":
-        response_format = {"type": "json_object"}
-    else:
-        response_format = {"type": "json_schema", "json_schema": {"name": key, "schema": SCHEMAS[key]}}
-    grammar = Grammar.from_response_format(response_format, tokenizer)
-    # Even cases greedy, odd ones sampled with a fixed seed: the grammar must hold for any choice it allows.
-    generator = None if i % 2 == 0 else torch.Generator().manual_seed(i)
-    text, finished = constrained_generate(model, tokenizer, grammar, prompt, generator)
-    assert finished, f"no EOS within {MAX_NEW_TOKENS} tokens: {text!r}"
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": key, "schema": SCHEMAS[key]}}
+
+
+def check_answer(i: int, text: str, finish_reason: str) -> None:
+    kind, key, _ = CASES[i]
+    assert finish_reason == "stop", f"case {i}: no EOS within {MAX_NEW_TOKENS} tokens: {text!r}"
     value = json.loads(text)
     if kind == "json_object":
         assert isinstance(value, dict), text
     else:
         validate(value, SCHEMAS[key])
+
+
+def sampling(i: int) -> dict:
+    # Even cases greedy, odd ones sampled with a seed: the grammar must hold for any choice it allows.
+    return dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.7, seed=i)
+
+
+@pytest.mark.slow
+def test_fifty_answers_through_the_server_parse_and_validate(model, tokenizer):
+    """All 50 at once, 8 rows a step: every row masked by its own grammar in one batch."""
+    app = create_app(model, tokenizer, model_name=SERVED, max_batch_size=8)
+
+    def ask(url: str, i: int) -> tuple[str, str]:
+        body = dict(model=SERVED, messages=[{"role": "user", "content": CASES[i][2]}], max_tokens=MAX_NEW_TOKENS,
+                    response_format=response_format(i), **sampling(i))
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"], choice["finish_reason"]
+
+    with running(app) as url, ThreadPoolExecutor(len(CASES)) as pool:
+        answers = list(pool.map(lambda i: ask(url, i), range(len(CASES))))
+    for i, (text, finish_reason) in enumerate(answers):
+        check_answer(i, text, finish_reason)
+
+
+@pytest.mark.parametrize("i", [0, 1, 40, 45])
+def test_python_gives_the_server_s_answer(model, tokenizer, i):
+    """stream()/generate() and the server run one core: the same constrained answer, token for token."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": CASES[i][2]}])
+    new = generate(model, [ids], MAX_NEW_TOKENS, tokenizer=tokenizer, response_format=response_format(i),
+                   **sampling(i))[0, len(ids):].tolist()
+    eos = new.index(tokenizer.eos_token_id)
+    check_answer(i, tokenizer.decode(new[:eos]), "stop")
+    app = create_app(model, tokenizer, model_name=SERVED)
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=dict(
+            model=SERVED, messages=[{"role": "user", "content": CASES[i][2]}], max_tokens=MAX_NEW_TOKENS,
+            response_format=response_format(i), **sampling(i)))
+    assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(new[:eos])
 
 
 def test_mask_width_and_accept(tokenizer):
@@ -246,3 +266,33 @@ def test_property_named_type(tokenizer):
     for t in tokenizer.encode('{"type": "x"}') + [tokenizer.eos_token_id]:
         m.accept(t)
     assert m.finished
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({"type": "xml"}, "is not one of"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}, "unknown type 'strnig'"),
+    ("json", "response_format"),
+])
+def test_a_bad_response_format_is_a_400_naming_it_and_the_server_goes_on(tiny_dir, response_format, message):
+    from smollm2 import SmolLM2
+
+    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    body = dict(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
+    with TestClient(create_app(model, tokenizer, model_name=SERVED)) as client:
+        before = client.post("/v1/chat/completions", json=body).json()
+        r = client.post("/v1/chat/completions", json=dict(body, response_format=response_format))
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "response_format"
+        assert client.post("/v1/chat/completions", json=body).json()["choices"] == before["choices"]
+        # A constrained answer from a random model: still JSON, cut short only by max_tokens.
+        r = client.post("/v1/chat/completions", json=dict(body, max_tokens=200, response_format={"type": "json_object"}))
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_response_format_needs_a_tokenizer(tiny_dir):
+    from smollm2 import SmolLM2
+
+    with pytest.raises(SmolError, match="needs a tokenizer"):
+        generate(SmolLM2.from_pretrained(tiny_dir), [[1, 2]], 4, response_format={"type": "json_object"})

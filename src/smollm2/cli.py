@@ -111,6 +111,20 @@ def sampling(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
+def response_format(args) -> dict | None:
+    """--json or --json-schema FILE as OpenAI's response_format."""
+    if args.json_schema:
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise SmolError(f"{path}: cannot read the JSON schema: {e.strerror}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SmolError(f"{path}: the JSON schema is not JSON: {e}") from None
+        return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+    return {"type": "json_object"} if args.json else None
+
+
 def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> str:
     """Generate from one prompt, printing its text as it becomes final; returns the text. With --logprobs N,
     then one line per generated token: the token, its log-probability, and the N most likely tokens'."""
@@ -119,7 +133,7 @@ def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> s
     text, logprobs = [], []
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
                           compile=args.compile, conversation=conversation, logprobs=getattr(args, "logprobs", None),
-                          **sampling(args)):
+                          response_format=args.response_format, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
         logprobs.append(step.logprob)
@@ -134,6 +148,7 @@ def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> s
 
 def generate(args):
     utf8(args.prompt, "the prompt")
+    args.response_format = response_format(args)  # a bad schema file fails before the model loads
     model, tokenizer = load(args)
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -146,6 +161,7 @@ def chat(args):
 
     utf8(args.system or "", "--system")
     utf8(args.prompt or "", "--prompt")
+    args.response_format = response_format(args)
     model, tokenizer = load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     # Each turn sends the whole history again; a conversation keeps its cache, so only the new turn is
@@ -392,6 +408,9 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=whole_number(0, MAX_SEED))
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the answer before this text (repeatable); it is never printed")
+    structured = sample.add_mutually_exclusive_group()
+    structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
+    structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")

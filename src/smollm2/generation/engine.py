@@ -14,6 +14,7 @@ from collections import abc
 import torch
 
 from ..errors import SmolError
+from .grammar import Grammar
 from .sampling import Sampling
 from .logprobs import check_top
 from .sequence import Sequence, Step, advance, check_request, prompt_rows
@@ -57,7 +58,7 @@ def eos_ids(eos_token_id, config) -> set[int]:
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
-           conversation: Conversation | None = None, logprobs: int | None = None,
+           conversation: Conversation | None = None, logprobs: int | None = None, response_format=None,
            **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
     text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
@@ -74,13 +75,18 @@ def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOI
     logprobs: None (the default) or 0..20: each Step's `logprob` is then a TokenLogprob, the token's
     log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
     likely tokens at its position with theirs.
+    response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
+    (needs `tokenizer` and the `structured` extra): each row may only write JSON that fits it, then its EOS.
     """
     config = model.config
     context = config.max_position_embeddings
     rows = check_request(input_ids, max_new_tokens, stop, config.vocab_size, context)
     device = model.model.embed_tokens.weight.device
     params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
-    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs))
+    if response_format is not None and tokenizer is None:
+        raise SmolError("response_format needs a tokenizer: pass tokenizer=")
+    grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)
+    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
                  for row in rows]
     if compile is None:
         compile = device.type == "cuda"

@@ -154,7 +154,10 @@ def _compiler(tokenizer):
     """xgrammar's tables for a tokenizer (~1 s to build: every token's bytes sorted into a trie), once each."""
     entry = _compilers.get(tokenizer)
     if entry is None:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise SmolError("response_format needs xgrammar: pip install 'smollm2[structured]'") from None
         backend = tokenizer.backend
         # The vocabulary as stored (byte-level BPE: bytes as GPT-2's printable characters); xgrammar decodes it
         # the way the tokenizer.json's decoder does, which it detects from the serialized tokenizer.

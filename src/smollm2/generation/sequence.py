@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
+from .grammar import Grammar
 from .logprobs import TokenLogprob, check_top, token_logprobs
 from .sampling import Sampling, sample
 
@@ -117,10 +118,14 @@ class Sequence:
     """A prompt and everything generated after it, for one row of a batch."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos: abc.Collection[int],
-                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu", logprobs: int | None = None):
+                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu", logprobs: int | None = None,
+                 grammar: Grammar | None = None):
         if stop and tokenizer is None:
             raise SmolError("stop strings need a tokenizer: pass tokenizer=")
-        self.prompt, self.max_new_tokens, self.eos = prompt, max_new_tokens, frozenset(eos)
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        # A grammar's answer ends with its EOS, which ends the sequence even where the caller's EOS set lacks it.
+        self.eos = frozenset(eos) | ({grammar.eos_token_id} if grammar else set())
+        self.matcher = grammar.matcher() if grammar else None  # where the answer stands in the grammar
         self.sampling, self.generator = sampling, sampling.generator(device)
         self.logprobs = check_top(logprobs)  # None: none; n: each token's logprob and its position's top n
         self.stops = StopStrings(stop)
@@ -132,6 +137,8 @@ class Sequence:
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> Step:
         """Take the next token (and its log-probabilities); returns the text that is now final."""
+        if self.matcher is not None:
+            self.matcher.accept(token)
         self.tokens.append(token)
         if token in self.eos:
             self._finish("stop")
@@ -157,7 +164,14 @@ class Sequence:
 
 
 def next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
-    """One token for each sequence, (B,), from its row of logits (B, V): one sampling call for the batch."""
+    """One token for each sequence, (B,), from its row of logits (B, V): one sampling call for the batch, after
+    each row under a grammar has lost the tokens its grammar forbids next."""
+    constrained = [s.matcher if s.matcher is not None and not s.finish_reason else None for s in sequences]
+    if any(constrained):
+        logits = logits.float().clone()  # the caller's logits stay raw: log-probabilities come from them
+        for row, matcher in zip(logits, constrained):
+            if matcher is not None:
+                matcher.allowed(row)
     history = None
     if any(s.sampling.repetition_penalty != 1.0 for s in sequences):  # the ids the penalty applies to
         ids = [s.prompt + s.tokens for s in sequences]

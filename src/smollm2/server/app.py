@@ -22,11 +22,13 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
+from ..generation.grammar import Grammar
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
@@ -117,6 +119,7 @@ class Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}: see grammar.py
 
 
 class ChatBody(Body):
@@ -318,13 +321,19 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
             max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
         reply.prompt = prompt
         echo_logprobs = reply.logprobs if reply.echo is not None else None
+        grammar = None
+        if body.response_format is not None:
+            try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
+                grammar = await run_in_threadpool(Grammar.from_response_format, body.response_format, tokenizer)
+            except SmolError as e:
+                raise APIError(400, str(e), param="response_format") from None
         requests = []
         try:  # choice i: a request of its own, seeded seed + i
             for i in range(body.n):
                 seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
                 sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
                 requests.append(scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs,
-                                                 echo_logprobs))
+                                                 echo_logprobs, grammar))
         except BaseException:
             for request in requests:
                 scheduler.cancel(request)

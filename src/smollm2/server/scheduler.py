@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SmolError
+from ..generation.grammar import Grammar
 from ..generation.logprobs import TokenLogprob, check_top, prompt_logprobs
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, advance, check_request
@@ -150,14 +151,15 @@ class Scheduler:
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
                stop: abc.Sequence[str] = (), logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> Request:
+               prompt_logprobs: int | None = None, grammar: Grammar | None = None) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
         logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
-        prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event)."""
+        prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
+        grammar: None, or what the answer must fit (response_format)."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
-                            logprobs)
+                            logprobs, grammar)
         request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
                           self.on_end)
         if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
