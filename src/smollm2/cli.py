@@ -313,7 +313,8 @@ def serve(args):
     model, tokenizer = load(args)
     name = args.model or "SmolLM2-135M-Instruct"
     app = create_app(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size,
-                     max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key)
+                     max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
+                     prefix_cache_bytes=args.prefix_cache * 2**20)
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
     # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -449,6 +450,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=1024, metavar="MIB",
+                   help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
+                        "1024 MiB; 0: none)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")

@@ -4,10 +4,12 @@ decoding step, and how long a cache to give attention."""
 from __future__ import annotations
 
 import functools
+from collections import abc
 
 import torch
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 512  # the bigger, the faster (a 135M fp32 model reads its weights once a chunk); the smaller,
+# the sooner the server's running streams get their next token, and the finer the prefix cache
 CACHE_BLOCK = 128  # caches are sized in these steps: compiled steps see few distinct lengths, so rarely recompile
 
 
@@ -22,17 +24,32 @@ def compiled_decode_step(device_type: str):
     return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
-def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Tensor:
-    """Prompt ids (B, T) into the cache from slot `start` on, PREFILL_CHUNK tokens at a time (bounded memory);
-    returns the last position's hidden state, (B, C). Each chunk's attention reads only the slots filled so far:
-    the first chunk of an unpadded prompt is plain causal, which the CPU kernel computes half of."""
-    T = ids.shape[1]
-    for begin in range(start, T, PREFILL_CHUNK):
-        end = min(begin + PREFILL_CHUNK, T)
-        h = model.hidden_states(ids[:, begin:end], torch.arange(begin, end, device=ids.device),
-                                cache.view(length=end), None if attention_mask is None else attention_mask[:, :end],
-                                last_only=True)
+def chunks(start: int, end: int) -> abc.Iterator[tuple[int, int]]:
+    """The chunks, [begin, end), that prefill slots start..end-1: each ends at a multiple of PREFILL_CHUNK (or at
+    `end`). Where a prefill starts (0, or past a prefix already cached) does not move them, so each chunk is the
+    same computation, bit for bit, whatever came from a cache before it."""
+    while start < end:
+        stop = min((start // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end)
+        yield start, stop
+        start = stop
+
+
+def prefill_chunk(model, ids, cache, begin: int, attention_mask=None) -> torch.Tensor:
+    """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the last position's hidden state, (B, C).
+    Attention reads only the slots filled so far: the first chunk of an unpadded prompt is plain causal, which
+    the CPU kernel computes half of."""
+    end = begin + ids.shape[1]
+    h = model.hidden_states(ids, torch.arange(begin, end, device=ids.device), cache.view(length=end),
+                            None if attention_mask is None else attention_mask[:, :end], last_only=True)
     return h[:, -1]
+
+
+def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Tensor:
+    """Prompt ids (B, T) into the cache from slot `start` on, a chunk at a time (bounded memory); returns the last
+    position's hidden state, (B, C)."""
+    for begin, end in chunks(start, ids.shape[1]):
+        h = prefill_chunk(model, ids[:, begin:end], cache, begin, attention_mask)
+    return h
 
 
 def cache_length(n: int, limit: int) -> int:

@@ -208,10 +208,11 @@ class BodyLimit:
 
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
-               api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the scheduler thread (which then owns the model) and stops it."""
+               api_key: str | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
+    """The app; its lifespan starts the scheduler thread (which then owns the model) and stops it.
+    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none)."""
     scheduler = Scheduler(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                          on_end=lambda request: metrics.ended(request))
+                          on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes)
     metrics = Metrics(scheduler)
 
     @contextlib.asynccontextmanager

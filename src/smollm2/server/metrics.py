@@ -1,5 +1,5 @@
 """What GET /metrics tells Prometheus: requests answered by route and status, tokens in and out, the queue and the
-rows in flight, and the time to each request's first token and between its tokens.
+rows in flight, the prefix cache's hits, and the time to each request's first token and between its tokens.
 
 The metrics live in a registry of the app's own, so two apps in one process (tests) count apart. Token times are
 taken by the scheduler's thread as each token is sampled (Request.token_times) and observed once a request ends,
@@ -9,6 +9,8 @@ finished or cancelled, so the scheduler's step does no more than append a number
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Seconds: a 135M model's decoding step is milliseconds, a long prompt's prefill seconds.
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -29,6 +31,7 @@ class Metrics:
             lambda: scheduler.load()["waiting"])
         Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
               ).set_function(lambda: scheduler.load()["active"])
+        registry.register(PrefixCacheCounts(scheduler.prefix_cache))
         self.time_to_first_token = Histogram("smollm2_time_to_first_token_seconds",
                                              "From a request's arrival to its first token", buckets=TOKEN_BUCKETS,
                                              registry=registry)
@@ -47,6 +50,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCounts(Collector):
+    """The prefix cache's own counts, read as Prometheus scrapes: nothing to do per request. Its hit rate is
+    rate(smollm2_prefix_cache_hit_tokens_total) / rate(smollm2_prefix_cache_queried_tokens_total)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        cache = self.cache
+        yield CounterMetricFamily("smollm2_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+                                  "cache", value=cache.looked_up if cache else 0)
+        yield CounterMetricFamily("smollm2_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache, "
+                                  "not prefilled again", value=cache.found if cache else 0)
+        yield GaugeMetricFamily("smollm2_prefix_cache_bytes", "Memory the prefix cache's keys and values take",
+                                value=cache.bytes if cache else 0)
 
 
 class CountResponses:

@@ -1,12 +1,16 @@
 """Continuous batching: one thread owns the model and advances every request in flight together.
 
 The KV cache has `max_batch_size` rows, the slots; a request in flight holds one row, its sequence at
-positions 0.. of that row. The n requests in flight always hold rows 0..n-1, so that a decoding step runs on
-those n rows alone: a lone request costs a batch of one, not a batch of every slot.
+positions 0.. of that row. The n requests decoding always hold rows 0..n-1, so that a decoding step runs on
+those n rows alone: a lone request costs a batch of one, not a batch of every slot. A request whose prompt is
+being prefilled holds row n, the next.
 Each step the thread
   1. retires the finished and cancelled requests (their client went away); the last request moves into
-     each freed row, its cache rows copied, so the rows in use stay 0..n-1;
-  2. admits waiting requests into the free rows, prefilling each prompt alone into its own row;
+     each freed row, its cache rows copied, so the rows in use stay 0..n-1 (and the prefilling one n);
+  2. prefills prompts into the free rows, at most one prefill chunk of tokens (steps.PREFILL_CHUNK) in all: the
+     next chunk of a long prompt, or several short prompts. A long prompt thus takes several steps, and the
+     requests already decoding get a token at each one instead of waiting for its whole prefill. Chunks already
+     in the prefix cache (same tokens, same place) are copied instead of computed, and those computed are kept;
   3. runs ONE decoding step for rows 0..n-1 at once, every row at its own position;
   4. picks every row's token in one sampling call, each row with its own parameters and random generator,
      and hands each to its request's Sequence, which says what text is final and whether it has finished;
@@ -35,7 +39,9 @@ from ..generation.grammar import Grammar
 from ..generation.logprobs import TokenLogprob, check_top, prompt_logprobs
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, advance, check_request
-from ..generation.steps import cache_length, decode_step, prefill
+from ..generation.prefix_cache import Block, PrefixCache
+from ..generation import steps
+from ..generation.steps import cache_length, chunks, decode_step, prefill_chunk
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ class Request:
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
+        self.filled = 0  # prompt tokens in its cache row so far
+        self.blocks: list[Block] | None = []  # the prefix cache's blocks for its filled chunks; None: not kept
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
 
@@ -118,12 +126,15 @@ class Request:
 
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
-                 max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None):
-        """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics)."""
+                 max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
+                 prefix_cache_bytes: int = 0):
+        """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
+        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix."""
         context = model.config.max_position_embeddings
-        if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2):
-            raise SmolError(f"need max_batch_size >= 1, max_waiting >= 0 and max_seq_len >= 2, got "
-                            f"{max_batch_size}, {max_waiting} and {max_seq_len}")
+        if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2) \
+                or prefix_cache_bytes < 0:
+            raise SmolError(f"need max_batch_size >= 1, max_waiting >= 0, max_seq_len >= 2 and prefix_cache_bytes "
+                            f">= 0, got {max_batch_size}, {max_waiting}, {max_seq_len} and {prefix_cache_bytes}")
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or context, context)
         self.max_waiting = max_waiting
@@ -131,7 +142,10 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.on_end = on_end
         self.cache = model.new_cache(max_batch_size, self.max_seq_len)
-        self.active: list[Request] = []  # the requests in flight; active[b] holds cache row b
+        self.active: list[Request] = []  # the requests decoding; active[b] holds cache row b
+        self.filling: Request | None = None  # the request whose prompt is being prefilled, in row len(active)
+        self.filling_row = 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()  # guards waiting and _stopping
         self._stopping = False
@@ -181,8 +195,9 @@ class Scheduler:
             self._wake.notify()
 
     def load(self) -> dict:
-        active = list(self.active)  # a copy: the scheduler thread reorders the list meanwhile
-        return dict(active=sum(not r.done for r in active), waiting=len(self.waiting), slots=self.max_batch_size)
+        active = [*self.active, self.filling]  # a copy: the scheduler thread reorders the list meanwhile
+        return dict(active=sum(r is not None and not r.done for r in active), waiting=len(self.waiting),
+                    slots=self.max_batch_size)
 
     # The scheduler thread.
 
@@ -190,7 +205,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.waiting and not self.active:
+                while not self._stopping and not self.waiting and not self.active and not self.filling:
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -221,11 +236,20 @@ class Scheduler:
                 self._cancelled(rows[b])
             last = rows.pop()
             if b < len(rows) and not (last.done or last.cancelled):
-                # Copy the filled slots only; what row b holds past them is hidden by the causal mask.
                 filled = len(last.sequence.prompt) + len(last.sequence.tokens) - 1  # all but the last sampled
-                for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
-                    t[:, b, :, :filled] = t[:, len(rows), :, :filled]
+                self._move_row(len(rows), b, filled)
                 rows[b] = last
+        if self.filling is not None and self.filling.cancelled:
+            self._cancelled(self.filling)
+            self.filling = None
+        if self.filling is not None and self.filling_row != len(rows):  # the prefilling row stays right after
+            self._move_row(self.filling_row, len(rows), self.filling.filled)
+            self.filling_row = len(rows)
+
+    def _move_row(self, source: int, target: int, filled: int) -> None:
+        # Only the filled slots; what the target row holds past them is hidden by the causal mask.
+        for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
+            t[:, target, :, :filled] = t[:, source, :, :filled]
 
     def _next_waiting(self) -> Request | None:
         with self._wake:
@@ -240,11 +264,34 @@ class Scheduler:
         return cache_length(n, self.max_seq_len)
 
     def _admit(self) -> None:
-        """Move waiting requests into the free rows, prefilling each prompt alone into its own row (in chunks,
-        as the engine does), and take their first tokens."""
-        admitted, logits = [], []
-        while len(self.active) < self.max_batch_size and (request := self._next_waiting()) is not None:
-            row, prompt = len(self.active), request.sequence.prompt
+        """Prefill prompts into the free rows, one chunk after another, until a chunk's worth of tokens is done;
+        a request whose prompt is complete takes its first token and joins the decoding rows."""
+        done, ready, logits = 0, [], []
+        while len(self.active) < self.max_batch_size and (request := self.filling or self._start()) is not None:
+            prompt, row = request.sequence.prompt, self.filling_row
+            begin, end = next(chunks(request.filled, len(prompt)))
+            if done and done + end - begin > steps.PREFILL_CHUNK:
+                break
+            cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
+            h = prefill_chunk(self.model, torch.tensor([prompt[begin:end]], device=self.device), cache, begin)
+            request.filled, done = end, done + end - begin
+            if end - begin == steps.PREFILL_CHUNK and request.blocks is not None and self.prefix_cache is not None:
+                block = self.prefix_cache.store(request.blocks, prompt[begin:end], self.cache.k[:, row, :, begin:end],
+                                                self.cache.v[:, row, :, begin:end])
+                request.blocks = None if block is None else [*request.blocks, block]
+            if end == len(prompt):
+                self.active.append(request)
+                self.filling, self.filling_row = None, len(self.active)
+                ready.append(request)
+                logits.append(self.model.logits(h))
+        if ready:
+            self._take(ready, torch.cat(logits))
+
+    def _start(self) -> Request | None:
+        """The next waiting request to prefill, in row len(active), its cached prefix copied in; None if none.
+        A request asking for its prompt's log-probabilities gets them first, from a forward pass of their own."""
+        while (request := self._next_waiting()) is not None:
+            prompt = request.sequence.prompt
             if request.prompt_logprobs is not None:
                 try:
                     request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
@@ -255,12 +302,17 @@ class Scheduler:
                 if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
                     request.finish()
                     continue
-            self.active.append(request)  # first: should the prefill fail, the request is failed with the others
-            cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
-            logits.append(self.model.logits(prefill(self.model, torch.tensor([prompt], device=self.device), cache)))
-            admitted.append(request)
-        if admitted:
-            self._take(admitted, torch.cat(logits))
+            row = self.filling_row = len(self.active)
+            self.filling = request  # first: should the prefill fail, the request is failed with the others
+            if self.prefix_cache is not None:
+                request.blocks = self.prefix_cache.lookup(prompt)
+                size = steps.PREFILL_CHUNK
+                for i, block in enumerate(request.blocks):
+                    self.cache.k[:, row, :, i * size:(i + 1) * size] = block.k
+                    self.cache.v[:, row, :, i * size:(i + 1) * size] = block.v
+                request.filled = len(request.blocks) * size
+            return request
+        return None
 
     def _decode(self) -> None:
         """One token for every request in flight at once, rows 0..n-1, each row at its own position."""
@@ -284,7 +336,9 @@ class Scheduler:
             request.send(step)
 
     def _take_active(self) -> list[Request]:
-        active, self.active = self.active, []
+        """Every request holding a row, which then holds none."""
+        active, self.active = self.active + ([self.filling] if self.filling else []), []
+        self.filling, self.filling_row = None, 0
         return [r for r in active if not r.done]
 
     def _end(self, requests: list[Request], error: str) -> None:

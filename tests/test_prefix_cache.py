@@ -1,0 +1,155 @@
+"""The prefix cache and chunked prefill: prompts that share a prefix reuse its keys and values, bit for bit the
+same answers as without the cache, and a long prompt's prefill lets the requests already running go on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from smollm2 import SmolLM2, Tokenizer
+from smollm2.generation import Sampling, steps
+from smollm2.generation.prefix_cache import PrefixCache
+from smollm2.server import create_app
+from smollm2.server.scheduler import Scheduler
+from test_server import running
+
+NAME = "tiny"
+TOPICS = ["the sea", "a cat", "mountains", "bread", "the moon", "rain", "a train", "music", "chess", "apples",
+          "winter", "a library", "bees", "a bridge", "coffee", "the desert"]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """16-token prefill chunks: the tiny model's 512-token window then holds many, and many steps a prompt."""
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+
+
+def block(value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.full((2, 1, steps.PREFILL_CHUNK, 4), float(value))
+    return k, -k
+
+
+def test_lookup_store_and_least_recently_used_eviction(small_chunks):
+    size = 2 * block(0)[0].numel() * 4  # one block's keys and values, float32
+    cache = PrefixCache(max_bytes=3 * size)
+    a, b, c, d = (list(range(i * 16, i * 16 + 16)) for i in range(4))
+    first = cache.store([], a, *block(1))
+    second = cache.store([first], b, *block(2))
+    assert cache.lookup(a + b + [7]) == [first, second]
+    assert cache.lookup(a + b) == [first]  # the last token is never taken from the cache: its logits are needed
+    assert cache.lookup(b + a + [7]) == []  # a block is its prefix, not its tokens alone
+    assert torch.equal(second.k, block(2)[0]) and cache.looked_up == 33 + 32 + 33 and cache.found == 32 + 16
+    # Full: the least recently used block goes, and blocks others extend are used after them.
+    other = cache.store([], c, *block(3))
+    cache.lookup(a + b + [7])
+    cache.store([], d, *block(4))
+    assert cache.lookup(c + [7]) == [] and cache.lookup(a + b + [7]) == [first, second]
+    assert cache.bytes == 3 * size and other not in cache.blocks.values()
+    # A block is evicted before the block it extends; a block after an evicted one is not kept.
+    more = [list(range(i, i + 16)) for i in range(100, 500, 100)]
+    cache.store([], c, *block(3))  # evicts d
+    cache.store([], more[0], *block(5))  # evicts second, which extends first
+    assert cache.lookup(a + b + [7]) == [first]
+    for tokens in more[1:]:  # evict c, more[0], then first
+        cache.store([], tokens, *block(6))
+    assert cache.lookup(a + b + [7]) == [] and cache.store([first], b, *block(2)) is None
+    assert PrefixCache(max_bytes=size - 1).store([], a, *block(1)) is None  # one block over the budget
+
+
+def chat_turns(url: str, chat: int, turns: int = 5) -> list[tuple[str, list]]:
+    """One chat of `turns` turns, its whole history sent each turn; each answer and its log-probabilities."""
+    messages = [{"role": "system", "content": f"You are a poet who only writes about {TOPICS[chat]}."}]
+    sampling = dict(temperature=0) if chat % 2 == 0 else dict(temperature=0.9, seed=chat)
+    answers = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn}: tell me one more thing about {TOPICS[chat]}."})
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json=dict(
+            model=NAME, messages=messages, max_tokens=12, logprobs=True, top_logprobs=2, **sampling))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        answers.append((choice["message"]["content"], choice["logprobs"]["content"]))
+        messages.append({"role": "assistant", "content": choice["message"]["content"]})
+    return answers
+
+
+def serve_chats(tiny, prefix_cache_bytes: int) -> tuple[list, str]:
+    model, tokenizer = tiny
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=6, prefix_cache_bytes=prefix_cache_bytes)
+    with running(app) as url, ThreadPoolExecutor(len(TOPICS)) as pool:
+        answers = list(pool.map(lambda chat: chat_turns(url, chat), range(len(TOPICS))))
+        metrics = httpx.get(f"{url}/metrics").text
+    return answers, metrics
+
+
+def metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_sixteen_concurrent_chats_are_bit_identical_with_and_without_the_cache(tiny, small_chunks):
+    """16 chats of 5 turns at once on 6 rows: requests wait, finish while others prefill, reuse each other's
+    prefixes; every answer and every log-probability is the same with the cache as without."""
+    without, metrics_without = serve_chats(tiny, 0)
+    with_cache, metrics = serve_chats(tiny, 64 << 20)
+    assert with_cache == without
+    assert metric(metrics_without, "smollm2_prefix_cache_hit_tokens_total") == 0
+    hit, queried = (metric(metrics, f"smollm2_prefix_cache_{n}_tokens_total") for n in ("hit", "queried"))
+    assert hit > 0.5 * queried, (hit, queried)  # later turns find their history, the chats their system prompt
+    assert metric(metrics, "smollm2_prefix_cache_bytes") > 0
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny, small_chunks):
+    """While a 400-token prompt is prefilled, 16 tokens a step, a running request gets a token every step."""
+    model, tokenizer = tiny
+    scheduler = Scheduler(model, tokenizer, max_batch_size=4)
+
+    async def run():
+        scheduler.start()
+        try:
+            running_request = scheduler.submit([1, 2, 3], 200, Sampling(), ())
+            events = running_request.events()
+            await anext(events)  # it is decoding
+            long = scheduler.submit(list(range(5, 405)), 2, Sampling(), ())
+            async for _ in long.events():
+                pass
+            async for _ in events:
+                pass
+            return running_request, long
+        finally:
+            scheduler.stop()
+
+    running_request, long = asyncio.run(run())
+    first = long.token_times[0]
+    during = [t for t in running_request.token_times if long.submitted < t < first]
+    assert len(during) >= 400 // 16 - 2, (len(during), len(running_request.token_times))
+
+
+@pytest.mark.slow
+def test_the_embedded_model_reuses_a_long_history(model):
+    """Real weights and the real chunk size: a chat's second turn finds its first turn's prompt."""
+    tokenizer = Tokenizer.from_pretrained()
+    long = "Here are my notes. " + " ".join(f"Note {i}: the meeting moved to room {i % 7}." for i in range(90))
+    answers, hits = [], []
+    for cache_bytes in (0, 1 << 30):
+        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes)
+        messages = [{"role": "user", "content": long}]
+        with running(app) as url:
+            for turn in range(2):
+                r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json=dict(
+                    model=NAME, messages=messages, max_tokens=16, temperature=0, logprobs=True))
+                answers.append(r.json()["choices"][0])
+                messages += [{"role": "assistant", "content": answers[-1]["message"]["content"]},
+                             {"role": "user", "content": "Which room is the meeting in now?"}]
+            hits.append(metric(httpx.get(f"{url}/metrics").text, "smollm2_prefix_cache_hit_tokens_total"))
+    assert answers[:2] == answers[2:]
+    assert hits[0] == 0 and hits[1] >= 1024  # the second turn's first two chunks at least
