@@ -267,10 +267,11 @@ class Scheduler:
         """Prefill prompts into the free rows, one chunk after another, until a chunk's worth of tokens is done;
         a request whose prompt is complete takes its first token and joins the decoding rows."""
         done, ready, logits = 0, [], []
-        while len(self.active) < self.max_batch_size and (request := self.filling or self._start()) is not None:
+        while len(self.active) < self.max_batch_size and done < steps.PREFILL_CHUNK \
+                and (request := self.filling or self._start()) is not None:
             prompt, row = request.sequence.prompt, self.filling_row
             begin, end = next(chunks(request.filled, len(prompt)))
-            if done and done + end - begin > steps.PREFILL_CHUNK:
+            if done and done + end - begin > steps.PREFILL_CHUNK:  # a chunk is never split: next step
                 break
             cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
             h = prefill_chunk(self.model, torch.tensor([prompt[begin:end]], device=self.device), cache, begin)
