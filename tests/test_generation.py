@@ -277,9 +277,9 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
 
 def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatch):
     from smollm2 import evaluate
-    from smollm2.generation import logprobs
+    from smollm2.generation import logprobs, steps
 
-    monkeypatch.setattr(logprobs, "SCORE_CHUNK", 7)  # several chunks
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 7)  # several chunks
     ids = [(i * 37) % 500 + 1 for i in range(30)]
     scored = logprobs.prompt_logprobs(tiny, ids, 2)
     assert scored[0] is None and [s.token for s in scored[1:]] == ids[1:] and all(len(s.top) == 2 for s in scored[1:])

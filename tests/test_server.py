@@ -448,10 +448,14 @@ def test_tokenize_and_detokenize(tiny):
         assert client.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
 
 
-def test_echo_scores_the_prompt_as_loglikelihood(tiny):
+def test_echo_scores_the_prompt_as_loglikelihood(tiny, monkeypatch):
     """echo + logprobs with max_tokens 0 (lm-eval's local-completions): the prompt's tokens, the first
     unscored, the rest as smollm2.evaluate scores them."""
     from smollm2 import evaluate
+    from smollm2.generation import steps
+    from smollm2.generation.logprobs import prompt_logprobs
+
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 4)  # the prompt in several chunks, each scored as it is prefilled
 
     model, tokenizer = tiny
     prompt = PROMPTS[2]
@@ -464,6 +468,8 @@ def test_echo_scores_the_prompt_as_loglikelihood(tiny):
         assert choice["text"] == prompt and "".join(lp["tokens"]) == prompt
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         assert sum(lp["token_logprobs"][1:]) == pytest.approx(want, abs=1e-4)
+        # The very numbers of prompt_logprobs, which prefills in the same chunks (bits, not a tolerance).
+        assert lp["token_logprobs"][1:] == [s.logprob for s in prompt_logprobs(model, ids)[1:]]
         assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             chunks = events(r)
@@ -475,7 +481,10 @@ def test_echo_scores_the_prompt_as_loglikelihood(tiny):
         new = expected(model, tokenizer, ids, 5)
         assert r["text"] == prompt + new
         assert r["logprobs"]["token_logprobs"][0] is None
-        assert r["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+        assert r["logprobs"]["token_logprobs"][1:len(ids)] == lp["token_logprobs"][1:]
+        # The answer's log-probabilities are those of the same request without echo, bit for bit.
+        plain = client.post("/v1/completions", json={**body, "max_tokens": 5, "echo": False}).json()["choices"][0]
+        assert r["logprobs"]["token_logprobs"][len(ids):] == plain["logprobs"]["token_logprobs"]
         assert len(r["logprobs"]["tokens"]) == len(ids) + 5
         assert "".join(r["logprobs"]["tokens"]) == prompt + new
         # echo without logprobs: the text alone

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
+from .steps import chunks, prefill_chunk
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
-SCORE_CHUNK = 512  # prompt positions projected to the vocabulary at once: bounded memory for long prompts
 
 
 @dataclass(frozen=True)
@@ -52,19 +52,23 @@ def token_logprobs(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor,
             for i, (t, lp, n) in enumerate(zip(targets[:, 0].tolist(), chosen, tops))]
 
 
+def chunk_logprobs(model, prompt: Sequence[int], begin: int, h: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """The prompt's tokens that prefill chunk [begin, begin + n) predicts, scored from its hidden states (n, C):
+    position i predicts token i + 1 (the chunk's last position, at the prompt's end, predicts nothing)."""
+    targets = prompt[begin + 1:begin + 1 + len(h)]
+    return token_logprobs(model.logits(h[:len(targets)]), targets, top) if targets else []
+
+
 def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
-    predicts), from one forward pass of the whole prompt, its logits taken SCORE_CHUNK positions at a time."""
+    predicts), computed as the server computes it: prefilled chunk by chunk (bounded memory), each chunk scored."""
     ids = list(ids)
     if not ids:
         raise SmolError("the prompt is empty")
-    if len(ids) == 1:
-        return [None]
     device = model.model.embed_tokens.weight.device
     with torch.inference_mode():
-        h = model.hidden_states(torch.tensor([ids[:-1]], device=device))[0]  # position i predicts ids[i + 1]
-        scored = [None]
-        for begin in range(0, len(h), SCORE_CHUNK):
-            scored += token_logprobs(model.logits(h[begin:begin + SCORE_CHUNK]), ids[begin + 1:begin + 1 + SCORE_CHUNK],
-                                     top)
+        tokens, cache, scored = torch.tensor([ids], device=device), model.new_cache(1, len(ids)), [None]
+        for begin, end in chunks(0, len(ids)):
+            h = prefill_chunk(model, tokens[:, begin:end], cache, begin, last_only=False)[0]
+            scored += chunk_logprobs(model, ids, begin, h, top)
         return scored

@@ -34,14 +34,14 @@ def chunks(start: int, end: int) -> abc.Iterator[tuple[int, int]]:
         start = stop
 
 
-def prefill_chunk(model, ids, cache, begin: int, attention_mask=None) -> torch.Tensor:
-    """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the last position's hidden state, (B, C).
+def prefill_chunk(model, ids, cache, begin: int, attention_mask=None, last_only: bool = True) -> torch.Tensor:
+    """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the final hidden states, (B, n, C), or with
+    last_only the last position's alone, (B, 1, C); the keys and values it writes are the same either way.
     Attention reads only the slots filled so far: the first chunk of an unpadded prompt is plain causal, which
     the CPU kernel computes half of."""
     end = begin + ids.shape[1]
-    h = model.hidden_states(ids, torch.arange(begin, end, device=ids.device), cache.view(length=end),
-                            None if attention_mask is None else attention_mask[:, :end], last_only=True)
-    return h[:, -1]
+    return model.hidden_states(ids, torch.arange(begin, end, device=ids.device), cache.view(length=end),
+                               None if attention_mask is None else attention_mask[:, :end], last_only=last_only)
 
 
 def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Tensor:
@@ -49,7 +49,7 @@ def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Ten
     position's hidden state, (B, C)."""
     for begin, end in chunks(start, ids.shape[1]):
         h = prefill_chunk(model, ids[:, begin:end], cache, begin, attention_mask)
-    return h
+    return h[:, -1]
 
 
 def cache_length(n: int, limit: int) -> int:

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import SmolError
 from ..generation.grammar import Grammar
-from ..generation.logprobs import TokenLogprob, check_top, prompt_logprobs
+from ..generation.logprobs import TokenLogprob, check_top, chunk_logprobs
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, advance, check_request
 from ..generation.prefix_cache import Block, PrefixCache
@@ -84,6 +84,7 @@ class Request:
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
         self.cancelled = False  # set from the HTTP side; the scheduler retires the request at its next step
         self.filled = 0  # prompt tokens in its cache row so far
+        self.scored: list[TokenLogprob | None] = [None]  # echo: its prompt's log-probabilities so far
         self.blocks: list[Block] | None = []  # the prefix cache's blocks for its filled chunks; None: not kept
         self.done = False  # its last event is sent; the scheduler retires it at its next step
         self._loop, self._events = loop, asyncio.Queue()
@@ -269,51 +270,53 @@ class Scheduler:
         done, ready, logits = 0, [], []
         while len(self.active) < self.max_batch_size and done < steps.PREFILL_CHUNK \
                 and (request := self.filling or self._start()) is not None:
-            prompt, row = request.sequence.prompt, self.filling_row
+            prompt, row, scoring = request.sequence.prompt, self.filling_row, request.prompt_logprobs is not None
             begin, end = next(chunks(request.filled, len(prompt)))
             if done and done + end - begin > steps.PREFILL_CHUNK:  # a chunk is never split: next step
                 break
             cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
-            h = prefill_chunk(self.model, torch.tensor([prompt[begin:end]], device=self.device), cache, begin)
+            ids = torch.tensor([prompt[begin:end]], device=self.device)
+            h = prefill_chunk(self.model, ids, cache, begin, last_only=not scoring)
+            if scoring:  # echo: every position's hidden state, scored as logprobs.prompt_logprobs scores them
+                request.scored += chunk_logprobs(self.model, prompt, begin, h[0], request.prompt_logprobs)
             request.filled, done = end, done + end - begin
             if end - begin == steps.PREFILL_CHUNK and request.blocks is not None and self.prefix_cache is not None:
                 block = self.prefix_cache.store(request.blocks, prompt[begin:end], self.cache.k[:, row, :, begin:end],
                                                 self.cache.v[:, row, :, begin:end])
                 request.blocks = None if block is None else [*request.blocks, block]
-            if end == len(prompt):
-                self.active.append(request)
-                self.filling, self.filling_row = None, len(self.active)
-                ready.append(request)
-                logits.append(self.model.logits(h))
+            if end < len(prompt):
+                continue
+            self.filling = None
+            if scoring:
+                request.send_prompt(request.scored)
+                if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
+                    request.finish()
+                    continue
+                # The first token from the last position computed alone, as for any request: the same bits
+                h = prefill_chunk(self.model, ids, cache, begin)  # (its keys and values are written again, equal)
+            self.active.append(request)
+            self.filling_row = len(self.active)
+            ready.append(request)
+            logits.append(self.model.logits(h[:, -1]))
         if ready:
             self._take(ready, torch.cat(logits))
 
     def _start(self) -> Request | None:
         """The next waiting request to prefill, in row len(active), its cached prefix copied in; None if none.
-        A request asking for its prompt's log-probabilities gets them first, from a forward pass of their own."""
-        while (request := self._next_waiting()) is not None:
-            prompt = request.sequence.prompt
-            if request.prompt_logprobs is not None:
-                try:
-                    request.send_prompt(prompt_logprobs(self.model, prompt, request.prompt_logprobs))
-                except Exception as e:  # out of memory, say: this request fails, the others go on
-                    log.exception("scoring a prompt failed")
-                    request.fail(f"internal error: {e}")
-                    continue
-                if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
-                    request.finish()
-                    continue
-            row = self.filling_row = len(self.active)
-            self.filling = request  # first: should the prefill fail, the request is failed with the others
-            if self.prefix_cache is not None:
-                request.blocks = self.prefix_cache.lookup(prompt)
-                size = steps.PREFILL_CHUNK
-                for i, block in enumerate(request.blocks):
-                    self.cache.k[:, row, :, i * size:(i + 1) * size] = block.k
-                    self.cache.v[:, row, :, i * size:(i + 1) * size] = block.v
-                request.filled = len(request.blocks) * size
-            return request
-        return None
+        A request that scores its prompt (echo) computes every chunk: it needs every position's hidden state."""
+        request = self._next_waiting()
+        if request is None:
+            return None
+        row = self.filling_row = len(self.active)
+        self.filling = request  # first: should the prefill fail, the request is failed with the others
+        if self.prefix_cache is not None and request.prompt_logprobs is None:
+            request.blocks = self.prefix_cache.lookup(request.sequence.prompt)
+            size = steps.PREFILL_CHUNK
+            for i, block in enumerate(request.blocks):
+                self.cache.k[:, row, :, i * size:(i + 1) * size] = block.k
+                self.cache.v[:, row, :, i * size:(i + 1) * size] = block.v
+            request.filled = len(request.blocks) * size
+        return request
 
     def _decode(self) -> None:
         """One token for every request in flight at once, rows 0..n-1, each row at its own position."""
