@@ -573,16 +573,30 @@ def test_n_choices_each_equal_their_seed_sent_alone(tiny):
         assert client.get("/health").json()["active"] == 0
 
 
-def test_a_completions_prompt_as_text_token_ids_or_a_list_of_one(tiny):
-    """OpenAI's prompt forms; lm-evaluation-harness sends a list of one list of token ids."""
+def test_a_completions_prompt_as_text_token_ids_or_a_list_of_them(tiny):
+    """OpenAI's prompt forms; lm-evaluation-harness sends a list of token id lists. A list of prompts is a batch:
+    choice p * n + i answers prompt p with seed + i, as that prompt sent alone would."""
     model, tokenizer = tiny
     ids = tokenizer.encode(PROMPTS[1])
     with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
         want = completion(client, PROMPTS[1], 6)
         for prompt in (ids, [ids], [PROMPTS[1]]):
             assert completion(client, prompt, 6) == want
-        for prompt, message in (([PROMPTS[0], PROMPTS[1]], "one prompt per request"),
-                                ([ids, ids], "one prompt per request"), ([5, 10 ** 9], "not a token id")):
+        body = dict(model=NAME, max_tokens=5, temperature=0.9, seed=11, n=2, echo=True, logprobs=1)
+        batch = client.post("/v1/completions", json=dict(body, prompt=[PROMPTS[0], ids, PROMPTS[3]])).json()
+        alone = [client.post("/v1/completions", json=dict(body, prompt=p)).json() for p in (PROMPTS[0], ids, PROMPTS[3])]
+        assert [c["index"] for c in batch["choices"]] == list(range(6))
+        assert batch["choices"] == [dict(c, index=2 * p + i) for p, one in enumerate(alone)
+                                    for i, c in enumerate(one["choices"])]
+        assert batch["choices"][2]["text"].startswith(PROMPTS[1])  # echo: each choice starts with its own prompt
+        assert batch["usage"]["prompt_tokens"] == sum(one["usage"]["prompt_tokens"] for one in alone)
+        assert batch["usage"]["completion_tokens"] == sum(one["usage"]["completion_tokens"] for one in alone)
+        r = client.post("/v1/completions", json=dict(body, prompt=[PROMPTS[0], ids, PROMPTS[3]], stream=True))
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+                for i in range(6)] == [c["text"] for c in batch["choices"]]
+        for prompt, message in (([PROMPTS[0]] * 17, "at most 16"), ([ids, []], "prompt.1: the prompt is empty"),
+                                ([], "non-empty"), ([PROMPTS[0], 5], "must be text"), ([5, 10 ** 9], "not a token id")):
             r = client.post("/v1/completions", json=dict(model=NAME, prompt=prompt, max_tokens=2))
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         assert client.get("/health").json()["status"] == "ok"

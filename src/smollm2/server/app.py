@@ -38,7 +38,8 @@ from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Schedule
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
-MAX_N = 8  # choices per request: each is a request of its own in the batch
+MAX_N = 8  # choices per prompt: each is a request of its own in the batch
+MAX_PROMPTS = 16  # prompts per /v1/completions request
 
 
 class APIError(Exception):
@@ -129,22 +130,26 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
 
 
-def one_prompt(prompt):
-    """OpenAI's prompt is a string, token ids, or a list of those; here one prompt makes one request (a list of
-    one is that one: what lm-evaluation-harness sends). Checked whole here, so an error names `prompt` alone."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise ValueError(f"{len(prompt)} prompts in one request: send one prompt per request")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return unicode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        return prompt
-    raise ValueError("must be text or a list of token ids")
+def prompt_list(prompt):
+    """OpenAI's prompt: a string, token ids, or a list of either (a batch: each prompt's choices in turn).
+    Checked whole here, so an error names `prompt` alone; returns a list of prompts."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("must be text, token ids, or a non-empty list of those")
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}")
+    for p in prompt:
+        if isinstance(p, str):
+            unicode(p)
+        elif not (isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)):
+            raise ValueError("must be text, token ids, or a non-empty list of those")
+    return prompt
 
 
 class CompletionBody(Body):
-    prompt: Annotated[str | list[int], BeforeValidator(one_prompt)]  # text or token ids
+    prompt: Annotated[list[str | list[int]], BeforeValidator(prompt_list)]  # each text or token ids
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
     echo: bool = False
@@ -295,32 +300,37 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
         messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await complete(body, prompt, body.max_completion_tokens or body.max_tokens, connection,
+        return await complete(body, [prompt], body.max_completion_tokens or body.max_tokens, connection,
                               Reply(True, model_name, tokenizer, logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, connection: Connection):
         check_model(body.model)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        if isinstance(body.prompt, str):
-            ids, text = tokenizer.encode(body.prompt), body.prompt
-        else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
-            (ids,) = prompt_rows([body.prompt], model.config.vocab_size)
-            text = tokenizer.decode(ids)
-        return await complete(body, ids, max_tokens, connection,
-                              Reply(False, model_name, tokenizer, body.logprobs, text if body.echo else None))
+        prompts, texts = [], []
+        for prompt in body.prompt:
+            if isinstance(prompt, str):
+                prompts.append(tokenizer.encode(prompt))
+                texts.append(prompt)
+            else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
+                prompts.append(prompt_rows([prompt], model.config.vocab_size)[0] if prompt else [])
+                texts.append(tokenizer.decode(prompts[-1]))
+        return await complete(body, prompts, max_tokens, connection,
+                              Reply(False, model_name, tokenizer, body.logprobs, texts if body.echo else None))
 
     def check_model(name: str):
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    async def complete(body: Body, prompt: list[int], max_tokens: int | None, connection: Connection, reply: Reply):
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if max_tokens is None:
-            max_tokens = max(scheduler.max_seq_len - len(prompt), 1)  # too long a prompt still fails as such
-        reply.prompt = prompt
+    async def complete(body: Body, prompts: list[list[int]], max_tokens: int | None, connection: Connection,
+                       reply: Reply):
+        """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i."""
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
+                raise APIError(400, f"{where}: the prompt is empty", param=where)
+        reply.prompts, reply.n = prompts, body.n
         echo_logprobs = reply.logprobs if reply.echo is not None else None
         grammar = None
         if body.response_format is not None:
@@ -329,12 +339,15 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
             except SmolError as e:
                 raise APIError(400, str(e), param="response_format") from None
         requests = []
-        try:  # choice i: a request of its own, seeded seed + i
-            for i in range(body.n):
-                seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
-                sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
-                requests.append(scheduler.submit(prompt, max_tokens, sampling, body.stop or [], reply.logprobs,
-                                                 echo_logprobs, grammar))
+        try:
+            for prompt in prompts:
+                # No max_tokens: up to the context window; too long a prompt still fails as such.
+                limit = max(scheduler.max_seq_len - len(prompt), 1) if max_tokens is None else max_tokens
+                for i in range(body.n):
+                    seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
+                    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
+                    requests.append(scheduler.submit(prompt, limit, sampling, body.stop or [], reply.logprobs,
+                                                     echo_logprobs, grammar))
         except BaseException:
             for request in requests:
                 scheduler.cancel(request)
@@ -371,21 +384,27 @@ class Reply:
     logprobs: None, or the number of top tokens each token's log-probabilities list; echo: the prompt's text,
     which a completion's text then starts with (and its tokens, its logprobs)."""
 
-    def __init__(self, chat: bool, model_name: str, tokenizer, logprobs: int | None = None, echo: str | None = None):
+    def __init__(self, chat: bool, model_name: str, tokenizer, logprobs: int | None = None,
+                 echo: list[str] | None = None):
         self.chat, self.model, self.tokenizer, self.logprobs, self.echo = chat, model_name, tokenizer, logprobs, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.prompt: list[int] = []  # its ids, once known
+        self.prompts: list[list[int]] = []  # each prompt's ids, once known; choice c answers prompt c // n
+        self.n = 1
         self.offsets = collections.defaultdict(int)  # completions' text_offset, per choice: characters of the
         # text before the next token's
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return dict(id=self.id, object=kind, created=self.created, model=self.model, choices=choices, **extra)
 
-    @staticmethod
-    def usage(dones) -> dict:
-        """The prompt counted once, however many choices."""
-        prompt, completion = dones[0].prompt_tokens, sum(done.completion_tokens for done in dones)
+    def echoed(self, index: int) -> str:
+        """The text choice `index` starts with: its prompt's, with echo."""
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def usage(self, dones) -> dict:
+        """Each prompt counted once, however many choices."""
+        prompt = sum(map(len, self.prompts))
+        completion = sum(done.completion_tokens for done in dones)
         return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def format_logprobs(self, items: list[TokenLogprob | None], index: int = 0) -> dict | None:
@@ -402,7 +421,7 @@ class Reply:
         out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for i, lp in enumerate(items):
             if lp is None:  # the prompt's first token (echo): nothing predicts it
-                token, logprob, top = text(self.prompt[0]), None, None
+                token, logprob, top = text(self.prompts[index // self.n][0]), None, None
             else:
                 token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
             out["tokens"].append(token)
@@ -420,7 +439,7 @@ class Reply:
                 choices.append(dict(index=i, message=dict(role="assistant", content=text),
                                     logprobs=self.format_logprobs(items, i), finish_reason=done.finish_reason))
             else:
-                choices.append(dict(index=i, text=(self.echo or "") + text, logprobs=self.format_logprobs(items, i),
+                choices.append(dict(index=i, text=self.echoed(i) + text, logprobs=self.format_logprobs(items, i),
                                     finish_reason=done.finish_reason))
         return self._object("chat.completion" if self.chat else "text_completion", choices, usage=self.usage(dones))
 
@@ -481,13 +500,13 @@ async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, in
         for i, request in enumerate(requests):
             if reply.chat:
                 yield sse(reply.chunk(i, "", role=True))
-            elif reply.echo and request.prompt_logprobs is None:
-                yield sse(reply.chunk(i, reply.echo))
+            elif reply.echoed(i) and request.prompt_logprobs is None:
+                yield sse(reply.chunk(i, reply.echoed(i)))
         dones, failed = [], False
         async with contextlib.aclosing(merged(requests)) as events:
             async for i, event in events:
                 if isinstance(event, PromptLogprobs):
-                    yield sse(reply.chunk(i, reply.echo, logprobs=event.logprobs))
+                    yield sse(reply.chunk(i, reply.echoed(i), logprobs=event.logprobs))
                 elif isinstance(event, Delta):
                     if event.text or event.logprobs:
                         yield sse(reply.chunk(i, event.text, logprobs=event.logprobs))
