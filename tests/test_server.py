@@ -600,3 +600,27 @@ def test_a_completions_prompt_as_text_token_ids_or_a_list_of_them(tiny):
             r = client.post("/v1/completions", json=dict(model=NAME, prompt=prompt, max_tokens=2))
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         assert client.get("/health").json()["status"] == "ok"
+
+
+def test_requests_cancelled_together_each_end_once(tiny):
+    """Rows 0 and 2 of 3 cancelled at one step: each is told its end once, and row 1 moves into row 0."""
+    import asyncio
+
+    import torch
+
+    from smollm2.generation import Sampling
+
+    model, tokenizer = tiny
+    ended = []
+    sched = scheduler.Scheduler(model, tokenizer, max_batch_size=4, on_end=ended.append)
+
+    async def run():
+        requests = [sched.submit([1, 2, 3 + i], 8, Sampling(), ()) for i in range(3)]
+        with torch.inference_mode():
+            sched._admit()
+        assert sched.active == requests
+        requests[0].cancelled = requests[2].cancelled = True
+        sched._retire()
+        assert sched.active == [requests[1]] and sorted(map(id, ended)) == sorted(map(id, [requests[0], requests[2]]))
+
+    asyncio.run(run())

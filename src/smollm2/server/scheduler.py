@@ -236,9 +236,10 @@ class Scheduler:
             if not rows[b].done:  # cancelled (a finished request was counted as it finished)
                 self._cancelled(rows[b])
             last = rows.pop()
-            if b < len(rows) and not (last.done or last.cancelled):
-                filled = len(last.sequence.prompt) + len(last.sequence.tokens) - 1  # all but the last sampled
-                self._move_row(len(rows), b, filled)
+            if b < len(rows):  # the last request takes row b; one that has ended too is retired next
+                if not (last.done or last.cancelled):
+                    filled = len(last.sequence.prompt) + len(last.sequence.tokens) - 1  # all but the last sampled
+                    self._move_row(len(rows), b, filled)
                 rows[b] = last
         if self.filling is not None and self.filling.cancelled:
             self._cancelled(self.filling)
