@@ -67,6 +67,21 @@ def test_lookup_store_and_least_recently_used_eviction(small_chunks):
     assert PrefixCache(max_bytes=size - 1).store([], a, *block(1)) is None  # one block over the budget
 
 
+def test_a_prompt_seen_whole_before_needs_no_prefill(small_chunks):
+    cache = PrefixCache(max_bytes=1 << 20)
+    a, tail = list(range(16)), [1, 2, 3]
+    first = cache.store([], a, *block(1))
+    assert cache.lookup(a + tail) == [first]
+    h = torch.ones(1, 1, 8)
+    k, v = block(2)
+    last = cache.store([first], tail, k[..., :3, :], v[..., :3, :], h)
+    assert cache.lookup(a + tail) == [first, last] and torch.equal(last.h, h)  # the whole prompt: 19 tokens
+    assert cache.lookup(a + tail[:2]) == [first] and cache.lookup(a) == []  # a is a block, not a prompt's end
+    assert cache.found == 16 + 19 + 16
+    cache.store([], a, *block(1), h)  # now a prompt ended with a too
+    assert cache.lookup(a) == [first] and cache.bytes == sum(b.bytes for b in cache.blocks.values())
+
+
 def chat_turns(url: str, chat: int, turns: int = 5) -> list[tuple[str, list]]:
     """One chat of `turns` turns, its whole history sent each turn; each answer and its log-probabilities."""
     messages = [{"role": "system", "content": f"You are a poet who only writes about {TOPICS[chat]}."}]
@@ -106,6 +121,26 @@ def test_sixteen_concurrent_chats_are_bit_identical_with_and_without_the_cache(t
     hit, queried = (metric(metrics, f"smollm2_prefix_cache_{n}_tokens_total") for n in ("hit", "queried"))
     assert hit > 0.5 * queried, (hit, queried)  # later turns find their history, the chats their system prompt
     assert metric(metrics, "smollm2_prefix_cache_bytes") > 0
+
+
+def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks):
+    """The same request twice, and n=3: after the first, each prompt is found whole; answers equal those
+    without the cache."""
+    model, tokenizer = tiny
+    body = dict(model=NAME, messages=[{"role": "user", "content": "Write about " + " and ".join(TOPICS)}],
+                max_tokens=8, temperature=0.8, seed=5, logprobs=True)
+    answers, hits = [], []
+    for cache_bytes in (0, 64 << 20):
+        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes)
+        with running(app) as url:
+            answers.append([httpx.post(f"{url}/v1/chat/completions", json=dict(body, n=n)).json()["choices"]
+                            for n in (1, 1, 3)])
+            metrics = httpx.get(f"{url}/metrics").text
+        hits.append((metric(metrics, "smollm2_prefix_cache_hit_tokens_total"),
+                     metric(metrics, "smollm2_prefix_cache_queried_tokens_total")))
+    assert answers[0] == answers[1]
+    (none, _), (hit, queried) = hits
+    assert none == 0 and hit == queried * 4 / 5  # 5 prompts of one length, all but the first found whole
 
 
 def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny, small_chunks):

@@ -5,7 +5,8 @@ A block is one whole prefill chunk (PREFILL_CHUNK tokens, at a multiple of it), 
 block before it, so a block means one exact prefix. Since a prefill's chunks end at the same slots wherever it
 starts (steps.chunks), a block holds the very bits that computing its chunk again would give, and so does every
 chunk computed after it: a request's tokens are the same, bit for bit, with the cache on or off. The price is
-the grain: a prompt reuses whole chunks only, and never its last token, whose logits it needs.
+the grain: a prompt reuses whole chunks only, and its last chunk only where an equal prompt was prefilled
+before (the other choices of an `n` request, a retry), whose last hidden state is kept with it.
 
 Memory is bounded in bytes; the least recently used block goes first. A block is always used (and stored) with
 every block before it, and those are marked used after it, so an evicted block is never one that others extend.
@@ -27,8 +28,13 @@ from . import steps
 class Block:
     id: int
     key: tuple  # (the id of the block before it, 0 for none; its tokens)
-    k: torch.Tensor  # (L, n_kv, steps.PREFILL_CHUNK, hd), as KVCache.k[:, row, :, begin:end]
+    k: torch.Tensor  # (L, n_kv, n, hd), as KVCache.k[:, row, :, begin:end]
     v: torch.Tensor
+    h: torch.Tensor | None = None  # where a prompt ended with this chunk: its last position's hidden state, (1, 1, C)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.h) if t is not None)
 
 
 class PrefixCache:
@@ -40,36 +46,42 @@ class PrefixCache:
         self.looked_up = self.found = 0  # prompt tokens looked up, and found cached (metrics' hit rate)
 
     def lookup(self, prompt: Sequence[int]) -> list[Block]:
-        """The cached blocks the prompt starts with, in order; all of them end before its last token."""
+        """The cached blocks the prompt starts with, in order. All but the last end before its last token; the
+        last may end the prompt, where an equal prompt ended before (its `h` then stands for the whole prefill)."""
         found, parent, size = [], 0, steps.PREFILL_CHUNK
-        for begin in range(0, len(prompt) - size, size):  # the blocks that end at its last token or before
+        for begin in range(0, len(prompt), size):
             block = self.blocks.get((parent, tuple(prompt[begin:begin + size])))
-            if block is None:
+            if block is None or (begin + size >= len(prompt) and block.h is None):
                 break
             found.append(block)
             parent = block.id
         self._used(found)
         self.looked_up += len(prompt)
-        self.found += len(found) * size
+        self.found += sum(block.k.shape[-2] for block in found)
         return found
 
-    def store(self, before: list[Block], tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> Block | None:
-        """Keep a whole chunk's keys and values (copied), after the blocks `before` it; returns its block, or None
-        where that prefix is no longer cached (evicted meanwhile) or one block exceeds the budget."""
+    def store(self, before: list[Block], tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+              h: torch.Tensor | None = None) -> Block | None:
+        """Keep a chunk's keys and values (copied), after the blocks `before` it, and where the chunk ends a
+        prompt, the last position's hidden state h; returns its block, or None where that prefix is no longer
+        cached (evicted meanwhile) or the block exceeds the budget."""
         if before and self.blocks.get(before[-1].key) is not before[-1]:
             return None
         key = (before[-1].id if before else 0, tuple(tokens))
         block = self.blocks.get(key)
         if block is None:
-            size = (k.numel() + v.numel()) * k.element_size()
-            if size > self.max_bytes:
+            block = Block(next(self._ids), key, k.clone(), v.clone())
+            if block.bytes > self.max_bytes:
                 return None
-            block = self.blocks[key] = Block(next(self._ids), key, k.clone(), v.clone())
-            self.bytes += size
+            self.blocks[key] = block
+            self.bytes += block.bytes
+        if h is not None and block.h is None:
+            block.h = h.clone()
+            self.bytes += block.h.numel() * block.h.element_size()
         self._used([*before, block])
         while self.bytes > self.max_bytes:
             _, evicted = self.blocks.popitem(last=False)
-            self.bytes -= (evicted.k.numel() + evicted.v.numel()) * evicted.k.element_size()
+            self.bytes -= evicted.bytes
         return block if self.blocks.get(key) is block else None
 
     def _used(self, chain: list[Block]) -> None:

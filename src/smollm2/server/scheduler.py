@@ -272,35 +272,46 @@ class Scheduler:
         while len(self.active) < self.max_batch_size and done < steps.PREFILL_CHUNK \
                 and (request := self.filling or self._start()) is not None:
             prompt, row, scoring = request.sequence.prompt, self.filling_row, request.prompt_logprobs is not None
-            begin, end = next(chunks(request.filled, len(prompt)))
-            if done and done + end - begin > steps.PREFILL_CHUNK:  # a chunk is never split: next step
-                break
-            cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
-            ids = torch.tensor([prompt[begin:end]], device=self.device)
-            h = prefill_chunk(self.model, ids, cache, begin, last_only=not scoring)
-            if scoring:  # echo: every position's hidden state, scored as logprobs.prompt_logprobs scores them
-                request.scored += chunk_logprobs(self.model, prompt, begin, h[0], request.prompt_logprobs)
-            request.filled, done = end, done + end - begin
-            if end - begin == steps.PREFILL_CHUNK and request.blocks is not None and self.prefix_cache is not None:
-                block = self.prefix_cache.store(request.blocks, prompt[begin:end], self.cache.k[:, row, :, begin:end],
-                                                self.cache.v[:, row, :, begin:end])
-                request.blocks = None if block is None else [*request.blocks, block]
-            if end < len(prompt):
-                continue
+            if request.filled == len(prompt):  # an equal prompt was prefilled before: its last state is cached
+                h = request.blocks[-1].h
+            else:
+                begin, end = next(chunks(request.filled, len(prompt)))
+                if done and done + end - begin > steps.PREFILL_CHUNK:  # a chunk is never split: next step
+                    break
+                h = self._prefill(request, row, begin, end)
+                request.filled, done = end, done + end - begin
+                if end < len(prompt):
+                    continue
             self.filling = None
             if scoring:
                 request.send_prompt(request.scored)
                 if request.sequence.finish_reason:  # max_tokens 0: the prompt scored, nothing to generate
                     request.finish()
                     continue
-                # The first token from the last position computed alone, as for any request: the same bits
-                h = prefill_chunk(self.model, ids, cache, begin)  # (its keys and values are written again, equal)
             self.active.append(request)
             self.filling_row = len(self.active)
             ready.append(request)
             logits.append(self.model.logits(h[:, -1]))
         if ready:
             self._take(ready, torch.cat(logits))
+
+    def _prefill(self, request: Request, row: int, begin: int, end: int) -> torch.Tensor:
+        """One chunk of a request's prompt into its row, kept in the prefix cache if it is whole or ends the
+        prompt; returns the last position's hidden state, (1, 1, C), as the prefill of any request computes it."""
+        prompt = request.sequence.prompt
+        cache = self.cache.view(slice(row, row + 1), self._length(len(prompt)))
+        ids = torch.tensor([prompt[begin:end]], device=self.device)
+        if request.prompt_logprobs is not None:  # echo: every position's state, scored as prompt_logprobs does
+            h = prefill_chunk(self.model, ids, cache, begin, last_only=False)
+            request.scored += chunk_logprobs(self.model, prompt, begin, h[0], request.prompt_logprobs)
+        if request.prompt_logprobs is None or end == len(prompt):  # (echo: its keys and values written again, equal)
+            h = prefill_chunk(self.model, ids, cache, begin)
+        ends = end == len(prompt)
+        if self.prefix_cache is not None and request.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
+            block = self.prefix_cache.store(request.blocks, prompt[begin:end], self.cache.k[:, row, :, begin:end],
+                                            self.cache.v[:, row, :, begin:end], h if ends else None)
+            request.blocks = None if block is None else [*request.blocks, block]
+        return h
 
     def _start(self) -> Request | None:
         """The next waiting request to prefill, in row len(active), its cached prefix copied in; None if none.
@@ -312,11 +323,11 @@ class Scheduler:
         self.filling = request  # first: should the prefill fail, the request is failed with the others
         if self.prefix_cache is not None and request.prompt_logprobs is None:
             request.blocks = self.prefix_cache.lookup(request.sequence.prompt)
-            size = steps.PREFILL_CHUNK
-            for i, block in enumerate(request.blocks):
-                self.cache.k[:, row, :, i * size:(i + 1) * size] = block.k
-                self.cache.v[:, row, :, i * size:(i + 1) * size] = block.v
-            request.filled = len(request.blocks) * size
+            for block in request.blocks:
+                begin, end = request.filled, request.filled + block.k.shape[-2]
+                self.cache.k[:, row, :, begin:end] = block.k
+                self.cache.v[:, row, :, begin:end] = block.v
+                request.filled = end
         return request
 
     def _decode(self) -> None:
