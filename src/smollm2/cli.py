@@ -79,8 +79,8 @@ def check_address(host: str, port: int) -> None:
 
 
 def load_model(args):
-    """The model named by --model (default: the embedded SmolLM2-135M-Instruct), as --dtype/--quantize say;
-    on the CPU kernels unless --no-kernels."""
+    """The model named by --model (default: the embedded SmolLM2-135M-Instruct) with --adapter merged in, as
+    --dtype/--quantize say; on the CPU kernels unless --no-kernels."""
     from .generation import Sampling
     from .kernels import accelerate
     from .model import SmolLM2
@@ -92,7 +92,9 @@ def load_model(args):
         raise SmolError("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels)
+    # An adapter is merged into the float weights as they load, before any quantizing or kernel sees them.
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels,
+                                    adapter=args.adapter)
     if args.quantize == "int8":
         quantize_int8(model)
         if args.kernels:
@@ -364,6 +366,17 @@ def finetune(args):
     print(f"the fine-tuned model is in {final}")
 
 
+def export(args):
+    """--model, with --adapter merged into its weights, as a HF directory (tokenizer included)."""
+    from .model import SmolLM2
+    from .tokenizer import Tokenizer
+
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], accelerate=False, adapter=args.adapter)
+    model.save_pretrained(args.out)
+    Tokenizer.from_pretrained(args.model).save_pretrained(args.out)
+    print(f"the {'merged ' if args.adapter else ''}model is in {args.out}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="smollm2", description="SmolLM2 language models in plain PyTorch.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -371,6 +384,8 @@ def parser() -> argparse.ArgumentParser:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded "
                                        "SmolLM2-135M-Instruct)")
+    model.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the "
+                                                        "model's weights as they load")
     model.add_argument("--dtype", choices=DTYPES, default="fp32")
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     model.add_argument("--threads", type=whole_number(1, MAX_THREADS),
@@ -431,6 +446,13 @@ def parser() -> argparse.ArgumentParser:
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     c.set_defaults(run=serve)
+
+    c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory")
+    c.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the weights")
+    c.add_argument("--dtype", choices=DTYPES, default="fp32")
+    c.add_argument("--out", type=directory, required=True, help="the HF directory to write")
+    c.set_defaults(run=export)
 
     c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")
     c.add_argument("files", nargs="+", help="text files, or JSONL files of {\"text\": ...} objects")
