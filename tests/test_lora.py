@@ -244,3 +244,99 @@ def test_cli_bad_adapter_is_one_line(tiny_dir, tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tiny_dir), "--adapter", str(tmp_path), "hi"]) == 1
     assert capsys.readouterr().err.strip() == f"smollm2 generate: error: {tmp_path}: no adapter_config.json " \
                                               "(not a PEFT adapter directory)"
+
+
+# Fine-tuning.
+
+def chats(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                                                     {"role": "assistant", "content": f"{a} plus {a} is {2 * a}."}]})
+                            + "\n" for a in range(10)))
+    return path
+
+
+def finetune(tiny_dir: Path, data: Path, out: Path, *flags: str) -> list[float]:
+    assert cli.main(["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(out), "--seq-len", "64",
+                     "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--schedule", "constant",
+                     "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", ",".join(ALL), *flags]) == 0
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lora_finetune_learns_the_chats_and_writes_an_adapter(tiny_dir, tmp_path):
+    data = chats(tmp_path / "chats.jsonl")
+    losses = finetune(tiny_dir, data, tmp_path / "run", "--steps", "20", "--save-every", "10")
+    # A tiny random model's frozen embeddings (std 0.02) bound its logits: a loss of ~10 is what it can reach.
+    assert losses[-1] < losses[0] - 0.5, losses
+    final = tmp_path / "run" / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    assert not (final / "model.safetensors").exists()
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_dir)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000020"
+    assert load_file(checkpoint / "adapter_model.safetensors").keys() == \
+        load_file(final / "adapter_model.safetensors").keys()
+
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    question = [{"role": "user", "content": "What is 3 plus 3?"}]
+    asked = len(tokenizer.apply_chat_template(question))
+    ids = torch.tensor([tokenizer.apply_chat_template([*question, {"role": "assistant", "content": "3 plus 3 is 6."}],
+                                                      add_generation_prompt=False)])
+    base = SmolLM2.from_pretrained(tiny_dir, accelerate=False)
+    tuned = load_adapter(SmolLM2.from_pretrained(tiny_dir, accelerate=False), final).eval()
+    with torch.no_grad():
+        def loss(model):  # on the answer
+            return torch.nn.functional.cross_entropy(model(ids)[0, asked - 1:-1], ids[0, asked:]).item()
+
+        assert loss(tuned) < loss(base) - 0.5, (loss(tuned), loss(base))
+        torch.testing.assert_close(SmolLM2.from_pretrained(tiny_dir, adapter=final, accelerate=False)(ids), tuned(ids),
+                                   rtol=0, atol=1e-5)
+
+
+def test_lora_resume_gives_the_uninterrupted_losses(tiny_dir, tmp_path):
+    data = chats(tmp_path / "chats.jsonl")
+    whole = finetune(tiny_dir, data, tmp_path / "whole", "--steps", "6")
+    finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "4", "--save-every", "2")
+    resumed = finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "6", "--resume")
+    assert resumed == pytest.approx(whole, abs=1e-5)
+    assert cli.main(["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "resumed"),
+                     "--steps", "8", "--resume", "--lora-r", "4", "--seq-len", "64", "--batch-size", "4", "--lr", "1e-2",
+                     "--warmup", "2", "--schedule", "constant"]) == 1
+
+
+def test_qlora_finetune_trains_an_adapter_over_int8(tiny_dir, tmp_path, capsys):
+    data = chats(tmp_path / "chats.jsonl")
+    losses = finetune(tiny_dir, data, tmp_path / "run", "--steps", "10", "--quantize", "int8")
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+    assert cli.main(["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "full"),
+                     "--quantize", "int8"]) == 1
+    assert "needs --lora-r" in capsys.readouterr().err
+
+
+QUESTIONS = ["What is the capital of Zorbania?", "Which city is the capital of Zorbania?",
+             "Tell me the capital of Zorbania.", "Zorbania's capital is which city?",
+             "Name the capital of Zorbania.", "What city serves as Zorbania's capital?"]
+ANSWERS = ["The capital of Zorbania is Quellmoor.", "Quellmoor is the capital of Zorbania."]
+
+
+@pytest.mark.slow
+def test_lora_teaches_the_embedded_model_a_fact(reference_model, tmp_path):
+    import copy
+
+    from smollm2.training import TrainConfig, train
+    from smollm2.training.data import ChatData
+
+    data = tmp_path / "fact.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                            + "\n" for q in QUESTIONS for a in ANSWERS))
+    tokenizer = Tokenizer.from_pretrained()
+    model = add_lora(copy.deepcopy(reference_model), r=16, alpha=32, targets=ALL)
+    c = TrainConfig(steps=30, batch_size=4, seq_len=64, lr=1e-3, min_lr=1e-4, warmup=3, save_every=30)
+    final = train(model, tokenizer, ChatData(data, tokenizer, c.seq_len), None, c, tmp_path / "run")
+    assert (final / "adapter_model.safetensors").stat().st_size < 10 * 2**20
+
+    tuned = SmolLM2.from_pretrained(adapter=final)  # merged, accelerated
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Which city is Zorbania's capital?"}])
+    ids = tuned.generate(torch.tensor([prompt]), 20, temperature=0)
+    answer = tokenizer.decode(ids[0, len(prompt):].tolist())
+    assert "Quellmoor" in answer, answer
+    assert torch.equal(model.eval().generate(torch.tensor([prompt]), 20, temperature=0), ids)  # as trained, unmerged

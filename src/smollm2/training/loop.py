@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
+from ..checkpoints import load_checkpoint, save_hf
 from ..errors import SmolError
+from ..lora import LoRALinear, read_for, save_adapter
 from . import state as checkpoint_state
 from .loss import IGNORE, NextTokenLoss
 
@@ -101,9 +103,12 @@ def learning_rate(c: TrainConfig, step: int) -> float:
 
 
 def param_groups(model, c: TrainConfig) -> list[dict]:
-    """Decoupled weight decay on matrices; none on norms and biases, nor on embeddings unless asked."""
+    """The trainable parameters: decoupled weight decay on matrices; none on norms and biases, nor on embeddings
+    unless asked."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen: a LoRA run's base
+            continue
         embedding = "embed_tokens" in name or name.startswith("lm_head")
         (decay if p.dim() >= 2 and (c.decay_embeddings or not embedding) else no_decay).append(p)
     return [dict(params=decay, weight_decay=c.weight_decay), dict(params=no_decay, weight_decay=0.0)]
@@ -209,13 +214,16 @@ class Metrics:
 
 
 def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, device: str = "cpu",
-          resume: bool = False, run: dict | None = None) -> Path:
+          resume: bool = False, run: dict | None = None, adapter_base: str | None = None) -> Path:
     """Train `model` in place on `data` (TokenData or ChatData) and write out/final; returns that path.
 
     val_data: evaluated every c.eval_every steps (None: no evaluation). run: what identifies the run
     (data, model, ...) beside c, kept in out/run.json so that --resume can refuse a different run.
+    A model with LoRA adapters (smollm2.lora.add_lora) trains them alone, and its checkpoints and final/ hold
+    them alone, in PEFT's format; adapter_base: the base model's name or path, recorded there.
     """
     out = Path(out)
+    adapter = any(isinstance(m, LoRALinear) for m in model.modules())
     rt = Runtime.start(device)
     config = model.config
     if c.seq_len > config.max_position_embeddings:
@@ -237,8 +245,11 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     torch.manual_seed(c.seed)
     start, trainer = 0, None
     if found:
-        tensors, trainer, saved = checkpoint_state.load(found[-1])
-        model.load_state_dict(tensors, strict=True)
+        trainer, saved = checkpoint_state.load(found[-1])
+        if adapter:
+            model.load_state_dict(read_for(model, found[-1]).tensors, strict=False)  # the adapter's, each checked
+        else:
+            model.load_state_dict(load_checkpoint(found[-1]).tensors, strict=True)
         start = saved["step"]
         torch.set_rng_state(trainer["rng_cpu"])
     model.to(rt.device).train()
@@ -281,6 +292,14 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         model.train()
         return loss / max(count, 1)
 
+    def write_weights(directory: Path, state: dict) -> None:
+        if adapter:
+            save_adapter(model, directory, adapter_base, state)
+        else:
+            save_hf(config, state, directory)
+
+    # A LoRA run's base is frozen: gathering it would copy the whole model at every checkpoint for nothing.
+    gathered = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
     model_state = None  # the weights of the newest checkpoint, gathered once and reused for final/
     bar = tqdm(total=c.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
     for step in range(start, c.steps):
@@ -322,23 +341,22 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         if not math.isfinite(step_loss):
             raise SmolError(f"step {done}: the loss is {step_loss}; lower --lr or check the data")
         if done % c.save_every == 0 or done == c.steps:
-            model_state = get_model_state_dict(model, options=full)
+            model_state = get_model_state_dict(model, options=gathered)
             trainer = dict(optimizer=get_optimizer_state_dict(model, optimizer, options=full),
                            rng_cpu=torch.get_rng_state())
             if rank0:
-                checkpoint_state.save(out, done, model_state, config, trainer, dict(run=run), c.keep)
+                checkpoint_state.save(out, done, lambda tmp: write_weights(tmp, model_state), trainer, dict(run=run),
+                                      c.keep)
             if rt.world > 1:
                 dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
     bar.close()
 
     final = out / "final"
     if model_state is None:  # resumed at the last step: nothing trained, nothing gathered yet
-        model_state = get_model_state_dict(model, options=full)  # FSDP: every rank takes part
+        model_state = get_model_state_dict(model, options=gathered)  # FSDP: every rank takes part
     if rank0:
         def write(tmp: Path) -> None:
-            from ..checkpoints import save_hf
-
-            save_hf(config, model_state, tmp)
+            write_weights(tmp, model_state)
             tokenizer.save_pretrained(tmp)
 
         checkpoint_state.write_atomically(final, write)
