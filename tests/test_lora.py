@@ -329,8 +329,8 @@ def test_lora_teaches_the_embedded_model_a_fact(reference_model, tmp_path):
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
                             + "\n" for q in QUESTIONS for a in ANSWERS))
     tokenizer = Tokenizer.from_pretrained()
-    model = add_lora(copy.deepcopy(reference_model), r=16, alpha=32, targets=ALL)
-    c = TrainConfig(steps=30, batch_size=4, seq_len=64, lr=1e-3, min_lr=1e-4, warmup=3, save_every=30)
+    model = add_lora(copy.deepcopy(reference_model), r=8, alpha=16, targets=ALL)
+    c = TrainConfig(steps=15, batch_size=4, seq_len=64, lr=1e-3, min_lr=1e-4, warmup=3, save_every=15)
     final = train(model, tokenizer, ChatData(data, tokenizer, c.seq_len), None, c, tmp_path / "run")
     assert (final / "adapter_model.safetensors").stat().st_size < 10 * 2**20
 

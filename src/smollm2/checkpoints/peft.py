@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..errors import SmolError
 from .checkpoint import Checkpoint, parameter_shapes
-from .hf import _read_json
+from .hf import read_json
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PEFT's wrapper, then LlamaForCausalLM's own names
@@ -105,7 +105,7 @@ def read_adapter(path: str | Path, linears: dict[str, torch.Size]) -> Adapter:
                             f"arbitrary code; save it as {WEIGHTS} (PEFT's default)")
         raise SmolError(f"{path}: no {WEIGHTS}")
     known = {name.rpartition(".")[2] for name in linears}
-    r, alpha, dropout, targets = _settings(_read_json(path / CONFIG), known, path / CONFIG)
+    r, alpha, dropout, targets = _settings(read_json(path / CONFIG), known, path / CONFIG)
 
     expected = {}
     for module, (out_features, in_features) in linears.items():
