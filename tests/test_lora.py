@@ -240,6 +240,15 @@ def test_bad_lora_settings():
         add_lora(adapted())
 
 
+def test_adapters_come_before_the_kernels(tiny_dir):
+    from smollm2 import kernels
+
+    if kernels.compiled() is None:
+        pytest.skip("no C compiler: accelerate leaves the model as it is")
+    with pytest.raises(SmolError, match="add it before smollm2.accelerate"):
+        add_lora(SmolLM2.from_pretrained(tiny_dir))
+
+
 def test_cli_bad_adapter_is_one_line(tiny_dir, tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tiny_dir), "--adapter", str(tmp_path), "hi"]) == 1
     assert capsys.readouterr().err.strip() == f"smollm2 generate: error: {tmp_path}: no adapter_config.json " \

@@ -66,15 +66,15 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8.0, targets=DEFAULT_T
         if target not in known:
             raise SmolError(f"LoRA target {target!r} is not a linear layer of the model's blocks "
                             f"({', '.join(sorted(known))})")
+    chosen = [(module, name, child) for block in model.model.layers for module in block.modules()
+              for name, child in module.named_children() if name in targets]
+    for _, _, child in chosen:
+        if type(child) not in BASES:  # smollm2.accelerate's modules read the weight itself, not through forward
+            raise SmolError(f"cannot add LoRA to a {type(child).__name__}: add it before smollm2.accelerate "
+                            "(from_pretrained(..., accelerate=False))")
     model.requires_grad_(False)
-    for block in model.model.layers:
-        for module in list(block.modules()):
-            for name, child in list(module.named_children()):
-                if name in targets:
-                    if type(child) not in BASES:  # smollm2.accelerate's modules read the weight itself
-                        raise SmolError(f"cannot add LoRA to a {type(child).__name__}: add it before "
-                                        "smollm2.accelerate (from_pretrained(..., accelerate=False))")
-                    setattr(module, name, LoRALinear(child, r, alpha, dropout))
+    for module, name, child in chosen:
+        setattr(module, name, LoRALinear(child, r, alpha, dropout))
     return model
 
 

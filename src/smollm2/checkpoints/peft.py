@@ -107,38 +107,36 @@ def read_adapter(path: str | Path, linears: dict[str, torch.Size]) -> Adapter:
     known = {name.rpartition(".")[2] for name in linears}
     r, alpha, dropout, targets = _settings(read_json(path / CONFIG), known, path / CONFIG)
 
-    expected = {}
+    expected = {}  # PEFT's names -> shapes
     for module, (out_features, in_features) in linears.items():
         if module.rpartition(".")[2] in targets:
-            expected[f"{module}.lora_A.weight"] = torch.Size((r, in_features))
-            expected[f"{module}.lora_B.weight"] = torch.Size((out_features, r))
-    tensors = {}
+            expected[f"{PREFIX}{module}.lora_A.weight"] = torch.Size((r, in_features))
+            expected[f"{PREFIX}{module}.lora_B.weight"] = torch.Size((out_features, r))
     try:
         with safe_open(str(weights), framework="pt") as f:
-            found = {name.removeprefix(PREFIX): name for name in f.keys()}
-            for name in sorted(expected.keys() - found.keys()):
-                raise SmolError(f"{weights}: missing tensor {PREFIX}{name}")
-            for name in sorted(found.keys() - expected.keys()):
-                raise SmolError(f"{weights}: unexpected tensor {found[name]}")
+            for name in sorted(expected.keys() - set(f.keys())):
+                raise SmolError(f"{weights}: missing tensor {name}")
+            for name in sorted(set(f.keys()) - expected.keys()):
+                raise SmolError(f"{weights}: unexpected tensor {name}")
             for name, shape in expected.items():
-                piece = f.get_slice(found[name])
+                piece = f.get_slice(name)
                 got = torch.Size(piece.get_shape())
                 if got != shape:
                     a = name.endswith("lora_A.weight")  # A is (r, in), B is (out, r)
                     if len(got) == 2 and (got[1] == shape[1] if a else got[0] == shape[0]):  # this base, another r
-                        raise SmolError(f"{weights}: tensor {found[name]} has rank {got[0] if a else got[1]}, but "
+                        raise SmolError(f"{weights}: tensor {name} has rank {got[0] if a else got[1]}, but "
                                         f"{CONFIG} says r={r}")
-                    raise SmolError(f"{weights}: tensor {found[name]} has shape {tuple(got)}, but this base model "
-                                    f"needs {tuple(shape)} (an adapter for another base model?)")
+                    raise SmolError(f"{weights}: tensor {name} has shape {tuple(got)}, but this base model needs "
+                                    f"{tuple(shape)} (an adapter for another base model?)")
                 if piece.get_dtype() not in ("F32", "F16", "BF16", "F64"):
-                    raise SmolError(f"{weights}: tensor {found[name]} has dtype {piece.get_dtype()}, not a float")
-            for name in expected:
-                tensors[name] = f.get_tensor(found[name])
+                    raise SmolError(f"{weights}: tensor {name} has dtype {piece.get_dtype()}, not a float")
+            tensors = {name: f.get_tensor(name) for name in expected}
     except (SafetensorError, OSError) as e:
         raise SmolError(f"{weights}: truncated or corrupt safetensors file ({e})") from None
     for name, tensor in tensors.items():
         if not torch.isfinite(tensor).all():
-            raise SmolError(f"{weights}: tensor {PREFIX}{name} holds NaN or infinite values")
+            raise SmolError(f"{weights}: tensor {name} holds NaN or infinite values")
+    tensors = {name.removeprefix(PREFIX): tensor for name, tensor in tensors.items()}
     return Adapter(r, alpha, dropout, targets, tensors)
 
 

@@ -114,13 +114,14 @@ def param_groups(model, c: TrainConfig) -> list[dict]:
     return [dict(params=decay, weight_decay=c.weight_decay), dict(params=no_decay, weight_decay=0.0)]
 
 
-def matmul_flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token (PaLM's estimate): 6 x matmul weights + 12 x layers x width x context."""
+def matmul_flops_per_token(config, seq_len: int, frozen: bool = False) -> float:
+    """Training FLOPs per token (PaLM's estimate): 6 x matmul weights + 12 x layers x width x context; 4 x weights
+    when they are frozen (a LoRA run: no weight gradients, and the adapter's own products are a rounding error)."""
     c = config
     attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     mlp = 3 * c.hidden_size * c.intermediate_size
     weights = c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size  # + output projection
-    return 6 * weights + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    return (4 if frozen else 6) * weights + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -273,7 +274,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
 
     autocast = torch.autocast(rt.device.type, dtype=DTYPES[c.dtype]) if DTYPES[c.dtype] else nullcontext()
     per_step = c.batch_size * c.grad_accum * rt.world
-    flops_per_token = matmul_flops_per_token(config, c.seq_len)
+    flops_per_token = matmul_flops_per_token(config, c.seq_len, frozen=adapter)
     peak = measured_peak_flops(rt.device, DTYPES[c.dtype] or torch.float32) * rt.world
     metrics = Metrics(out, start, rank0)
 
