@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +17,6 @@ from smollm2.quantize import quantize_int8
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.tensor([[1, 5, 9, 200, 17, 3000, 42, 7]])
 PREFIX = "base_model.model."
-
-
-def smollm2(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "smollm2", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def randomize(model: SmolLM2, seed: int = 1) -> SmolLM2:
@@ -64,8 +56,8 @@ def test_peft_made_adapter_gives_peft_logits_here(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     base = tiny_model(TINY["gqa"])
-    theirs = get_peft_model(hf_copy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                      task_type="CAUSAL_LM"))
+    settings = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+    theirs = get_peft_model(hf_copy(base), settings)
     torch.manual_seed(2)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
@@ -179,7 +171,8 @@ def test_an_adapter_for_another_base(adapter_dir):
 @pytest.mark.parametrize("changes, message", [
     (dict(r=8), "has rank 4, but adapter_config.json says r=8"),
     (dict(target_modules=["q_proj", "qkv_proj"]), "target module 'qkv_proj' is not a linear layer"),
-    (dict(target_modules=["q_proj", "k_proj", "v_proj"]), "missing tensor base_model.model.model.layers.0.self_attn.k_proj.lora_A"),
+    (dict(target_modules=["q_proj", "k_proj", "v_proj"]),
+     "missing tensor base_model.model.model.layers.0.self_attn.k_proj.lora_A"),
     (dict(target_modules=["q_proj"]), "unexpected tensor base_model.model.model.layers.0.self_attn.v_proj.lora_A"),
     (dict(target_modules="q_proj|v_proj"), "target_modules must be a list of module names"),
     (dict(r=0), "r must be a whole number >= 1, got 0"),
@@ -300,15 +293,16 @@ def test_lora_finetune_learns_the_chats_and_writes_an_adapter(tiny_dir, tmp_path
                                    rtol=0, atol=1e-5)
 
 
-def test_lora_resume_gives_the_uninterrupted_losses(tiny_dir, tmp_path):
+def test_lora_resume_gives_the_uninterrupted_losses(tiny_dir, tmp_path, capsys):
     data = chats(tmp_path / "chats.jsonl")
     whole = finetune(tiny_dir, data, tmp_path / "whole", "--steps", "6")
     finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "4", "--save-every", "2")
     resumed = finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "6", "--resume")
     assert resumed == pytest.approx(whole, abs=1e-5)
     assert cli.main(["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "resumed"),
-                     "--steps", "8", "--resume", "--lora-r", "4", "--seq-len", "64", "--batch-size", "4", "--lr", "1e-2",
-                     "--warmup", "2", "--schedule", "constant"]) == 1
+                     "--steps", "8", "--resume", "--lora-r", "4", "--seq-len", "64", "--batch-size", "4",
+                     "--lr", "1e-2", "--warmup", "2", "--schedule", "constant"]) == 1
+    assert "--resume with different lora settings than the run there (alpha: 16.0 -> 4" in capsys.readouterr().err
 
 
 def test_qlora_finetune_trains_an_adapter_over_int8(tiny_dir, tmp_path, capsys):
@@ -335,8 +329,9 @@ def test_lora_teaches_the_embedded_model_a_fact(reference_model, tmp_path):
     from smollm2.training.data import ChatData
 
     data = tmp_path / "fact.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                            + "\n" for q in QUESTIONS for a in ANSWERS))
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q in QUESTIONS for a in ANSWERS))
     tokenizer = Tokenizer.from_pretrained()
     model = add_lora(copy.deepcopy(reference_model), r=8, alpha=16, targets=ALL)
     c = TrainConfig(steps=15, batch_size=4, seq_len=64, lr=1e-3, min_lr=1e-4, warmup=3, save_every=15)

@@ -464,7 +464,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory")
     c.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the weights")
+    c.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the "
+                                                    "weights")
     c.add_argument("--dtype", choices=DTYPES, default="fp32")
     c.add_argument("--out", type=directory, required=True, help="the HF directory to write")
     c.set_defaults(run=export)
