@@ -52,6 +52,11 @@ def test_our_adapter_gives_peft_our_logits(config, tmp_path):
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == "tiny"
 
 
+def save_base(model: SmolLM2, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
 def test_peft_made_adapter_gives_peft_logits_here(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -70,11 +75,6 @@ def test_peft_made_adapter_gives_peft_logits_here(tmp_path):
         torch.testing.assert_close(ours(IDS), expected, rtol=0, atol=1e-5)
         merged = SmolLM2.from_pretrained(save_base(base, tmp_path / "base"), adapter=tmp_path, accelerate=False)
         torch.testing.assert_close(merged(IDS), expected, rtol=0, atol=1e-5)
-
-
-def save_base(model: SmolLM2, path: Path) -> Path:
-    model.save_pretrained(path)
-    return path
 
 
 def test_merged_equals_unmerged_and_the_adapter_alone_trains():
