@@ -79,8 +79,8 @@ def check_address(host: str, port: int) -> None:
 
 
 def load_model(args):
-    """The model named by --model (default: the embedded SmolLM2-135M-Instruct), as --dtype/--quantize say;
-    on the CPU kernels unless --no-kernels."""
+    """The model named by --model (default: the embedded SmolLM2-135M-Instruct) with --adapter merged in, as
+    --dtype/--quantize say; on the CPU kernels unless --no-kernels."""
     from .generation import Sampling
     from .kernels import accelerate
     from .model import SmolLM2
@@ -92,7 +92,9 @@ def load_model(args):
         raise SmolError("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels)
+    # An adapter is merged into the float weights as they load, before any quantizing or kernel sees them.
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels,
+                                    adapter=args.adapter)
     if args.quantize == "int8":
         quantize_int8(model)
         if args.kernels:
@@ -372,13 +374,39 @@ def finetune(args):
     from .training.data import ChatData
 
     c = training_config(args)
+    if args.quantize and args.lora_r is None:
+        raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
     tokenizer = Tokenizer.from_pretrained(args.model)
     data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
     val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
     model = SmolLM2.from_pretrained(args.model, accelerate=False)  # fp32 weights, whatever the checkpoint stores
     run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
-    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run)
-    print(f"the fine-tuned model is in {final}")
+    if args.lora_r is not None:
+        from .lora import add_lora
+        from .quantize import quantize_int8
+
+        lora = dict(r=args.lora_r, alpha=args.lora_r if args.lora_alpha is None else args.lora_alpha,
+                    targets=args.lora_targets.split(","), dropout=args.lora_dropout)
+        if args.quantize == "int8":
+            quantize_int8(model)
+        torch.manual_seed(c.seed)  # the adapter's initial A follows --seed
+        add_lora(model, **lora)
+        run["lora"] = {**lora, "quantize": args.quantize}
+    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
+                  adapter_base=args.model)
+    what = "adapter (PEFT's format; use it with --adapter)" if args.lora_r is not None else "model"
+    print(f"the fine-tuned {what} is in {final}")
+
+
+def export(args):
+    """--model, with --adapter merged into its weights, as a HF directory (tokenizer included)."""
+    from .model import SmolLM2
+    from .tokenizer import Tokenizer
+
+    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], accelerate=False, adapter=args.adapter)
+    model.save_pretrained(args.out)
+    Tokenizer.from_pretrained(args.model).save_pretrained(args.out)
+    print(f"the {'merged ' if args.adapter else ''}model is in {args.out}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -388,6 +416,8 @@ def parser() -> argparse.ArgumentParser:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded "
                                        "SmolLM2-135M-Instruct)")
+    model.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the "
+                                                        "model's weights as they load")
     model.add_argument("--dtype", choices=DTYPES, default="fp32")
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     model.add_argument("--threads", type=whole_number(1, MAX_THREADS),
@@ -455,6 +485,14 @@ def parser() -> argparse.ArgumentParser:
                         "1024 MiB; 0: none)")
     c.set_defaults(run=serve)
 
+    c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory")
+    c.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the "
+                                                    "weights")
+    c.add_argument("--dtype", choices=DTYPES, default="fp32")
+    c.add_argument("--out", type=directory, required=True, help="the HF directory to write")
+    c.set_defaults(run=export)
+
     c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")
     c.add_argument("files", nargs="+", help="text files, or JSONL files of {\"text\": ...} objects")
     c.add_argument("--out", type=directory, required=True, help="directory for the shards and manifest.json")
@@ -502,6 +540,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="starting checkpoint, as elsewhere (default: the embedded model)")
     c.add_argument("--data", required=True, help="JSONL, one {\"messages\": [...]} chat per line")
     c.add_argument("--val-data", help="JSONL chats for the validation loss")
+    c.add_argument("--lora-r", type=whole_number(1, 4096), metavar="R",
+                   help="train a LoRA adapter of rank R instead of every weight; final/ then holds the adapter alone")
+    c.add_argument("--lora-alpha", type=float, metavar="A", help="the adapter's update is scaled by A/R (default: R)")
+    c.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
+                   help="the linear layers that get an adapter, comma-separated, from q_proj, k_proj, v_proj, o_proj, "
+                        "gate_proj, up_proj, down_proj (default: q_proj,v_proj, as PEFT)")
+    c.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapter's input")
+    c.add_argument("--quantize", choices=("int8",), help="with --lora-r: the frozen base as int8 (QLoRA)")
     c.set_defaults(run=finetune, lr=5e-5, min_lr=5e-6, warmup=10, steps=100, batch_size=4)
     return p
 

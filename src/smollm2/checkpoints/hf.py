@@ -18,7 +18,7 @@ INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -42,7 +42,7 @@ def _shards(directory: Path) -> list[Path]:
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
     if (directory / INDEX).is_file():
-        weight_map = _read_json(directory / INDEX).get("weight_map")
+        weight_map = read_json(directory / INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SmolError(f"{directory / INDEX}: no weight_map")
         return sorted({_inside(directory, name) for name in weight_map.values()})

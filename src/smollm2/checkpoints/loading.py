@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import accelerate
 from .checkpoint import parameter_shapes
+from .peft import merge_adapter
 from .source import load_checkpoint
 
 
@@ -28,13 +29,17 @@ class WithoutRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def load_model(cls, src: str | os.PathLike | None, dtype: torch.dtype, device, speed_up: bool):
-    """cls (SmolLM2) built from the checkpoint at src; speed_up: accelerated where it runs on the CPU."""
+def load_model(cls, src: str | os.PathLike | None, dtype: torch.dtype, device, speed_up: bool,
+               adapter: str | os.PathLike | None = None):
+    """cls (SmolLM2) built from the checkpoint at src, with the LoRA adapter directory `adapter` (PEFT's
+    format) merged into its weights; speed_up: accelerated where it runs on the CPU."""
     speed_up = speed_up and torch.device(device).type == "cpu"
     # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
     with torch.inference_mode(False):
         ckpt = load_checkpoint(src, dtype, packed=speed_up)
         ckpt.check(parameter_shapes(ckpt.config))
+        if adapter is not None:
+            merge_adapter(ckpt, adapter)
         with WithoutRandomInit():  # every weight is replaced below
             model = cls(ckpt.config)
         model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype

@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
+from ..checkpoints import load_checkpoint, save_hf
 from ..errors import SmolError
+from ..lora import LoRALinear, read_for, save_adapter
 from . import state as checkpoint_state
 from .loss import IGNORE, NextTokenLoss
 
@@ -101,21 +103,25 @@ def learning_rate(c: TrainConfig, step: int) -> float:
 
 
 def param_groups(model, c: TrainConfig) -> list[dict]:
-    """Decoupled weight decay on matrices; none on norms and biases, nor on embeddings unless asked."""
+    """The trainable parameters: decoupled weight decay on matrices; none on norms and biases, nor on embeddings
+    unless asked."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen: a LoRA run's base
+            continue
         embedding = "embed_tokens" in name or name.startswith("lm_head")
         (decay if p.dim() >= 2 and (c.decay_embeddings or not embedding) else no_decay).append(p)
     return [dict(params=decay, weight_decay=c.weight_decay), dict(params=no_decay, weight_decay=0.0)]
 
 
-def matmul_flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token (PaLM's estimate): 6 x matmul weights + 12 x layers x width x context."""
+def matmul_flops_per_token(config, seq_len: int, frozen: bool = False) -> float:
+    """Training FLOPs per token (PaLM's estimate): 6 x matmul weights + 12 x layers x width x context; 4 x weights
+    when they are frozen (a LoRA run: no weight gradients, and the adapter's own products are a rounding error)."""
     c = config
     attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     mlp = 3 * c.hidden_size * c.intermediate_size
     weights = c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size  # + output projection
-    return 6 * weights + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    return (4 if frozen else 6) * weights + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -209,13 +215,16 @@ class Metrics:
 
 
 def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, device: str = "cpu",
-          resume: bool = False, run: dict | None = None) -> Path:
+          resume: bool = False, run: dict | None = None, adapter_base: str | None = None) -> Path:
     """Train `model` in place on `data` (TokenData or ChatData) and write out/final; returns that path.
 
     val_data: evaluated every c.eval_every steps (None: no evaluation). run: what identifies the run
     (data, model, ...) beside c, kept in out/run.json so that --resume can refuse a different run.
+    A model with LoRA adapters (smollm2.lora.add_lora) trains them alone, and its checkpoints and final/ hold
+    them alone, in PEFT's format; adapter_base: the base model's name or path, recorded there.
     """
     out = Path(out)
+    adapter = any(isinstance(m, LoRALinear) for m in model.modules())
     rt = Runtime.start(device)
     config = model.config
     if c.seq_len > config.max_position_embeddings:
@@ -237,8 +246,11 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     torch.manual_seed(c.seed)
     start, trainer = 0, None
     if found:
-        tensors, trainer, saved = checkpoint_state.load(found[-1])
-        model.load_state_dict(tensors, strict=True)
+        trainer, saved = checkpoint_state.load(found[-1])
+        if adapter:
+            model.load_state_dict(read_for(model, found[-1]).tensors, strict=False)  # the adapter's, each checked
+        else:
+            model.load_state_dict(load_checkpoint(found[-1]).tensors, strict=True)
         start = saved["step"]
         torch.set_rng_state(trainer["rng_cpu"])
     model.to(rt.device).train()
@@ -262,7 +274,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
 
     autocast = torch.autocast(rt.device.type, dtype=DTYPES[c.dtype]) if DTYPES[c.dtype] else nullcontext()
     per_step = c.batch_size * c.grad_accum * rt.world
-    flops_per_token = matmul_flops_per_token(config, c.seq_len)
+    flops_per_token = matmul_flops_per_token(config, c.seq_len, frozen=adapter)
     peak = measured_peak_flops(rt.device, DTYPES[c.dtype] or torch.float32) * rt.world
     metrics = Metrics(out, start, rank0)
 
@@ -281,6 +293,14 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         model.train()
         return loss / max(count, 1)
 
+    def write_weights(directory: Path, state: dict) -> None:
+        if adapter:
+            save_adapter(model, directory, adapter_base, state)
+        else:
+            save_hf(config, state, directory)
+
+    # A LoRA run's base is frozen: gathering it would copy the whole model at every checkpoint for nothing.
+    gathered = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
     model_state = None  # the weights of the newest checkpoint, gathered once and reused for final/
     bar = tqdm(total=c.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
     for step in range(start, c.steps):
@@ -322,23 +342,22 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         if not math.isfinite(step_loss):
             raise SmolError(f"step {done}: the loss is {step_loss}; lower --lr or check the data")
         if done % c.save_every == 0 or done == c.steps:
-            model_state = get_model_state_dict(model, options=full)
+            model_state = get_model_state_dict(model, options=gathered)
             trainer = dict(optimizer=get_optimizer_state_dict(model, optimizer, options=full),
                            rng_cpu=torch.get_rng_state())
             if rank0:
-                checkpoint_state.save(out, done, model_state, config, trainer, dict(run=run), c.keep)
+                checkpoint_state.save(out, done, lambda tmp: write_weights(tmp, model_state), trainer, dict(run=run),
+                                      c.keep)
             if rt.world > 1:
                 dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
     bar.close()
 
     final = out / "final"
     if model_state is None:  # resumed at the last step: nothing trained, nothing gathered yet
-        model_state = get_model_state_dict(model, options=full)  # FSDP: every rank takes part
+        model_state = get_model_state_dict(model, options=gathered)  # FSDP: every rank takes part
     if rank0:
         def write(tmp: Path) -> None:
-            from ..checkpoints import save_hf
-
-            save_hf(config, model_state, tmp)
+            write_weights(tmp, model_state)
             tokenizer.save_pretrained(tmp)
 
         checkpoint_state.write_atomically(final, write)

@@ -1,7 +1,9 @@
 """Training checkpoints that survive a crash.
 
 A checkpoint is a directory, out/checkpoints/step-0000100/, holding
-    config.json + model.safetensors   the weights, a HF directory the loader, the CLI and transformers read
+    config.json + model.safetensors   the weights, a HF directory the loader, the CLI and transformers read;
+                                      in a LoRA run, adapter_config.json + adapter_model.safetensors instead:
+                                      the adapter alone, in PEFT's format (the base never changes)
     trainer.pt                        optimizer state and RNG states (tensors and numbers only: weights_only)
     state.json                        the step it was taken after, and the run's settings
 It is written under a temporary name, every file fsynced, then renamed into place: a directory with a final
@@ -61,12 +63,13 @@ def remove_partial(out: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def save(out: Path, step: int, model_state: dict, config, trainer: dict, state: dict, keep: int) -> Path:
-    """Write the checkpoint taken after `step` steps, then delete all but the newest `keep`."""
-    from ..checkpoints import save_hf
+def save(out: Path, step: int, write_weights: Callable[[Path], None], trainer: dict, state: dict,
+         keep: int) -> Path:
+    """Write the checkpoint taken after `step` steps (its weights: write_weights(directory)), then delete all but
+    the newest `keep`."""
 
     def write(tmp: Path) -> None:
-        save_hf(config, model_state, tmp)
+        write_weights(tmp)
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
 
@@ -77,10 +80,8 @@ def save(out: Path, step: int, model_state: dict, config, trainer: dict, state: 
     return target
 
 
-def load(path: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, trainer state, state.json) of a checkpoint directory."""
-    from ..checkpoints import load_checkpoint
-
+def load(path: Path) -> tuple[dict, dict]:
+    """(trainer state, state.json) of a checkpoint directory; its weights are the loop's to read."""
     try:
         state = json.loads((path / "state.json").read_text())
         with warnings.catch_warnings():  # about a pickle protocol torch does not write: what follows says more
@@ -91,4 +92,4 @@ def load(path: Path) -> tuple[dict, dict, dict]:
                         f"numbers, which are never loaded)") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise SmolError(f"{path}: unreadable training checkpoint ({e})") from None
-    return load_checkpoint(path).tensors, trainer, state
+    return trainer, state
