@@ -205,6 +205,27 @@ def chat(args):
         messages.append({"role": "assistant", "content": answer})
 
 
+def evaluate_tasks(args):
+    """lm-evaluation-harness tasks on the model, in this process (smollm2.harness)."""
+    try:
+        from .harness import run_tasks
+        from lm_eval.utils import make_table
+    except ImportError:
+        raise SmolError("smollm2 eval needs lm-eval: pip install 'smollm2[eval]'") from None
+    if args.include_path and not Path(args.include_path).is_dir():
+        raise SmolError(f"--include-path {args.include_path}: no such directory")
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not tasks:
+        raise SmolError("--tasks: give at least one task name")
+    model, tokenizer = load(args)
+    results = run_tasks(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
+                        num_fewshot=args.num_fewshot, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(results["results"], default=str))
+    else:
+        print(make_table(results))
+
+
 @torch.inference_mode()
 def perplexity(args):
     """Sliding-window perplexity (evaluate.perplexity): each window scores only the tokens the previous one did
@@ -460,6 +481,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--stride", type=int, help="tokens the window moves by (default: half the window)")
     c.add_argument("--json", action="store_true", help="print the result as one JSON object")
     c.set_defaults(run=perplexity)
+
+    c = commands.add_parser("eval", parents=[model], help="lm-evaluation-harness tasks, in this process")
+    c.add_argument("--tasks", required=True, help="task names, comma-separated: lm-eval's, or ones in --include-path")
+    c.add_argument("--include-path", metavar="DIR", help="a directory of task YAML files of your own")
+    c.add_argument("--limit", type=whole_number(1, 2**31), help="at most this many examples a task")
+    c.add_argument("--num-fewshot", type=whole_number(0, 1024), metavar="K", help="examples shown before each")
+    c.add_argument("--batch-size", type=whole_number(1, 1024), default=8, help="log-likelihoods scored at once")
+    c.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    c.set_defaults(run=evaluate_tasks)
 
     c = commands.add_parser("bench", parents=[model], help="prefill and decode speed, optionally beside transformers")
     c.add_argument("--prompt-tokens", type=int, default=512)
