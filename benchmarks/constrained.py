@@ -18,7 +18,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from smollm2 import SmolLM2, Tokenizer

@@ -4,8 +4,6 @@ same answers as without the cache, and a long prompt's prefill lets the requests
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -188,3 +186,24 @@ def test_the_embedded_model_reuses_a_long_history(model):
             hits.append(metric(httpx.get(f"{url}/metrics").text, "smollm2_prefix_cache_hit_tokens_total"))
     assert answers[:2] == answers[2:]
     assert hits[0] == 0 and hits[1] >= 1024  # the second turn's first two chunks at least
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_row(tiny, small_chunks):
+    model, tokenizer = tiny
+    ended = []
+    scheduler = Scheduler(model, tokenizer, max_batch_size=2, on_end=ended.append)
+
+    async def run():
+        long = scheduler.submit(list(range(5, 405)), 4, Sampling(), ())
+        with torch.inference_mode():
+            scheduler._step()  # its first chunk
+        assert scheduler.filling is long and 0 < long.filled < 400
+        scheduler.cancel(long)
+        short = scheduler.submit([1, 2, 3], 3, Sampling(), ())
+        with torch.inference_mode():
+            for _ in range(6):
+                scheduler._step()
+        assert scheduler.filling is None and ended == [long, short] and short.sequence.finish_reason == "length"
+        assert scheduler.load()["active"] == 0
+
+    asyncio.run(run())
