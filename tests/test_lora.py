@@ -293,12 +293,19 @@ def test_lora_finetune_learns_the_chats_and_writes_an_adapter(tiny_dir, tmp_path
                                    rtol=0, atol=1e-5)
 
 
-def test_lora_resume_gives_the_uninterrupted_losses(tiny_dir, tmp_path, capsys):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]])
+def test_lora_resume_gives_the_uninterrupted_losses(tiny_dir, tmp_path, capsys, sharding):
     data = chats(tmp_path / "chats.jsonl")
-    whole = finetune(tiny_dir, data, tmp_path / "whole", "--steps", "6")
-    finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "4", "--save-every", "2")
-    resumed = finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "6", "--resume")
+    whole = finetune(tiny_dir, data, tmp_path / "whole", "--steps", "6", *sharding)
+    finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "4", "--save-every", "2", *sharding)
+    resumed = finetune(tiny_dir, data, tmp_path / "resumed", "--steps", "6", "--resume", *sharding)
     assert resumed == pytest.approx(whole, abs=1e-5)
+    if sharding:  # the shards hold the adapter alone, as an unsharded checkpoint does
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(tmp_path / "resumed" / "checkpoints" / "step-0000004").read_metadata()
+        weights = [key for key in saved.state_dict_metadata if key.startswith("model.")]
+        assert weights and all(".lora_" in key for key in weights)
     assert cli.main(["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "resumed"),
                      "--steps", "8", "--resume", "--lora-r", "4", "--seq-len", "64", "--batch-size", "4",
                      "--lr", "1e-2", "--warmup", "2", "--schedule", "constant"]) == 1

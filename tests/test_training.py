@@ -32,6 +32,12 @@ def smollm2(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
 
+def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                           "-m", "smollm2", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -161,13 +167,37 @@ def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
     steps = ["--steps", "4", "--data", str(corpus), "--save-every", "4"]
     one = smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smollm2",
-                          "train", *SMALL, *steps, "--batch-size", "2", "--out", str(tmp_path / "two"),
-                          *(["--fsdp"] if sharding == "fsdp" else [])],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    two = torchrun(2, "train", *SMALL, *steps, "--batch-size", "2", "--out", str(tmp_path / "two"),
+                   *(["--fsdp"] if sharding == "fsdp" else []))
     assert two.returncode == 0, two.stderr[-3000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_on_another_number_of_processes(corpus, tmp_path):
+    # constant: the learning rates of the first steps do not depend on --steps, so a run stopped by --steps 4
+    # then resumed with --steps 6 is the uninterrupted one
+    run = [*SMALL, "--schedule", "constant", "--data", str(corpus), "--save-every", "2", "--fsdp"]
+    same_global_batch = {1: ["--batch-size", "4"], 2: ["--batch-size", "2"]}
+
+    def train_on(processes: int, out: Path, steps: int, *flags: str) -> None:
+        args = ["train", *run, *same_global_batch[processes], "--steps", str(steps), "--out", str(out), *flags]
+        result = torchrun(2, *args) if processes == 2 else smollm2(*args)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    train_on(2, tmp_path / "whole", 6)
+    for first, then in [(2, 1), (1, 2)]:
+        out = tmp_path / f"{first}-then-{then}"
+        train_on(first, out, 4)
+        checkpoint = out / "checkpoints" / "step-0000004"
+        assert sorted(p.name for p in checkpoint.iterdir()) == \
+            [".metadata", *(f"__{rank}_0.distcp" for rank in range(first)), "state.json", "trainer.pt"]
+        train_on(then, out, 6, "--resume")
+        assert losses(out) == pytest.approx(losses(tmp_path / "whole"), abs=1e-5)
+        assert len(losses(out)) == 6
+        assert SmolLM2.from_pretrained(out / "final") is not None
 
 
 @pytest.mark.subprocess
@@ -212,6 +242,8 @@ def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
     assert "pass --resume" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")))
     assert "--resume with different train settings" in error_of(
         smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run"), "--resume", "--lr", "1e-3"))
+    assert "--resume with a different global batch" in error_of(
+        smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run"), "--resume", "--batch-size", "2"))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert "not empty" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "other")))
@@ -219,9 +251,20 @@ def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_missing_or_damaged_shard_is_one_line_naming_the_checkpoint(corpus, tmp_path):
+    run = ["train", *SMALL, "--data", str(corpus), "--steps", "2", "--fsdp", "--out", str(tmp_path)]
+    assert smollm2(*run).returncode == 0
+    shard = tmp_path / "checkpoints" / "step-0000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert f"{shard.parent}: unreadable sharded checkpoint" in error_of(smollm2(*run, "--resume"))
+    shard.unlink()
+    assert f"{shard.parent}: unreadable sharded checkpoint" in error_of(smollm2(*run, "--resume"))
+
+
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--seq-len", "1000"], "exceeds the model's context window"),
-    (["--fsdp"], "torchrun"),
     (["--steps", "0"], "--steps must be >= 1"),
 ])
 def test_bad_training_settings(corpus, tmp_path, flags, message):

@@ -558,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
     fit.add_argument("--compile", action="store_true", help="torch.compile the model")
     fit.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each block in the backward pass: less memory, ~30%% more compute")
-    fit.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model (FSDP2) instead of DDP")
+    fit.add_argument("--fsdp", action="store_true", help="shard the model (FSDP2) and its checkpoints (DCP)")
 
     c = commands.add_parser("train", parents=[fit], help="pretrain a model from scratch on prepared shards")
     c.add_argument("--config", required=True, help="135M, 360M, 1.7B, tiny, or a config.json")

@@ -19,6 +19,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ from .loss import IGNORE, NextTokenLoss
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast over fp32 master weights
 # Settings a resumed run may change; any other change would silently make it a different run.
+# The number of processes and how each splits its share of a step may change too: only the global batch may not.
 RESUMABLE = {"steps", "eval_every", "eval_batches", "save_every", "keep", "log_every", "compile",
-             "activation_checkpointing"}
+             "activation_checkpointing", "batch_size", "grad_accum"}
 
 
 @dataclass
@@ -147,23 +149,32 @@ class Runtime:
     device: torch.device
 
     @classmethod
-    def start(cls, device: str) -> Runtime:
-        """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: then join the group (NCCL on GPUs, gloo on CPUs)."""
+    def start(cls, device: str, group: bool = False) -> Runtime:
+        """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: then join the group (NCCL on GPUs, gloo on CPUs).
+        group: join one even alone, as FSDP needs one (a group of this process only, when torchrun did not start it)."""
         if device == "cuda" and not torch.cuda.is_available():
             raise SmolError("--device cuda: no CUDA device is available")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
+        if world == 1 and not group:
             return cls(0, 1, torch.device(device))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return cls(dist.get_rank(), world, torch.device(device, local) if device == "cuda" else torch.device(device))
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(x)
         return x
+
+
+def global_batch(run: dict) -> int:
+    return run["world_size"] * run["train"]["batch_size"] * run["train"]["grad_accum"]
 
 
 def check_out_dir(out: Path, run: dict, resume: bool) -> None:
@@ -180,8 +191,11 @@ def check_out_dir(out: Path, run: dict, resume: bool) -> None:
                 if changed:
                     raise SmolError(f"{out}: --resume with different {key} settings than the run there "
                                     f"({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in changed)})")
-            elif old != new:
+            elif old != new and key != "world_size":
                 raise SmolError(f"{out}: --resume with a different {key} than the run there ({old!r} -> {new!r})")
+        if global_batch(saved) != global_batch(run):
+            raise SmolError(f"{out}: --resume with a different global batch than the run there ({global_batch(saved)} "
+                            f"-> {global_batch(run)} examples per step: processes x --batch-size x --grad-accum)")
     elif out.exists() and any(p.name != "checkpoints" for p in out.iterdir()):
         raise SmolError(f"{out} is not empty and holds no smollm2 run; choose a new or empty --out")
 
@@ -225,13 +239,11 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     """
     out = Path(out)
     adapter = any(isinstance(m, LoRALinear) for m in model.modules())
-    rt = Runtime.start(device)
+    rt = Runtime.start(device, group=c.fsdp)
     config = model.config
     if c.seq_len > config.max_position_embeddings:
         raise SmolError(f"--seq-len {c.seq_len} exceeds the model's context window "
                         f"(max_position_embeddings = {config.max_position_embeddings})")
-    if c.fsdp and rt.world == 1:
-        raise SmolError("--fsdp shards the model across processes: start it with torchrun --nproc_per_node N")
     run = {**(run or {}), "world_size": rt.world, "train": dataclasses.asdict(c)}
     check_out_dir(out, run, resume)
     found = checkpoint_state.checkpoints(out) if resume else []
@@ -247,9 +259,9 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     start, trainer = 0, None
     if found:
         trainer, saved = checkpoint_state.load(found[-1])
-        if adapter:
+        if adapter and not c.fsdp:  # sharded weights are read into the sharded model, below
             model.load_state_dict(read_for(model, found[-1]).tensors, strict=False)  # the adapter's, each checked
-        else:
+        elif not c.fsdp:
             model.load_state_dict(load_checkpoint(found[-1]).tensors, strict=True)
         start = saved["step"]
         torch.set_rng_state(trainer["rng_cpu"])
@@ -269,7 +281,9 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     fused = rt.device.type == "cuda"  # one kernel for all parameters; on CPU the default is as fast
     optimizer = torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if trainer is not None:
+    if trainer is not None and c.fsdp:
+        checkpoint_state.load_shards(found[-1], model, optimizer, adapter)
+    elif trainer is not None:
         set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=full)
 
     autocast = torch.autocast(rt.device.type, dtype=DTYPES[c.dtype]) if DTYPES[c.dtype] else nullcontext()
@@ -301,7 +315,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
 
     # A LoRA run's base is frozen: gathering it would copy the whole model at every checkpoint for nothing.
     gathered = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
-    model_state = None  # the weights of the newest checkpoint, gathered once and reused for final/
+    model_state = None  # the weights of the newest unsharded checkpoint, gathered once and reused for final/
     bar = tqdm(total=c.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
     for step in range(start, c.steps):
         began = time.perf_counter()
@@ -342,18 +356,23 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         if not math.isfinite(step_loss):
             raise SmolError(f"step {done}: the loss is {step_loss}; lower --lr or check the data")
         if done % c.save_every == 0 or done == c.steps:
-            model_state = get_model_state_dict(model, options=gathered)
-            trainer = dict(optimizer=get_optimizer_state_dict(model, optimizer, options=full),
-                           rng_cpu=torch.get_rng_state())
-            if rank0:
-                checkpoint_state.save(out, done, lambda tmp: write_weights(tmp, model_state), trainer, dict(run=run),
-                                      c.keep)
+            if c.fsdp:  # every rank writes its own shards: nothing is gathered
+                shards = partial(checkpoint_state.save_shards, model=model, optimizer=optimizer, adapter=adapter)
+                checkpoint_state.save(out, done, shards, dict(rng_cpu=torch.get_rng_state()), dict(run=run), c.keep,
+                                      sharded=True)
+            else:
+                model_state = get_model_state_dict(model, options=gathered)
+                trainer = dict(optimizer=get_optimizer_state_dict(model, optimizer, options=full),
+                               rng_cpu=torch.get_rng_state())
+                if rank0:
+                    checkpoint_state.save(out, done, lambda tmp: write_weights(tmp, model_state), trainer,
+                                          dict(run=run), c.keep)
             if rt.world > 1:
                 dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
     bar.close()
 
     final = out / "final"
-    if model_state is None:  # resumed at the last step: nothing trained, nothing gathered yet
+    if model_state is None:  # sharded checkpoints, or resumed at the last step: nothing gathered yet
         model_state = get_model_state_dict(model, options=gathered)  # FSDP: every rank takes part
     if rank0:
         def write(tmp: Path) -> None:
@@ -361,7 +380,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
             tokenizer.save_pretrained(tmp)
 
         checkpoint_state.write_atomically(final, write)
-    if rt.world > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return final

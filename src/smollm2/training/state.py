@@ -6,6 +6,9 @@ A checkpoint is a directory, out/checkpoints/step-0000100/, holding
                                       the adapter alone, in PEFT's format (the base never changes)
     trainer.pt                        optimizer state and RNG states (tensors and numbers only: weights_only)
     state.json                        the step it was taken after, and the run's settings
+A sharded run (FSDP) holds instead the weights and optimizer state as torch.distributed.checkpoint (DCP) wrote
+them: .metadata and one __RANK_0.distcp file of shards per rank, each written by its own rank, so no rank ever
+holds the whole model; trainer.pt then holds the RNG states alone. DCP reads them back into any number of ranks.
 It is written under a temporary name, every file fsynced, then renamed into place: a directory with a final
 name is always complete, and a crash leaves at worst a temporary one, removed at the next start.
 """
@@ -21,6 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..errors import SmolError
 
@@ -35,12 +42,24 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) fills a fresh directory; it then replaces `target` in one rename (both fsynced first)."""
+def write_atomically(target: Path, write: Callable[[Path], None], every_rank: bool = False) -> None:
+    """write(tmp) fills a fresh directory; it then replaces `target` in one rename (both fsynced first).
+
+    every_rank: every rank calls this and write(tmp) runs on each, writing its own files; rank 0 alone creates the
+    directory and renames it, once every rank has written.
+    """
     tmp = target.with_name(f"{TEMPORARY}{target.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    rank0 = not every_rank or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if every_rank:
+        dist.barrier()  # the directory exists before any rank writes into it
     write(tmp)
+    if every_rank:
+        dist.barrier()  # and it is complete before it gets its final name
+    if not rank0:
+        return
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
@@ -64,20 +83,51 @@ def remove_partial(out: Path) -> None:
 
 
 def save(out: Path, step: int, write_weights: Callable[[Path], None], trainer: dict, state: dict,
-         keep: int) -> Path:
+         keep: int, sharded: bool = False) -> Path:
     """Write the checkpoint taken after `step` steps (its weights: write_weights(directory)), then delete all but
-    the newest `keep`."""
+    the newest `keep`. sharded: every rank calls this, and write_weights writes that rank's shards."""
+    rank0 = not sharded or dist.get_rank() == 0
 
     def write(tmp: Path) -> None:
         write_weights(tmp)
-        torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
+        if rank0:
+            torch.save(trainer, tmp / "trainer.pt")
+            (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
 
     target = out / "checkpoints" / f"{PREFIX}{step:07d}"
-    write_atomically(target, write)
-    for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(old)
+    write_atomically(target, write, every_rank=sharded)
+    if rank0:
+        for old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old)
     return target
+
+
+def _shard_options(adapter: bool) -> StateDictOptions:
+    """Each rank's own shards, nothing gathered; a LoRA run's frozen base is never saved (nor expected back)."""
+    return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+
+
+def save_shards(directory: Path, model, optimizer, adapter: bool) -> None:
+    """This rank's shards of the model and optimizer state, into `directory` (every rank calls it: dcp.save)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_shard_options(adapter))
+    dcp.save(dict(model=model_state, optimizer=optimizer_state), checkpoint_id=directory)
+
+
+def load_shards(path: Path, model, optimizer, adapter: bool) -> None:
+    """Load a sharded checkpoint into `model` and `optimizer` as they are sharded now, on however many ranks the
+    checkpoint was written by: dcp.load reads into each rank's shards the parts of the saved ones they cover."""
+    options = _shard_options(adapter)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    state = dict(model=model_state, optimizer=optimizer_state)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as e:  # its message is every rank's traceback: the first failure's first line will do
+        reason = next(iter(e.failures.values()))[0]
+        first_line = str(reason).split("\n")[0]
+        raise SmolError(f"{path}: unreadable sharded checkpoint, a file is missing or damaged "
+                        f"({type(reason).__name__}: {first_line})") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
 
 
 def load(path: Path) -> tuple[dict, dict]:
