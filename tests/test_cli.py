@@ -269,3 +269,30 @@ def test_bad_json_schema_files(tiny_dir, tmp_path, capsys, text, message):
     assert main(["generate", "--model", str(tiny_dir), "--json-schema", str(path), "hi"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert message in line and (text is not None or str(path) in line)
+
+
+class _Payload:  # what a hostile checkpoint would have unpickling run
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_sharded_checkpoint_metadata_that_is_code_is_refused(tiny_dir, tmp_path, capsys):
+    import pickle
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello."}]}) + "\n")
+    args = ["finetune", "--model", str(tiny_dir), "--data", str(chats), "--out", str(tmp_path / "run"), "--fsdp",
+            "--seq-len", "64", "--batch-size", "1", "--save-every", "1", "--eval-every", "100"]
+    assert main([*args, "--steps", "1"]) == 0
+    (metadata,) = (tmp_path / "run" / "checkpoints").glob("step-*/.metadata")
+    marker = tmp_path / "ran"
+    metadata.write_bytes(pickle.dumps(_Payload(marker)))
+    capsys.readouterr()
+    assert main([*args, "--steps", "2", "--resume"]) == 1
+    assert "not checkpoint metadata" in one_error_line(capsys.readouterr().err)
+    assert not marker.exists()

@@ -15,6 +15,7 @@ name is always complete, and a crash leaves at worst a temporary one, removed at
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -26,7 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..errors import SmolError
@@ -113,6 +116,43 @@ def save_shards(directory: Path, model, optimizer, adapter: bool) -> None:
     dcp.save(dict(model=model_state, optimizer=optimizer_state), checkpoint_id=directory)
 
 
+class _ShardReader(FileSystemReader):
+    """DCP's reader, but its .metadata unpickled by _MetadataUnpickler: a checkpoint is data, never code."""
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """What DCP's metadata holds: its own classes, torch's dtypes, Size and layouts, and paths; nothing else."""
+
+    def find_class(self, module, name):
+        if (module == "torch.distributed.checkpoint.metadata"
+                or (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                                      ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                      ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+class _DataOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor value (the optimizer's param_groups) read as data alone (weights_only),
+    where DCP itself would unpickle anything."""
+
+    def load_bytes(self, read_item, value) -> None:
+        data = torch.load(value, weights_only=True)
+        checked = io.BytesIO()
+        torch.save(data, checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
 def load_shards(path: Path, model, optimizer, adapter: bool) -> None:
     """Load a sharded checkpoint into `model` and `optimizer` as they are sharded now, on however many ranks the
     checkpoint was written by: dcp.load reads into each rank's shards the parts of the saved ones they cover."""
@@ -120,7 +160,7 @@ def load_shards(path: Path, model, optimizer, adapter: bool) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = dict(model=model_state, optimizer=optimizer_state)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_ShardReader(path), planner=_DataOnlyPlanner())
     except CheckpointException as e:  # its message is every rank's traceback: the first failure's first line will do
         reason = next(iter(e.failures.values()))[0]
         first_line = str(reason).split("\n")[0]
