@@ -190,6 +190,23 @@ def test_cli_exports_gguf_by_default_at_f32_and_at_the_type_asked(tiny_dir, tmp_
         assert open_gguf(tmp_path / "t.gguf").metadata["general.file_type"] == file_type
 
 
+def test_cli_exports_a_model_with_an_adapter_merged(tiny_dir, tmp_path):
+    from smollm2.lora import add_lora, save_adapter
+
+    adapted = add_lora(tiny_model(TINY["gqa"]), r=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: an adapter that changes nothing
+                p.normal_(0, 0.05)
+    save_adapter(adapted, tmp_path / "adapter")
+    assert main(["export", "--model", str(tiny_dir), "--adapter", str(tmp_path / "adapter"), "--to", "gguf",
+                 "--out", str(tmp_path / "merged.gguf")]) == 0
+    merged = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path / "adapter", accelerate=False)
+    assert not torch.equal(logits(merged), logits(read_back(tiny_dir)))
+    assert torch.equal(logits(read_back(tmp_path / "merged.gguf")), logits(merged))
+
+
 def one_line(error: SmolError) -> str:
     assert "\n" not in str(error)
     return str(error)
