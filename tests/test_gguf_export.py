@@ -95,14 +95,12 @@ def test_llama_metadata(tmp_path, tokenizer):
     save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "tiny.gguf")
     metadata = open_gguf(tmp_path / "tiny.gguf").metadata
     c = model.config
-    assert {key: metadata[f"llama.{key}"] for key in ("context_length", "embedding_length", "block_count",
-                                                      "feed_forward_length", "attention.head_count",
-                                                      "attention.head_count_kv", "rope.dimension_count",
-                                                      "attention.key_length", "attention.value_length")} == {
-        "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
-        "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
-        "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-        "rope.dimension_count": c.head_dim, "attention.key_length": c.head_dim, "attention.value_length": c.head_dim}
+    expected = {"context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+                "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+                "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+                "rope.dimension_count": c.head_dim, "attention.key_length": c.head_dim,
+                "attention.value_length": c.head_dim, "vocab_size": c.vocab_size}
+    assert {key: metadata[f"llama.{key}"] for key in expected} == expected
     assert metadata["general.architecture"] == "llama"
 
 
