@@ -1,8 +1,8 @@
 """Prefill and decode speed of smollm2 beside llama.cpp at matched precision, on the CPU, in one process.
 
 The embedded SmolLM2-135M-Instruct (a Q4_1 GGUF) is loaded as fp32 and written back as GGUF files at F32,
-F16 and Q8_0 (metadata copied, llama.cpp's tensor names and q/k row order); each file is loaded back and
-checked against the original's logits. Then each pair runs the same random prompt at batch 1, 2 threads:
+F16 and Q8_0 (smollm2.checkpoints.save_gguf); each file is loaded back and checked against the original's
+logits. Then each pair runs the same random prompt at batch 1, 2 threads:
 
     f32:  smollm2 fp32 (the F32 file)  vs llama.cpp F32
     f16:  smollm2 bf16                 vs llama.cpp F16   (both 16-bit; bf16 is what torch's CPU kernels favour)
@@ -46,9 +46,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
-from gguf.quants import quantize
 
 # smollm2 and llama_cpp are imported inside the functions, once main has chosen the tier: smollm2.kernels reads
 # SMOLLM2_MARCH when it is imported, and llama_cpp comes from the tier's venv.
@@ -58,8 +55,7 @@ if TYPE_CHECKING:
 THREADS = 2
 CHECK_IDS = [1, 504, 3458, 282, 4760, 314, 216, 1345]  # a few tokens whose logits the written files must give back
 TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0, "q4_1": 2.0}  # max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
-FILE_TYPES = {"f32": (Q.F32, LlamaFileType.ALL_F32), "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
-              "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0)}
+WRITTEN = ("f32", "f16", "q8_0")  # the precisions written as GGUF files
 ORIGINAL = "q4_1"  # the embedded file as it is
 
 # llama.cpp's CMake options per tier. One CPU backend compiled in (no GGML_BACKEND_DL, no GGML_CPU_ALL_VARIANTS):
@@ -85,41 +81,6 @@ TIER_FEATURES = {"x86-64-v3": {"SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "B
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's q/k row order (the inverse of smollm2.checkpoints.gguf.unpermute): (half, pair) -> (pair, half)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def write_gguf(model: SmolLM2, original: Path, precision: str, path: Path) -> None:
-    """The model's weights at `precision` (1-D norms stay F32, as llama.cpp's converter keeps them)."""
-    from smollm2.checkpoints.gguf import hf_name
-
-    qtype, file_type = FILE_TYPES[precision]
-    reader = GGUFReader(original)
-    writer = GGUFWriter(path, arch=reader.fields["general.architecture"].contents())  # it writes the arch itself
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type(file_type)
-    state, config = model.state_dict(), model.config
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    for t in reader.tensors:  # the original's names and order; tied embeddings: no output.weight there
-        w = state[hf_name(t.name, original)].detach().float()
-        if (n := heads.get(hf_name(t.name, original).split(".")[-2])) is not None:
-            w = permute(w, n)
-        w = w.numpy()
-        if w.ndim == 1 or qtype == Q.F32:
-            writer.add_tensor(t.name, w)
-        else:
-            writer.add_tensor(t.name, quantize(w, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> str:
@@ -240,8 +201,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args()
     precisions = args.precisions.split(",")
-    if unknown := set(precisions) - {*FILE_TYPES, ORIGINAL}:
-        p.error(f"unknown precisions {sorted(unknown)}; choose from {[*FILE_TYPES, ORIGINAL]}")
+    if unknown := set(precisions) - {*WRITTEN, ORIGINAL}:
+        p.error(f"unknown precisions {sorted(unknown)}; choose from {[*WRITTEN, ORIGINAL]}")
     if args.prompt_tokens + args.new_tokens > 1024:
         p.error("--prompt-tokens + --new-tokens must fit llama.cpp's 1024-token context")
     venv = venv_dir(args.tier)
@@ -255,8 +216,8 @@ def main() -> int:
     sys.path.append(str(site_packages(venv)))
     import llama_cpp
 
-    from smollm2 import SmolLM2, bench, kernels
-    from smollm2.checkpoints import default_model_path
+    from smollm2 import SmolLM2, Tokenizer, bench, kernels
+    from smollm2.checkpoints import default_model_path, save_gguf
 
     if not Path(llama_cpp.__file__).is_relative_to(venv):
         raise SystemExit(f"llama_cpp is imported from {llama_cpp.__file__}, not from {venv}: "
@@ -267,6 +228,7 @@ def main() -> int:
 
     original = default_model_path()
     model = SmolLM2.from_pretrained()
+    tokenizer = Tokenizer.from_pretrained(original)
     prompt = bench.random_prompt(model.config.vocab_size, 1, args.prompt_tokens, "cpu")
     with torch.inference_mode():
         last_logits = model(torch.tensor([CHECK_IDS]))[0, -1]
@@ -276,7 +238,7 @@ def main() -> int:
                  for precision in precisions}
         for precision, path in paths.items():
             if precision != ORIGINAL:
-                write_gguf(model, original, precision, path)
+                save_gguf(model.config, model.state_dict(), tokenizer, path, precision)
                 log(validate(model, path, precision))
             # Our first run times kernel against torch for each kind of operation (and keeps the choices):
             # before any llama.cpp model exists, whose idle threads keep polling and would skew those times.

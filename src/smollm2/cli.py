@@ -20,6 +20,7 @@ import torch
 from .errors import SmolError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")  # as smollm2.checkpoints.gguf.SAVE_TYPES, without importing gguf here
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
 MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
@@ -420,13 +421,20 @@ def finetune(args):
 
 
 def export(args):
-    """--model, with --adapter merged into its weights, as a HF directory (tokenizer included)."""
+    """--model, with --adapter merged into its weights, as a HF directory or a GGUF file (tokenizer included)."""
+    from .checkpoints import save_gguf
     from .model import SmolLM2
     from .tokenizer import Tokenizer
 
+    if args.to == "hf" and args.type:
+        raise SmolError(f"--type {args.type} is for --to gguf; a HF directory's weights take --dtype")
     model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], accelerate=False, adapter=args.adapter)
-    model.save_pretrained(args.out)
-    Tokenizer.from_pretrained(args.model).save_pretrained(args.out)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    if args.to == "gguf":
+        save_gguf(model.config, model.state_dict(), tokenizer, args.out, args.type or "f32")
+    else:
+        model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
     print(f"the {'merged ' if args.adapter else ''}model is in {args.out}")
 
 
@@ -515,12 +523,15 @@ def parser() -> argparse.ArgumentParser:
                         "1024 MiB; 0: none)")
     c.set_defaults(run=serve)
 
-    c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory")
+    c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "
+                                           "GGUF file (llama.cpp, Ollama)")
     c.add_argument("--model", help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
     c.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory in PEFT's format, merged into the "
                                                     "weights")
-    c.add_argument("--dtype", choices=DTYPES, default="fp32")
-    c.add_argument("--out", type=directory, required=True, help="the HF directory to write")
+    c.add_argument("--to", choices=("hf", "gguf"), default="hf", help="the format (default: hf)")
+    c.add_argument("--dtype", choices=DTYPES, default="fp32", help="the weights as loaded, and in a HF directory")
+    c.add_argument("--type", choices=GGUF_TYPES, help="--to gguf: the weights' type in the file (default: f32)")
+    c.add_argument("--out", required=True, help="the HF directory, or with --to gguf the .gguf file, to write")
     c.set_defaults(run=export)
 
     c = commands.add_parser("prepare", help="tokenize text or JSONL files into token shards for `train`")

@@ -20,6 +20,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 import jinja2.compiler
@@ -32,7 +33,16 @@ from .checkpoints import resolve
 from .checkpoints.gguf import open_gguf
 from .errors import SmolError
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
+
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types
+# The pre-tokenizers _from_gguf builds, as tokenizer.json describes them (offsets aside), by llama.cpp's names
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+PRE_TOKENIZERS = {
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]},
+    "gpt-2": BYTE_LEVEL,
+}
 
 
 class StreamDecoder:
@@ -57,12 +67,14 @@ class StreamDecoder:
 
 class Tokenizer:
     def __init__(self, backend: Backend, source: str, *, bos: str | None = None, eos: str | None = None,
-                 pad: str | None = None, chat_template: str | None = None, template_source: str | None = None):
+                 pad: str | None = None, unk: str | None = None, chat_template: str | None = None,
+                 template_source: str | None = None):
         self.backend, self.source, self.chat_template = backend, source, chat_template
         self.template_source = template_source or source  # the file errors in the template name
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.bos_token, self.eos_token, self.pad_token = bos, eos, pad
-        self.bos_token_id, self.eos_token_id, self.pad_token_id = (self._id_of(t) for t in (bos, eos, pad))
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos, eos, pad, unk
+        self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (
+            self._id_of(t) for t in (bos, eos, pad, unk))
 
     @classmethod
     def from_pretrained(cls, src: str | os.PathLike | None = None) -> Tokenizer:
@@ -114,7 +126,7 @@ class Tokenizer:
             return value
 
         return cls(backend, str(path), bos=token("bos_token"), eos=token("eos_token"), pad=token("pad_token"),
-                   chat_template=template, template_source=str(template_file))
+                   unk=token("unk_token"), chat_template=template, template_source=str(template_file))
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
@@ -174,7 +186,8 @@ class Tokenizer:
         template = reader.metadata.get("tokenizer.chat_template")
         if not isinstance(template, (str, type(None))):
             raise SmolError(f"{path}: tokenizer.chat_template must be a string")
-        return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"), chat_template=template)
+        return cls(backend, str(path), bos=bos, eos=eos, pad=token("padding_token_id"), unk=token("unknown_token_id"),
+                   chat_template=template)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json + tokenizer_config.json, which from_pretrained and transformers read."""
@@ -182,8 +195,53 @@ class Tokenizer:
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
         config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
-                  "chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}
+                  "unk_token": self.unk_token, "chat_template": self.chat_template,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    def add_gguf_metadata(self, writer: GGUFWriter) -> None:
+        """The tokenizer.* keys _from_gguf reads and llama.cpp loads: the vocabulary, its token types and merges,
+        the pre-tokenizer by llama.cpp's name for it, the special tokens, and the chat template."""
+        spec = json.loads(self.backend.to_str())
+        model, splits = spec["model"], _ids_only(spec.get("pre_tokenizer"))
+        pre = next((name for name, known in PRE_TOKENIZERS.items() if known == splits), None)
+        if (model["type"] != "BPE" or model.get("ignore_merges") or spec.get("normalizer") is not None
+                or pre is None):
+            raise SmolError(f"{self.source}: GGUF holds byte-level BPE tokenizers that split text as SmolLM2's or "
+                            "GPT-2's do; this one does not")
+        ids = {i: token for token, i in self.backend.get_vocab(with_added_tokens=True).items()}
+        if sorted(ids) != list(range(len(ids))):
+            raise SmolError(f"{self.source}: the token ids are not 0 to {len(ids) - 1} without gaps, "
+                            "as GGUF's list of tokens needs")
+        added = self.backend.get_added_tokens_decoder()
+        types = [(CONTROL if added[i].special else USER_DEFINED) if i in added else NORMAL for i in range(len(ids))]
+        add_bos, add_eos = self._added_ends()
+        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list([ids[i] for i in range(len(ids))])
+        writer.add_token_types(types)
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+        special = {writer.add_bos_token_id: self.bos_token_id, writer.add_eos_token_id: self.eos_token_id,
+                   writer.add_unk_token_id: self.unk_token_id, writer.add_pad_token_id: self.pad_token_id}
+        for add, token_id in special.items():
+            if token_id is not None:
+                add(token_id)
+        writer.add_add_bos_token(add_bos)
+        writer.add_add_eos_token(add_eos)
+        if self.chat_template is not None:
+            writer.add_chat_template(self.chat_template)
+
+    def _added_ends(self) -> tuple[bool, bool]:
+        """Whether encode() puts the BOS token before a text and the EOS token after it: all that GGUF's
+        add_bos_token and add_eos_token can say about a post-processor."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a").ids
+        start = full.index(plain[0])
+        before, after = full[:start], full[start + len(plain):]
+        if before not in ([], [self.bos_token_id]) or after not in ([], [self.eos_token_id]):
+            raise SmolError(f"{self.source}: the tokenizer adds {before} before a text and {after} after it; "
+                            "GGUF can only say whether the BOS and EOS tokens are added")
+        return bool(before), bool(after)
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
@@ -371,6 +429,15 @@ class _BoundedJoins(jinja2.compiler.CodeGenerator):
 
 def _raise_exception(message):
     raise jinja2.TemplateError(message)
+
+
+def _ids_only(spec):
+    """A pre-tokenizer's description without trim_offsets, which changes the offsets of tokens, never their ids."""
+    if isinstance(spec, dict):
+        return {key: _ids_only(value) for key, value in spec.items() if key != "trim_offsets"}
+    if isinstance(spec, list):
+        return [_ids_only(value) for value in spec]
+    return spec
 
 
 def _check_messages(messages) -> None:

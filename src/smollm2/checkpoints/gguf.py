@@ -1,7 +1,9 @@
-"""GGUF files (llama architecture): metadata -> config, tensors dequantized with the gguf library.
+"""GGUF files (llama architecture), read and written with the gguf library: metadata <-> config, tensors
+dequantized as they are read and quantized as they are written.
 
 llama.cpp's converter permutes the rows of q_proj and k_proj so that each head's rotary pairs sit side by
-side (its interleaved RoPE); the model here uses the rotate-half layout of transformers, so it is undone.
+side (its interleaved RoPE); the model here uses the rotate-half layout of transformers, so it is undone on
+reading and done again on writing.
 """
 
 from __future__ import annotations
@@ -9,20 +11,24 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+from gguf.quants import QuantError, dequantize, quantize
 from tqdm import tqdm
 
 from ..config import SmolConfig
 from ..errors import SmolError
 from ..kernels import packed_layout
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, parameter_shapes
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -30,6 +36,13 @@ IN_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernor
             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj"}
+GGUF_TOP_LEVEL = {hf: gguf for gguf, hf in TOP_LEVEL.items()}
+GGUF_IN_BLOCK = {hf: gguf for gguf, hf in IN_BLOCK.items()}
+# save_gguf's types: each tensor's type, and the file type llama.cpp reports for the whole
+SAVE_TYPES = {"f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+              "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+              "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+              "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1)}
 
 
 class GGUFTensor(NamedTuple):
@@ -83,6 +96,14 @@ def hf_name(name: str, path: Path) -> str:
     raise SmolError(f"{path}: unexpected tensor {name}")
 
 
+def gguf_name(name: str) -> str:
+    """hf_name's inverse, for names parameter_shapes lists."""
+    if name in GGUF_TOP_LEVEL:
+        return GGUF_TOP_LEVEL[name]
+    _, _, layer, *module, kind = name.split(".")  # model.layers.{i}.{module}.{weight|bias}
+    return f"blk.{layer}.{GGUF_IN_BLOCK['.'.join(module)]}.{kind}"
+
+
 def _float32(value) -> float:
     # GGUF stores float32; 7 significant digits give back the decimal the config had (1e-5, not 9.99e-6).
     return float(f"{float(value):.7g}")
@@ -132,9 +153,19 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
 
 
+def rotary_heads(name: str, config: SmolConfig) -> int | None:
+    """The heads whose rows llama.cpp permutes, for q_proj's and k_proj's weights and biases; None otherwise."""
+    return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+
+
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's q/k permutation: per head, rows (pair, half) -> (half, pair)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k permutation: per head, rows (half, pair) -> (pair, half)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> Checkpoint:
@@ -158,7 +189,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = Fal
             kept = packed_layout(qtype, t.data) if packed and dtype == torch.float32 and len(shape) == 2 else None
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+        heads = rotary_heads(name, config)
         if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
             w = unpermute(w, heads)
             kept = kept and kept._replace(data=unpermute(kept.data, heads))
@@ -170,3 +201,79 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = Fal
         tensors.pop("lm_head.weight", None)
         packed_copies.pop("lm_head.weight", None)
     return Checkpoint(config, tensors, files, str(path), packed_copies)
+
+
+def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer, path: str | Path,
+              type: str = "f32") -> None:
+    """A llama-architecture GGUF file that llama.cpp (and so Ollama) loads: the config as llama.* metadata, the
+    tokenizer as tokenizer.* metadata, and the weights under llama.cpp's names with q/k rows permuted. 2-D
+    tensors at `type` (one of SAVE_TYPES), 1-D ones in F32 as llama.cpp's converter keeps them. The file is
+    written beside `path` under a temporary name and renamed into place, so no reader ever sees half of it."""
+    if type not in SAVE_TYPES:
+        raise SmolError(f"unknown GGUF type {type!r}; choose from {', '.join(SAVE_TYPES)}")
+    path = Path(path)
+    if path.is_dir():
+        raise SmolError(f"{path}: is a directory; give the path of the .gguf file to write")
+    if not all(t.is_floating_point() for t in state_dict.values()):
+        raise SmolError("a quantized model cannot be saved as GGUF; save it before quantizing")
+    Checkpoint(config, state_dict, source="the model").check(parameter_shapes(config))
+    if tokenizer.vocab_size != config.vocab_size:
+        raise SmolError(f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                        f"{config.vocab_size} embedding rows; llama.cpp needs one token per row")
+    qtype, file_type = SAVE_TYPES[type]
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        writer = GGUFWriter(partial, "llama")
+        add_llama_metadata(writer, config)
+        tokenizer.add_gguf_metadata(writer)
+        writer.add_file_type(file_type)
+        if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_quantization_version(GGML_QUANT_VERSION)
+        output = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
+        for name, w in state_dict.items():
+            w = w.detach().to("cpu", torch.float32)
+            if (heads := rotary_heads(name, config)) is not None:
+                w = permute(w, heads)
+            if w.ndim == 1:
+                kind = GGMLQuantizationType.F32
+            elif name == output and qtype == GGMLQuantizationType.Q4_1:
+                # as llama.cpp's own quantizer does: the output matrix's rounding shows in every logit
+                kind = GGMLQuantizationType.Q8_0
+            else:
+                kind = qtype
+            data, kind = encoded(w.numpy(), kind)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, path)
+    except OSError as e:
+        raise SmolError(f"{path}: cannot write the GGUF file ({e.strerror or e})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def encoded(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """w at qtype; rows that are not whole blocks of it fall back to F16, as in llama.cpp's converter."""
+    try:
+        return quantize(w, qtype), qtype
+    except QuantError:
+        return quantize(w, GGMLQuantizationType.F16), GGMLQuantizationType.F16
+
+
+def add_llama_metadata(writer: GGUFWriter, config: SmolConfig) -> None:
+    """The llama.* keys gguf_config reads back, as llama.cpp's converter writes them."""
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.head_dim != config.hidden_size // config.num_attention_heads:  # llama.cpp assumes that otherwise
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)

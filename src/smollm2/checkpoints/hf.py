@@ -81,7 +81,10 @@ def save_hf(config: SmolConfig, state_dict: dict[str, torch.Tensor], path: str |
     if not all(t.is_floating_point() for t in state_dict.values()):
         raise SmolError("a quantized model cannot be saved as a HF checkpoint; save it before quantizing")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the directory or one of its parents should be
+        raise SmolError(f"{path}: cannot create the checkpoint's directory ({e.strerror})") from None
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps({**config.to_hf(), "torch_dtype": dtype}, indent=2) + "\n")
