@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,6 +217,27 @@ def test_lora_dpo_writes_an_adapter_and_resumes(tiny_dir, tmp_path):
     resumed = dpo(tiny_dir, data, tmp_path / "resumed", "--steps", "6", "--resume", "--val-data", str(held_out),
                   "--eval-every", "6")
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_torchrun_two_processes_match_one(tiny_dir, tmp_path):
+    data, held_out = write_pairs(tmp_path / "pairs.jsonl", 16, seed=0), write_pairs(tmp_path / "held.jsonl", 4, seed=1)
+    flags = ["dpo", "--model", str(tiny_dir), "--data", str(data), "--val-data", str(held_out), "--steps", "3",
+             "--lr", "1e-3", "--warmup", "1", "--seq-len", "128", "--eval-every", "3", "--eval-batches", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "smollm2", *flags, "--batch-size", "4", "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smollm2",
+                          *flags, "--batch-size", "2", "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    records = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+               for run in ("one", "two")]
+    for name in ("loss", "reward_accuracy", "reward_margin"):
+        assert [r[name] for r in records[1]] == pytest.approx([r[name] for r in records[0]], abs=1e-5)
+    assert records[1][-1]["val_loss"] == pytest.approx(records[0][-1]["val_loss"], abs=1e-5)
 
 
 # Bad input: one readable line naming the file and line.

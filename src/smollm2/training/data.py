@@ -3,9 +3,8 @@ preferred and rejected answers for DPO.
 
 `prepare` tokenizes text files into uint16 shards plus a manifest, committing whole sources at a time, so an
 interrupted run resumes where it stopped. `TokenData`, `ChatData` and `PreferenceData` build each example from its
-index alone,
-with generators seeded by (seed, index): any step of any run, on any rank, can be rebuilt from its indices,
-which is what keeps resuming and torchrun exact.
+index alone, with generators seeded by (seed, index): any step of any run, on any rank, can be rebuilt from its
+indices, which is what keeps resuming and torchrun exact.
 """
 
 from __future__ import annotations
