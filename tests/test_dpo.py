@@ -96,8 +96,8 @@ def test_preference_data_tokenizes_as_trl(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("loss_type, label_smoothing, pairs", [
     ("sigmoid", 0.0, 4),
-    # TRL's "sigmoid" leaves label smoothing out (its own docs send smoothed DPO to "robust", a different loss);
-    # "aot" applies it exactly as cDPO does, after sorting the batch's margins, which one pair leaves as it is.
+    # TRL 1.16's "sigmoid" leaves label_smoothing out; its "aot" applies it exactly as cDPO does, after sorting the
+    # batch's margins, which one pair leaves as it is.
     ("aot", 0.2, 1),
 ])
 def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, loss_type, label_smoothing, pairs):

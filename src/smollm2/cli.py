@@ -388,7 +388,7 @@ def model_to_tune(args, c, run: dict):
     return model
 
 
-def tuned(args, final: Path, how: str) -> None:
+def print_final(args, final: Path, how: str) -> None:
     what = "adapter (PEFT's format; use it with --adapter)" if args.lora_r is not None else "model"
     print(f"the {how} {what} is in {final}")
 
@@ -407,7 +407,7 @@ def finetune(args):
     model = model_to_tune(args, c, run)
     final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
                   adapter_base=args.model)
-    tuned(args, final, "fine-tuned")
+    print_final(args, final, "fine-tuned")
 
 
 def dpo(args):
@@ -429,12 +429,14 @@ def dpo(args):
     run = dict(kind="dpo", data=str(Path(args.data).resolve()), model=args.model or "embedded",
                dpo=dict(beta=args.beta, label_smoothing=args.label_smoothing))
     model = model_to_tune(args, c, run)
-    # Before train() loads a checkpoint to resume from: the reference is always the starting model.
+    # Before train() loads a checkpoint to resume from: the reference is always the starting model. Under torchrun
+    # each process computes it on its own GPU, as it will train there.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else "cpu"
     for pairs in (data, val) if val else (data,):
-        reference_logps(model, pairs, c.batch_size, args.device, AUTOCAST[c.dtype])
+        reference_logps(model, pairs, c.batch_size, device, AUTOCAST[c.dtype])
     final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
                   adapter_base=args.model, objective=DPOLoss(model, args.beta, args.label_smoothing))
-    tuned(args, final, "DPO-trained")
+    print_final(args, final, "DPO-trained")
 
 
 def export(args):
