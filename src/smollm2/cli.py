@@ -388,21 +388,14 @@ def train(args):
     print(f"the trained model is in {final}")
 
 
-def finetune(args):
-    """Supervised fine-tuning on chats ({"messages": [...]} per line); loss on the assistant's tokens only."""
+def model_to_tune(args, c, run: dict):
+    """--model in fp32, whatever the checkpoint stores; with --lora-r, frozen under a fresh adapter (over an int8
+    base with --quantize), whose settings go into `run`."""
     from .model import SmolLM2
-    from .tokenizer import Tokenizer
-    from .training import train
-    from .training.data import ChatData
 
-    c = training_config(args)
     if args.quantize and args.lora_r is None:
         raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
-    val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
-    model = SmolLM2.from_pretrained(args.model, accelerate=False)  # fp32 weights, whatever the checkpoint stores
-    run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
+    model = SmolLM2.from_pretrained(args.model, accelerate=False)
     if args.lora_r is not None:
         from .lora import add_lora
         from .quantize import quantize_int8
@@ -414,10 +407,58 @@ def finetune(args):
         torch.manual_seed(c.seed)  # the adapter's initial A follows --seed
         add_lora(model, **lora)
         run["lora"] = {**lora, "quantize": args.quantize}
+    return model
+
+
+def print_final(args, final: Path, how: str) -> None:
+    what = "adapter (PEFT's format; use it with --adapter)" if args.lora_r is not None else "model"
+    print(f"the {how} {what} is in {final}")
+
+
+def finetune(args):
+    """Supervised fine-tuning on chats ({"messages": [...]} per line); loss on the assistant's tokens only."""
+    from .tokenizer import Tokenizer
+    from .training import train
+    from .training.data import ChatData
+
+    c = training_config(args)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
+    val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
+    run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
+    model = model_to_tune(args, c, run)
     final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
                   adapter_base=args.model)
-    what = "adapter (PEFT's format; use it with --adapter)" if args.lora_r is not None else "model"
-    print(f"the fine-tuned {what} is in {final}")
+    print_final(args, final, "fine-tuned")
+
+
+def dpo(args):
+    """Direct Preference Optimization on pairs of a chosen and a rejected answer; the starting model is the
+    reference, its log-probabilities computed once before training."""
+    from .tokenizer import Tokenizer
+    from .training import train
+    from .training.data import PreferenceData
+    from .training.dpo import DPOLoss, check_settings, reference_logps
+    from .training.loop import DTYPES as AUTOCAST
+
+    c = training_config(args)
+    check_settings(args.beta, args.label_smoothing)  # before the data and the model load
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SmolError("--device cuda: no CUDA device is available")
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    data = PreferenceData(args.data, tokenizer, c.seq_len, seed=c.seed)
+    val = PreferenceData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
+    run = dict(kind="dpo", data=str(Path(args.data).resolve()), model=args.model or "embedded",
+               dpo=dict(beta=args.beta, label_smoothing=args.label_smoothing))
+    model = model_to_tune(args, c, run)
+    # Before train() loads a checkpoint to resume from: the reference is always the starting model. Under torchrun
+    # each process computes it on its own GPU, as it will train there.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else "cpu"
+    for pairs in (data, val) if val else (data,):
+        reference_logps(model, pairs, c.batch_size, device, AUTOCAST[c.dtype])
+    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
+                  adapter_base=args.model, objective=DPOLoss(model, args.beta, args.label_smoothing))
+    print_final(args, final, "DPO-trained")
 
 
 def export(args):
@@ -577,19 +618,34 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer", help="saved with the model (default: the embedded model's)")
     c.set_defaults(run=train)
 
-    c = commands.add_parser("finetune", parents=[fit], help="fine-tune on chats (loss on assistant tokens)")
-    c.add_argument("--model", help="starting checkpoint, as elsewhere (default: the embedded model)")
+    tune = argparse.ArgumentParser(add_help=False)
+    tune.add_argument("--model", help="starting checkpoint, as elsewhere (default: the embedded model)")
+    tune.add_argument("--lora-r", type=whole_number(1, 4096), metavar="R",
+                      help="train a LoRA adapter of rank R instead of every weight; final/ then holds the adapter "
+                           "alone")
+    tune.add_argument("--lora-alpha", type=float, metavar="A",
+                      help="the adapter's update is scaled by A/R (default: R)")
+    tune.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
+                      help="the linear layers that get an adapter, comma-separated, from q_proj, k_proj, v_proj, "
+                           "o_proj, gate_proj, up_proj, down_proj (default: q_proj,v_proj, as PEFT)")
+    tune.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapter's input")
+    tune.add_argument("--quantize", choices=("int8",), help="with --lora-r: the frozen base as int8 (QLoRA)")
+
+    c = commands.add_parser("finetune", parents=[fit, tune], help="fine-tune on chats (loss on assistant tokens)")
     c.add_argument("--data", required=True, help="JSONL, one {\"messages\": [...]} chat per line")
     c.add_argument("--val-data", help="JSONL chats for the validation loss")
-    c.add_argument("--lora-r", type=whole_number(1, 4096), metavar="R",
-                   help="train a LoRA adapter of rank R instead of every weight; final/ then holds the adapter alone")
-    c.add_argument("--lora-alpha", type=float, metavar="A", help="the adapter's update is scaled by A/R (default: R)")
-    c.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
-                   help="the linear layers that get an adapter, comma-separated, from q_proj, k_proj, v_proj, o_proj, "
-                        "gate_proj, up_proj, down_proj (default: q_proj,v_proj, as PEFT)")
-    c.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapter's input")
-    c.add_argument("--quantize", choices=("int8",), help="with --lora-r: the frozen base as int8 (QLoRA)")
     c.set_defaults(run=finetune, lr=5e-5, min_lr=5e-6, warmup=10, steps=100, batch_size=4)
+
+    c = commands.add_parser("dpo", parents=[fit, tune],
+                            help="Direct Preference Optimization on pairs of a chosen and a rejected answer")
+    c.add_argument("--data", required=True, help="JSONL, one {\"prompt\", \"chosen\", \"rejected\"} pair per line, "
+                                                 "or {\"chosen\": [messages], \"rejected\": [messages]}")
+    c.add_argument("--val-data", help="JSONL pairs for the validation loss and reward accuracy")
+    c.add_argument("--beta", type=float, default=0.1,
+                   help="how far the policy may move from the reference: higher keeps it closer (default: 0.1)")
+    c.add_argument("--label-smoothing", type=float, default=0.0, metavar="E",
+                   help="the share of pairs assumed mislabelled, in [0, 0.5) (conservative DPO; default: 0)")
+    c.set_defaults(run=dpo, lr=1e-6, min_lr=1e-7, warmup=10, steps=100, batch_size=4)
     return p
 
 

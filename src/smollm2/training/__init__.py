@@ -1,5 +1,5 @@
-"""Training: token shards and chat examples (data), one loop for pretraining and fine-tuning (loop), and
-checkpoints that survive a crash (state)."""
+"""Training: token shards, chat examples and preference pairs (data), one loop for pretraining, fine-tuning and
+DPO (loop, with loss and dpo), and checkpoints that survive a crash (state)."""
 
 from .loop import TrainConfig, train
 

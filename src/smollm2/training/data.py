@@ -1,9 +1,10 @@
-"""Training data: pretraining text as memory-mapped token shards, and chats for supervised fine-tuning.
+"""Training data: pretraining text as memory-mapped token shards, chats for supervised fine-tuning, and pairs of
+preferred and rejected answers for DPO.
 
 `prepare` tokenizes text files into uint16 shards plus a manifest, committing whole sources at a time, so an
-interrupted run resumes where it stopped. `TokenData` and `ChatData` build each example from its index alone,
-with generators seeded by (seed, index): any step of any run, on any rank, can be rebuilt from its indices,
-which is what keeps resuming and torchrun exact.
+interrupted run resumes where it stopped. `TokenData`, `ChatData` and `PreferenceData` build each example from its
+index alone, with generators seeded by (seed, index): any step of any run, on any rank, can be rebuilt from its
+indices, which is what keeps resuming and torchrun exact.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -274,7 +276,7 @@ class ChatData:
         path = _check_file(path)
         if tokenizer.chat_template is None or tokenizer.eos_token is None:
             raise SmolError(f"{tokenizer.source}: fine-tuning on chats needs a chat template and an eos token")
-        self.seq_len, self.seed, self.epoch_order = seq_len, seed, (None, None)
+        self.seq_len = seq_len
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.chats = []  # (input ids, labels) of each chat
         with open(path, "rb") as f:
@@ -293,35 +295,143 @@ class ChatData:
                 self.chats.append((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)))
         if not self.chats:
             raise SmolError(f"{path}: no chats in this file")
+        self.order = EpochOrder(len(self.chats), seed)
 
     def __len__(self) -> int:
         return len(self.chats)
 
     def examples(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Example i is chat perm_e[i % N], where perm_e is a permutation seeded with (seed, e = i // N), so every
-        epoch is shuffled anew. Rows are right-padded to the longest in the call (labels -100 there)."""
-        rows = [self.chats[self._chat_of(i)] for i in indices]
-        width = max(len(ids) for ids, _ in rows)
-        inputs = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        for row, (ids, targets) in enumerate(rows):
-            inputs[row, :len(ids)], labels[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(targets)
-        return inputs, labels
-
-    def _chat_of(self, i: int) -> int:
-        epoch, k = divmod(i, len(self.chats))
-        if self.epoch_order[0] != epoch:  # consecutive calls almost always stay in one epoch
-            self.epoch_order = epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.chats))
-        return int(self.epoch_order[1][k])
+        """Example i is chat order[i] (see EpochOrder). Rows are right-padded to the longest in the call (labels
+        -100 there)."""
+        return _padded([self.chats[self.order[i]] for i in indices], self.pad_id)
 
 
-def _tokenize_chat(messages: list[dict], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """The chat's token ids, and which of them belong to an assistant turn."""
+class PreferenceData:
+    """DPO on a JSONL file of preference pairs, each line either {"prompt": str, "chosen": str, "rejected": str} (a
+    user message and two assistant answers to it) or {"chosen": [messages], "rejected": [messages]} (two chats that
+    differ only in their last message, the assistant's answer). Both sides are rendered with the chat template;
+    only the tokens of that last answer are scored (its content and the end-of-turn token, as ChatData learns).
+
+    A pair whose longer side does not fit in seq_len + 1 tokens is dropped, and the count printed: cutting the
+    prompt would score the answer against a context the model never sees, and cutting the answer would compare
+    the two on different texts.
+
+    `reference` holds each pair's (chosen, rejected) log-probabilities under the starting model, computed once
+    (dpo.reference_logps) before training begins."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, seq_len: int, seed: int = 0):
+        _check_sizes(seq_len, seed)
+        path = _check_file(path)
+        if tokenizer.chat_template is None or tokenizer.eos_token is None:
+            raise SmolError(f"{tokenizer.source}: preference pairs need a chat template and an eos token")
+        self.seq_len, self.reference = seq_len, None
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pairs = []  # ((inputs, labels) of the chosen side, the same of the rejected side)
+        lines = 0
+        with open(path, "rb") as f:
+            offset = 0
+            for number, raw in enumerate(f, 1):
+                line, offset = _decode(raw, path, number, offset), offset + len(raw)
+                if not line.strip():
+                    continue
+                lines += 1
+                try:
+                    sides = [_tokenize_chat(chat, tokenizer, last_turn_only=True)
+                             for chat in _preference_chats(_json_object(line, path, number))]
+                except SmolError as e:
+                    raise SmolError(f"{path}, line {number}: {e}") from None
+                if max(len(ids) for ids, _ in sides) - 1 <= seq_len:
+                    self.pairs.append(tuple((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)) for ids, learn in sides))
+        if not lines:
+            raise SmolError(f"{path}: no preference pairs in this file")
+        if not self.pairs:
+            raise SmolError(f"{path}: all {lines} pairs are longer than seq_len {seq_len} + 1 tokens; raise the "
+                            "sequence length")
+        if len(self.pairs) < lines:
+            print(f"{path}: dropped {lines - len(self.pairs)} of {lines} pairs longer than seq_len {seq_len} + 1 "
+                  "tokens", file=sys.stderr)
+        self.order = EpochOrder(len(self.pairs), seed)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def sides(self, pairs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(len(pairs), 2, T) input ids and labels of these pairs, in this order: [:, 0] chosen, [:, 1] rejected,
+        right-padded to the longest side (labels -100 there)."""
+        inputs, labels = _padded([side for k in pairs for side in self.pairs[k]], self.pad_id)
+        return inputs.view(len(pairs), 2, -1), labels.view(len(pairs), 2, -1)
+
+    def examples(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Example i is pair order[i] (see EpochOrder): its sides (as sides()) and its (2,) reference
+        log-probabilities."""
+        if self.reference is None:
+            raise SmolError("the reference log-probabilities are not computed yet (dpo.reference_logps)")
+        pairs = [self.order[i] for i in indices]
+        return *self.sides(pairs), self.reference[pairs]
+
+
+class EpochOrder:
+    """Example i is item perm_e[i % N], where perm_e is a permutation seeded with (seed, e = i // N), so every epoch
+    is shuffled anew."""
+
+    def __init__(self, items: int, seed: int):
+        self.items, self.seed, self.epoch, self.permutation = items, seed, None, None
+
+    def __getitem__(self, i: int) -> int:
+        epoch, k = divmod(i, self.items)
+        if self.epoch != epoch:  # consecutive calls almost always stay in one epoch
+            self.epoch, self.permutation = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.items)
+        return int(self.permutation[k])
+
+
+def _padded(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, labels) rows as two (len(rows), longest) tensors, right-padded (labels -100 there)."""
+    width = max(len(ids) for ids, _ in rows)
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for row, (ids, targets) in enumerate(rows):
+        inputs[row, :len(ids)], labels[row, :len(ids)] = torch.from_numpy(ids), torch.from_numpy(targets)
+    return inputs, labels
+
+
+def _preference_chats(record: dict) -> tuple[list[dict], list[dict]]:
+    """The chosen and the rejected chat of a preference pair, checked."""
+    chosen, rejected = record.get("chosen"), record.get("rejected")
+    if chosen is None or rejected is None:
+        raise SmolError('expected "chosen" and "rejected" (and a "prompt", or chats as both)')
+    if "prompt" in record:
+        prompt = record["prompt"]
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str):
+                raise SmolError(f'"{name}" must be a string beside a "prompt", got {type(value).__name__}')
+        chosen, rejected = ([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+                            for answer in (chosen, rejected))
+    for name, chat in (("chosen", chosen), ("rejected", rejected)):
+        if not (isinstance(chat, list) and chat and isinstance(chat[-1], dict)):
+            raise SmolError(f'"{name}" must be a non-empty list of messages (or a string beside a "prompt")')
+        last = chat[-1]
+        if last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+            raise SmolError(f'"{name}" must end with an assistant message with a string "content"')
+        if not last["content"].strip():
+            raise SmolError(f'"{name}": the answer is empty')
+    if chosen[:-1] != rejected[:-1]:
+        at = next((k for k, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)) - 1)
+        raise SmolError(f'"chosen" and "rejected" must share every message but the last; they differ at message {at}')
+    if chosen[-1]["content"] == rejected[-1]["content"]:
+        raise SmolError('"chosen" and "rejected" give the same answer')
+    return chosen, rejected
+
+
+def _tokenize_chat(messages: list[dict], tokenizer: Tokenizer,
+                   last_turn_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The chat's token ids, and which of them belong to an assistant turn (the last message alone, if
+    last_turn_only: in a preference pair the earlier turns are the prompt)."""
     text = tokenizer.render_chat(messages, add_generation_prompt=False)  # also checks the messages
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     starts, ends = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2).T
     learn = np.zeros(len(encoding.ids), dtype=bool)
-    for k in (k for k, m in enumerate(messages) if m["role"] == "assistant"):
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    for k in turns[-1:] if last_turn_only else turns:
         # The turn's text is what rendering the chat up to it adds after the generation prompt.
         prompt, content = tokenizer.render_chat(messages[:k], add_generation_prompt=True), messages[k]["content"]
         end = len(prompt) + len(content)

@@ -5,9 +5,10 @@ processes. The example indices of a step are a pure function of the step, and da
 from its index alone, so a resumed run, or any number of processes, sees exactly the batches of one
 uninterrupted single-process run.
 
-The loss of a step is the mean over every target token of the global batch. Each micro-batch contributes
-its summed token losses divided by that global count (times world_size, since DDP and FSDP average
-gradients over processes), so accumulation and data parallelism change only the order of summation.
+The loss of a step is the mean over the global batch: over every target token for next-token prediction, over
+every pair for DPO (the objective's count). Each micro-batch contributes its summed losses divided by that global
+count (times world_size, since DDP and FSDP average gradients over processes), so accumulation and data
+parallelism change only the order of summation.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..checkpoints import load_checkpoint, save_hf
 from ..errors import SmolError
 from ..lora import LoRALinear, read_for, save_adapter
 from . import state as checkpoint_state
-from .loss import IGNORE, NextTokenLoss
+from .loss import NextTokenLoss
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast over fp32 master weights
@@ -229,10 +230,14 @@ class Metrics:
 
 
 def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, device: str = "cpu",
-          resume: bool = False, run: dict | None = None, adapter_base: str | None = None) -> Path:
-    """Train `model` in place on `data` (TokenData or ChatData) and write out/final; returns that path.
+          resume: bool = False, run: dict | None = None, adapter_base: str | None = None,
+          objective: torch.nn.Module | None = None) -> Path:
+    """Train `model` in place on `data` (TokenData, ChatData, or PreferenceData with dpo.DPOLoss) and write
+    out/final; returns that path.
 
-    val_data: evaluated every c.eval_every steps (None: no evaluation). run: what identifies the run
+    objective: `model` and its loss as one module (default: NextTokenLoss(model)); its forward takes the tensors
+    of data.examples() and gives their summed losses and metrics. val_data: evaluated every c.eval_every steps
+    (None: no evaluation). run: what identifies the run
     (data, model, ...) beside c, kept in out/run.json so that --resume can refuse a different run.
     A model with LoRA adapters (smollm2.lora.add_lora) trains them alone, and its checkpoints and final/ hold
     them alone, in PEFT's format; adapter_base: the base model's name or path, recorded there.
@@ -268,7 +273,10 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     model.to(rt.device).train()
     model.activation_checkpointing = c.activation_checkpointing
 
-    wrapped = objective = NextTokenLoss(model)
+    objective = objective or NextTokenLoss(model)
+    if objective.model is not model:
+        raise SmolError("the objective wraps another model than the one to train")
+    wrapped = objective
     if c.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -292,20 +300,33 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
     peak = measured_peak_flops(rt.device, DTYPES[c.dtype] or torch.float32) * rt.world
     metrics = Metrics(out, start, rank0)
 
-    def evaluate() -> float:
-        """Mean loss over the first eval_batches global micro-batches of validation examples, shared out by rank."""
+    def zeros(*names: str) -> dict[str, torch.Tensor]:
+        # every name from the start: a process with no rows to add (a short validation set) still all-reduces them
+        return {name: torch.zeros((), dtype=torch.float64, device=rt.device) for name in names}
+
+    def add(sums: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> None:
+        for name, value in more.items():
+            sums[name] += value.detach()
+
+    def summed(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Each sum over every process's rows: one all-reduce for them all."""
+        return dict(zip(sums, rt.sum(torch.stack(list(sums.values()))).tolist()))
+
+    def evaluate() -> dict[str, float]:
+        """Mean loss and metrics over the first eval_batches global micro-batches of validation examples, shared
+        out by rank."""
         model.eval()
         n = min(len(val_data), c.eval_batches * c.batch_size * rt.world)
         mine = list(range(rt.rank, n, rt.world))
-        total = torch.zeros(2, dtype=torch.float64, device=rt.device)
+        sums = zeros(*objective.metrics, "count")
         with torch.no_grad(), autocast:
             for i in range(0, len(mine), c.batch_size):
-                inputs, labels = (t.to(rt.device) for t in val_data.examples(mine[i:i + c.batch_size]))
-                total[0] += loss_of(inputs, labels)
-                total[1] += (labels != IGNORE).sum()
-        loss, count = rt.sum(total).tolist()
+                batch = tuple(t.to(rt.device) for t in val_data.examples(mine[i:i + c.batch_size]))
+                add(sums, {**loss_of(*batch), "count": torch.tensor(objective.count(batch))})
         model.train()
-        return loss / max(count, 1)
+        totals = summed(sums)
+        count = max(totals.pop("count"), 1)
+        return {name: total / count for name, total in totals.items()}
 
     def write_weights(directory: Path, state: dict) -> None:
         if adapter:
@@ -322,32 +343,34 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         lr = learning_rate(c, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, labels = data.examples(range(step * per_step, (step + 1) * per_step))  # the global batch
-        targets = max(int((labels != IGNORE).sum()), 1)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        batch = data.examples(range(step * per_step, (step + 1) * per_step))  # the global batch; inputs first
+        count = max(objective.count(batch), 1)
+        sums = zeros(*objective.metrics)
         for micro in range(c.grad_accum):
             rows = slice((micro * rt.world + rt.rank) * c.batch_size, (micro * rt.world + rt.rank + 1) * c.batch_size)
-            x, y = inputs[rows].to(rt.device), labels[rows].to(rt.device)
+            mine = tuple(t[rows].to(rt.device) for t in batch)
             # DDP: all-reduce gradients only after the last micro-batch
             sync = nullcontext() if micro == c.grad_accum - 1 or rt.world == 1 or c.fsdp else wrapped.no_sync()
             with sync:
                 with autocast:
-                    loss = loss_of(x, y)  # summed over this micro-batch's targets
-                (loss * (rt.world / targets)).backward()
-            loss_sum += loss.detach()
+                    micro_sums = loss_of(*mine)  # summed over this micro-batch
+                (micro_sums["loss"] * (rt.world / count)).backward()
+            add(sums, micro_sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = rt.sum(loss_sum).item() / targets
+        step_means = {name: total / count for name, total in summed(sums).items()}
+        step_loss = step_means["loss"]
         seconds = time.perf_counter() - began
 
         done = step + 1
-        tokens_per_s = inputs.numel() / seconds
-        record = dict(step=done, loss=step_loss, lr=lr, tokens_per_s=tokens_per_s, grad_norm=float(grad_norm),
+        tokens_per_s = batch[0].numel() / seconds
+        record = dict(step=done, **step_means, lr=lr, tokens_per_s=tokens_per_s, grad_norm=float(grad_norm),
                       mfu=flops_per_token * tokens_per_s / peak)
         if val_data is not None and (done % c.eval_every == 0 or done == c.steps):
-            record["val_loss"] = evaluate()
-            record["val_ppl"] = math.exp(min(record["val_loss"], 50))
+            record.update({f"val_{name}": value for name, value in evaluate().items()})
+            if objective.perplexity:
+                record["val_ppl"] = math.exp(min(record["val_loss"], 50))
         if done % c.log_every == 0 or done == c.steps or "val_loss" in record:
             metrics.log(record)
         bar.update(1)

@@ -71,12 +71,23 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 class NextTokenLoss(nn.Module):
     """A model and its training loss as one module: DDP and FSDP then see every use of the weights,
-    the output projection in the loss included, inside forward."""
+    the output projection in the loss included, inside forward.
+
+    The training loop takes any objective shaped like this one (dpo.DPOLoss is the other): forward(*batch) gives
+    the sums named in `metrics` over the batch's rows, "loss" first, and count(batch) what they are averaged over."""
+
+    metrics = ("loss",)
+    perplexity = True  # exp(loss) means something: the validation perplexity is logged beside the loss
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """inputs, labels: (B, T); the summed loss over scored positions (labels != IGNORE)."""
-        return linear_cross_entropy(self.model.hidden_states(inputs), self.model.output_weight, labels)
+        return {"loss": linear_cross_entropy(self.model.hidden_states(inputs), self.model.output_weight, labels)}
+
+    @staticmethod
+    def count(batch: tuple[torch.Tensor, ...]) -> int:
+        """The loss is a mean over every scored token."""
+        return int((batch[1] != IGNORE).sum())
