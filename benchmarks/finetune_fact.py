@@ -29,15 +29,21 @@ def smollm2(*args: str) -> str:
                           text=True).stdout.strip()
 
 
+def write_chats(work: Path) -> Path:
+    """Every question answered every way, one chat a line: the fine-tuning data."""
+    chats = work / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                      {"role": "assistant", "content": a}]}) + "\n"
+                             for q in QUESTIONS for a in ANSWERS))
+    return chats
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="smollm2-fact-"))
-    chats = work / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                      {"role": "assistant", "content": a}]}) + "\n"
-                             for q in QUESTIONS for a in ANSWERS))
+    chats = write_chats(work)
     greedy = ["--temperature", "0", "--max-new-tokens", "30"]
     before = [smollm2("chat", "-p", q, *greedy) for q in ASK]
     smollm2("finetune", "--data", str(chats), "--out", str(work / "run"), "--steps", str(args.steps), "--lr", "1e-4",

@@ -13,19 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from finetune_fact import ANSWERS, ASK, QUESTIONS
+from finetune_fact import ASK, smollm2, write_chats
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-
-
-def smollm2(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "smollm2", *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
 
 
 def main() -> None:
@@ -36,10 +29,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of each kind, in turns")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="smollm2-lora-"))
-    chats = work / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                      {"role": "assistant", "content": a}]}) + "\n"
-                             for q in QUESTIONS for a in ANSWERS))
+    chats = write_chats(work)
     common = ["--data", str(chats), "--steps", str(args.steps), "--warmup", "3", "--batch-size", "4",
               "--seq-len", "128"]
     lora = ["--lora-r", str(args.lora_r), "--lora-alpha", str(2 * args.lora_r), "--lora-targets", ALL]

@@ -279,20 +279,15 @@ class ChatData:
         self.seq_len = seq_len
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.chats = []  # (input ids, labels) of each chat
-        with open(path, "rb") as f:
-            offset = 0
-            for number, raw in enumerate(f, 1):
-                line, offset = _decode(raw, path, number, offset), offset + len(raw)
-                if not line.strip():
-                    continue
-                try:
-                    ids, learn = _tokenize_chat(_json_object(line, path, number).get("messages"), tokenizer)
-                except SmolError as e:
-                    raise SmolError(f"{path}, line {number}: {e}") from None
-                if len(ids) - 1 > seq_len:  # truncating would silently drop the end of the answer
-                    raise SmolError(f"{path}, line {number}: this chat is {len(ids)} tokens, longer than seq_len "
-                                    f"{seq_len} + 1; raise the sequence length or shorten the chat")
-                self.chats.append((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)))
+        for number, record in _json_lines(path):
+            try:
+                ids, learn = _tokenize_chat(record.get("messages"), tokenizer)
+            except SmolError as e:
+                raise SmolError(f"{path}, line {number}: {e}") from None
+            if len(ids) - 1 > seq_len:  # truncating would silently drop the end of the answer
+                raise SmolError(f"{path}, line {number}: this chat is {len(ids)} tokens, longer than seq_len "
+                                f"{seq_len} + 1; raise the sequence length or shorten the chat")
+            self.chats.append((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)))
         if not self.chats:
             raise SmolError(f"{path}: no chats in this file")
         self.order = EpochOrder(len(self.chats), seed)
@@ -328,20 +323,14 @@ class PreferenceData:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pairs = []  # ((inputs, labels) of the chosen side, the same of the rejected side)
         lines = 0
-        with open(path, "rb") as f:
-            offset = 0
-            for number, raw in enumerate(f, 1):
-                line, offset = _decode(raw, path, number, offset), offset + len(raw)
-                if not line.strip():
-                    continue
-                lines += 1
-                try:
-                    sides = [_tokenize_chat(chat, tokenizer, last_turn_only=True)
-                             for chat in _preference_chats(_json_object(line, path, number))]
-                except SmolError as e:
-                    raise SmolError(f"{path}, line {number}: {e}") from None
-                if max(len(ids) for ids, _ in sides) - 1 <= seq_len:
-                    self.pairs.append(tuple((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)) for ids, learn in sides))
+        for number, record in _json_lines(path):
+            lines += 1
+            try:
+                sides = [_tokenize_chat(chat, tokenizer, last_turn_only=True) for chat in _preference_chats(record)]
+            except SmolError as e:
+                raise SmolError(f"{path}, line {number}: {e}") from None
+            if max(len(ids) for ids, _ in sides) - 1 <= seq_len:
+                self.pairs.append(tuple((ids[:-1], np.where(learn[1:], ids[1:], IGNORE)) for ids, learn in sides))
         if not lines:
             raise SmolError(f"{path}: no preference pairs in this file")
         if not self.pairs:
@@ -468,6 +457,17 @@ def _decode(raw: bytes, path: Path, number: int, offset: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SmolError(f"{path}, line {number}: not UTF-8 (byte {offset + e.start} of the file)") from None
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """Each non-blank line of a JSONL file as (its number, its object), read a line at a time; a line that is not
+    UTF-8 or not a JSON object is an error naming it."""
+    with open(path, "rb") as f:
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            line, offset = _decode(raw, path, number, offset), offset + len(raw)
+            if line.strip():
+                yield number, _json_object(line, path, number)
 
 
 def _json_object(line: str, path: Path, number: int) -> dict:
