@@ -351,3 +351,79 @@ def test_lora_teaches_the_embedded_model_a_fact(reference_model, tmp_path):
     answer = tokenizer.decode(ids[0, len(prompt):].tolist())
     assert "Quellmoor" in answer, answer
     assert torch.equal(model.eval().generate(torch.tensor([prompt]), 20, temperature=0), ids)  # as trained, unmerged
+
+
+# Several adapters over one base: copies that share every weight they do not adapt, served side by side.
+
+def test_with_adapter_shares_the_base_and_equals_the_merged_load(tiny_dir, tmp_path):
+    from smollm2.lora import with_adapter
+
+    save_adapter(adapted(targets=("q_proj", "v_proj")), tmp_path / "a")
+    prompt = torch.tensor([Tokenizer.from_pretrained(tiny_dir).encode("The capital of France is")])
+    base = SmolLM2.from_pretrained(tiny_dir)
+    before = base.generate(prompt, 8, temperature=0)
+    copy = with_adapter(base, tmp_path / "a")
+    merged = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path / "a")
+    assert torch.equal(copy.generate(prompt, 8, temperature=0), merged.generate(prompt, 8, temperature=0))
+    assert torch.equal(base.generate(prompt, 8, temperature=0), before)  # the base is left as it was
+    layer, base_layer = copy.model.layers[1], base.model.layers[1]
+    assert layer.mlp.up_proj.weight is base_layer.mlp.up_proj.weight and copy.output_weight is base.output_weight
+    assert layer.self_attn.q_proj.weight is not base_layer.self_attn.q_proj.weight
+
+
+@pytest.mark.slow
+def test_with_adapter_over_the_embedded_gguf(model, reference_model, tmp_path):
+    """The merged layers stop streaming the file's blocks, which hold the base's weights; the others go on."""
+    from smollm2.lora import with_adapter
+
+    lora = randomize(add_lora(SmolLM2.from_pretrained(accelerate=False), r=4, targets=("q_proj", "v_proj")))
+    save_adapter(lora, tmp_path / "a")
+    prompt = torch.tensor([Tokenizer.from_pretrained().encode("The capital of France is")])
+    copy = with_adapter(model, tmp_path / "a")
+    want = SmolLM2.from_pretrained(accelerate=False, adapter=tmp_path / "a").generate(prompt, 12, temperature=0)
+    assert torch.equal(copy.generate(prompt, 12, temperature=0), want)
+    assert torch.equal(model.generate(prompt, 12, temperature=0), reference_model.generate(prompt, 12, temperature=0))
+
+
+def test_the_server_serves_adapters_by_model_name(tiny_dir, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import running
+
+    from smollm2.lora import with_adapter
+    from smollm2.server import create_app
+
+    for name, seed in (("a", 1), ("b", 2)):
+        save_adapter(randomize(add_lora(tiny_model(TINY["gqa"]), r=4, targets=ALL), seed), tmp_path / name)
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    base = SmolLM2.from_pretrained(tiny_dir)
+    app = create_app(base, tokenizer, model_name="tiny",
+                     adapters={name: with_adapter(base, tmp_path / name) for name in ("a", "b")})
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt)
+
+    def alone(adapter):
+        model = SmolLM2.from_pretrained(tiny_dir, adapter=adapter)
+        return tokenizer.decode(model.generate(torch.tensor([ids]), 10, temperature=0)[0, len(ids):].tolist())
+
+    want = {"tiny": alone(None), "a": alone(tmp_path / "a"), "b": alone(tmp_path / "b")}
+    assert len(set(want.values())) == 3
+    with running(app) as url, ThreadPoolExecutor(6) as pool:
+        def ask(name):
+            r = httpx.post(f"{url}/v1/completions", json=dict(model=name, prompt=prompt, max_tokens=10, temperature=0))
+            return r.json()["choices"][0]["text"]
+
+        names = ["tiny", "a", "b"] * 2
+        assert list(pool.map(ask, names)) == [want[n] for n in names]
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "a", "b"]
+        r = httpx.post(f"{url}/v1/completions", json=dict(model="c", prompt=prompt, max_tokens=2))
+        assert r.status_code == 404 and "'a', 'b'" in r.json()["error"]["message"]
+    with pytest.raises(SmolError, match="base model's name"):
+        create_app(base, tokenizer, model_name="tiny", adapters={"tiny": base})
+
+
+def test_serve_lora_flag_is_checked_before_loading(capsys, tmp_path):
+    for flag, message in (("nameonly", "expected NAME=DIR"), (f"x={tmp_path / 'missing'}", "is not a directory")):
+        assert cli.main(["serve", "--lora", flag, "--port", "1"]) == 1
+        assert message in capsys.readouterr().err

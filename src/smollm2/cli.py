@@ -321,12 +321,23 @@ def bench(args):
             print("\n".join(f"  {choice['text']}" for choice in facts["kernel_choices"]))
 
 
+def lora_name(text: str) -> tuple[str, str]:
+    """--lora NAME=DIR -> (NAME, DIR)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SmolError(f"--lora {text}: expected NAME=DIR, the model name requests use and the adapter's directory")
+    if not Path(path).is_dir():
+        raise SmolError(f"--lora {text}: {path} is not a directory")
+    return name, path
+
+
 def serve(args):
     """The OpenAI-compatible HTTP server, until Ctrl-C or SIGTERM (in-flight answers finish, for up to 10 s)."""
     import signal
 
     import uvicorn
 
+    from .lora import with_adapter
     from .server import create_app
 
     if args.compile:
@@ -334,9 +345,11 @@ def serve(args):
     if args.max_batch_size < 1:
         raise SmolError("--max-batch-size must be at least 1")
     check_address(args.host, args.port)
+    served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
     model, tokenizer = load(args)
     name = args.model or "SmolLM2-135M-Instruct"
-    app = create_app(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size,
+    adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
+    app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20)
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
@@ -559,6 +572,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
+                        "every weight it does not adapt with the base")
     c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=1024, metavar="MIB",
                    help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
                         "1024 MiB; 0: none)")

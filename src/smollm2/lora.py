@@ -9,6 +9,7 @@ from_pretrained(..., adapter=DIR), which merges as it loads).
 from __future__ import annotations
 
 import math
+from copy import deepcopy
 from pathlib import Path
 
 import torch
@@ -107,6 +108,26 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     add_lora(model, adapter.r, adapter.alpha, adapter.targets, adapter.dropout)
     model.load_state_dict(adapter.tensors, strict=False)  # the adapter's tensors alone, every one checked
     return model
+
+
+@torch.no_grad()
+def with_adapter(model: nn.Module, path: str | Path) -> nn.Module:
+    """A copy of `model` with the adapter at `path` merged into the layers it adapts. Every other tensor is the
+    base's own, shared, not copied: each adapter served over one base costs its adapted layers alone. The copy
+    may be accelerated as the base is (the merged layers' GGUF blocks, which hold the base's weights, go)."""
+    adapter = read_for(model, path)
+    adapted = {name.removesuffix(".lora_A.weight") for name in adapter.tensors if name.endswith(".lora_A.weight")}
+    shared = {id(t): t for name, t in (*model.named_parameters(), *model.named_buffers())
+              if name.rpartition(".")[0] not in adapted}
+    copy = deepcopy(model, memo=shared)
+    for name in adapted:
+        layer = copy.get_submodule(name)
+        if not isinstance(layer, nn.Linear):
+            raise SmolError(f"cannot merge LoRA into a {type(layer).__name__}: merging needs a float base")
+        a, b = adapter.tensors[f"{name}.lora_A.weight"].float(), adapter.tensors[f"{name}.lora_B.weight"].float()
+        merged = layer.weight.float() + adapter.scaling * (b.to(layer.weight.device) @ a.to(layer.weight.device))
+        layer.weight = nn.Parameter(merged.to(layer.weight.dtype), requires_grad=False)
+    return copy
 
 
 @torch.no_grad()

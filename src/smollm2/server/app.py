@@ -213,20 +213,29 @@ class BodyLimit:
 
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
-               api_key: str | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
-    """The app; its lifespan starts the scheduler thread (which then owns the model) and stops it.
-    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none)."""
-    scheduler = Scheduler(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                          on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes)
-    metrics = Metrics(scheduler)
+               api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None) -> FastAPI:
+    """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
+    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
+    model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
+    field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
+    weight with it. Each model has a scheduler (a thread and a KV cache) of its own."""
+    if model_name in (adapters or {}):
+        raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
+    models = {model_name: model, **(adapters or {})}
+    schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
+                                  on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes)
+                  for name, m in models.items()}
+    metrics = Metrics(list(schedulers.values()))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        scheduler.start()
+        for scheduler in schedulers.values():
+            scheduler.start()
         try:
             yield
         finally:
-            scheduler.stop()
+            for scheduler in schedulers.values():
+                scheduler.stop()
 
     async def authorize(authorization: Annotated[str, Header()] = ""):
         # Constant-time comparison: the time taken must not tell how much of a guessed key is right.
@@ -269,7 +278,8 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **scheduler.load()}
+        loads = [scheduler.load() for scheduler in schedulers.values()]
+        return {"status": "ok", **{key: sum(load[key] for load in loads) for key in loads[0]}}
 
     @app.get("/metrics")
     async def prometheus():
@@ -277,7 +287,8 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "smollm2"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2"}
+                                           for name in schedulers]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
@@ -294,18 +305,18 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, connection: Connection):
-        check_model(body.model)
+        scheduler = check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
         messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await complete(body, [prompt], body.max_completion_tokens or body.max_tokens, connection,
-                              Reply(True, model_name, tokenizer, logprobs))
+        return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
+                              Reply(True, body.model, tokenizer, logprobs))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, connection: Connection):
-        check_model(body.model)
+        scheduler = check_model(body.model)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         prompts, texts = [], []
         for prompt in body.prompt:
@@ -315,16 +326,18 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
             else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
                 prompts.append(prompt_rows([prompt], model.config.vocab_size)[0] if prompt else [])
                 texts.append(tokenizer.decode(prompts[-1]))
-        return await complete(body, prompts, max_tokens, connection,
-                              Reply(False, model_name, tokenizer, body.logprobs, texts if body.echo else None))
+        return await complete(body, scheduler, prompts, max_tokens, connection,
+                              Reply(False, body.model, tokenizer, body.logprobs, texts if body.echo else None))
 
-    def check_model(name: str):
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(name: str) -> Scheduler:
+        """The scheduler of the model a request names."""
+        if name not in schedulers:
+            raise APIError(404, f"the model {name!r} does not exist; this server has "
+                           f"{', '.join(map(repr, schedulers))}", param="model", code="model_not_found")
+        return schedulers[name]
 
-    async def complete(body: Body, prompts: list[list[int]], max_tokens: int | None, connection: Connection,
-                       reply: Reply):
+    async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], max_tokens: int | None,
+                       connection: Connection, reply: Reply):
         """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i."""
         for p, prompt in enumerate(prompts):
             if not prompt:

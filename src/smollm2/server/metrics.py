@@ -19,7 +19,7 @@ TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, scheduler):
+    def __init__(self, schedulers: list):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("smollm2_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=registry)
@@ -28,10 +28,10 @@ class Metrics:
         self.generated_tokens = Counter("smollm2_generated_tokens", "Tokens generated for the requests ended",
                                         registry=registry)
         Gauge("smollm2_requests_waiting", "Requests queued for a free row", registry=registry).set_function(
-            lambda: scheduler.load()["waiting"])
+            lambda: sum(scheduler.load()["waiting"] for scheduler in schedulers))
         Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
-              ).set_function(lambda: scheduler.load()["active"])
-        registry.register(PrefixCacheCounts(scheduler.prefix_cache))
+              ).set_function(lambda: sum(scheduler.load()["active"] for scheduler in schedulers))
+        registry.register(PrefixCacheCounts([s.prefix_cache for s in schedulers if s.prefix_cache is not None]))
         self.time_to_first_token = Histogram("smollm2_time_to_first_token_seconds",
                                              "From a request's arrival to its first token", buckets=TOKEN_BUCKETS,
                                              registry=registry)
@@ -53,20 +53,19 @@ class Metrics:
 
 
 class PrefixCacheCounts(Collector):
-    """The prefix cache's own counts, read as Prometheus scrapes: nothing to do per request. Its hit rate is
-    rate(smollm2_prefix_cache_hit_tokens_total) / rate(smollm2_prefix_cache_queried_tokens_total)."""
+    """The prefix caches' own counts (every model's, added up), read as Prometheus scrapes: nothing to do per
+    request. The hit rate is rate(smollm2_prefix_cache_hit_tokens_total) / rate(..._queried_tokens_total)."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, caches: list):
+        self.caches = caches
 
     def collect(self):
-        cache = self.cache
         yield CounterMetricFamily("smollm2_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
-                                  "cache", value=cache.looked_up if cache else 0)
+                                  "cache", value=sum(cache.looked_up for cache in self.caches))
         yield CounterMetricFamily("smollm2_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache, "
-                                  "not prefilled again", value=cache.found if cache else 0)
+                                  "not prefilled again", value=sum(cache.found for cache in self.caches))
         yield GaugeMetricFamily("smollm2_prefix_cache_bytes", "Memory the prefix cache's keys and values take",
-                                value=cache.bytes if cache else 0)
+                                value=sum(cache.bytes for cache in self.caches))
 
 
 class CountResponses:
