@@ -4,8 +4,10 @@ decoding step, and how long a cache to give attention."""
 from __future__ import annotations
 
 import functools
+import math
 from collections import abc
 
+import numpy as np
 import torch
 
 PREFILL_CHUNK = 512  # the bigger, the faster (a 135M fp32 model reads its weights once a chunk); the smaller,
@@ -50,6 +52,20 @@ def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Ten
     for begin, end in chunks(start, ids.shape[1]):
         h = prefill_chunk(model, ids[:, begin:end], cache, begin, attention_mask)
     return h[:, -1]
+
+
+def untouched_cache(model, rows: int, length: int):
+    """model.new_cache(rows, length), but on the CPU in zeroed memory that the OS commits page by page as it is
+    first written (calloc), instead of all at once: a server's cache is sized for its longest request, and most of
+    its slots are never written (at 8 rows of 8192 slots, the 135M model's would commit 3 GiB at start)."""
+    cache = model.new_cache(rows, 0)  # the layout, dtype and device, with no slots yet
+    if cache.k.device.type != "cpu":
+        return model.new_cache(rows, length)
+    model.extend_rope(length)
+    shape = (*cache.k.shape[:3], length, cache.k.shape[4])
+    size = math.prod(shape) * cache.k.element_size()
+    cache.k, cache.v = (torch.from_numpy(np.zeros(size, np.uint8)).view(cache.k.dtype).view(shape) for _ in "kv")
+    return cache
 
 
 def cache_length(n: int, limit: int) -> int:

@@ -41,7 +41,7 @@ from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, advance, check_request
 from ..generation.prefix_cache import Block, PrefixCache
 from ..generation import steps
-from ..generation.steps import cache_length, chunks, decode_step, prefill_chunk
+from ..generation.steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Scheduler:
         self.device = model.model.embed_tokens.weight.device
         self.max_batch_size = max_batch_size
         self.on_end = on_end
-        self.cache = model.new_cache(max_batch_size, self.max_seq_len)
+        self.cache = untouched_cache(model, max_batch_size, self.max_seq_len)
         self.active: list[Request] = []  # the requests decoding; active[b] holds cache row b
         self.filling: Request | None = None  # the request whose prompt is being prefilled, in row len(active)
         self.filling_row = 0
