@@ -255,12 +255,12 @@ def test_chat_data_does_not_learn_a_token_that_is_partly_template(tmp_path, toke
 def test_chat_data_reshuffles_every_epoch_deterministically(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CHATS])
     chats, twin = ChatData(path, tokenizer, seq_len=128, seed=1), ChatData(path, tokenizer, seq_len=128, seed=1)
-    order = [chats._chat_of(i) for i in range(3 * len(CHATS))]
+    order = [chats.order[i] for i in range(3 * len(CHATS))]
     epochs = [order[e * len(CHATS):(e + 1) * len(CHATS)] for e in range(3)]
     assert all(sorted(epoch) == list(range(len(CHATS))) for epoch in epochs) and epochs[0] != epochs[1]
-    assert [twin._chat_of(i) for i in reversed(range(3 * len(CHATS)))] == order[::-1]
+    assert [twin.order[i] for i in reversed(range(3 * len(CHATS)))] == order[::-1]
     assert torch.equal(chats.examples([7, 2])[1], twin.examples([7, 2])[1])
-    assert order != [ChatData(path, tokenizer, seq_len=128, seed=2)._chat_of(i) for i in range(3 * len(CHATS))]
+    assert order != [ChatData(path, tokenizer, seq_len=128, seed=2).order[i] for i in range(3 * len(CHATS))]
 
 
 def test_chat_data_bad_inputs(tmp_path, tokenizer):
