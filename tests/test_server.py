@@ -595,6 +595,8 @@ def test_a_completions_prompt_as_text_token_ids_or_a_list_of_them(tiny):
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
                 for i in range(6)] == [c["text"] for c in batch["choices"]]
+        r = client.post("/v1/completions", json=dict(model=NAME, prompt=[PROMPTS[0]] * 9, n=8, max_tokens=2))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "72 requests" in r.text, r.text
         for prompt, message in (([PROMPTS[0]] * 17, "at most 16"), ([ids, []], "prompt.1: the prompt is empty"),
                                 ([], "non-empty"), ([PROMPTS[0], 5], "must be text"), ([5, 10 ** 9], "not a token id")):
             r = client.post("/v1/completions", json=dict(model=NAME, prompt=prompt, max_tokens=2))

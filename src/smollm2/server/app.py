@@ -343,6 +343,9 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
             if not prompt:
                 where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
                 raise APIError(400, f"{where}: the prompt is empty", param=where)
+        if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
+            raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
+                           f"requests, more than this server queues ({scheduler.max_waiting})", param="n")
         reply.prompts, reply.n = prompts, body.n
         echo_logprobs = reply.logprobs if reply.echo is not None else None
         grammar = None
