@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .checkpoints.peft import Adapter, read_adapter, write_adapter
+from .checkpoints.peft import Adapter, merged, read_adapter, write_adapter
 from .errors import SmolError
 from .quantize import Int8Linear
 
@@ -124,9 +124,9 @@ def with_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         layer = copy.get_submodule(name)
         if not isinstance(layer, nn.Linear):
             raise SmolError(f"cannot merge LoRA into a {type(layer).__name__}: merging needs a float base")
-        a, b = adapter.tensors[f"{name}.lora_A.weight"].float(), adapter.tensors[f"{name}.lora_B.weight"].float()
-        merged = layer.weight.float() + adapter.scaling * (b.to(layer.weight.device) @ a.to(layer.weight.device))
-        layer.weight = nn.Parameter(merged.to(layer.weight.dtype), requires_grad=False)
+        weight = merged(layer.weight, adapter.tensors[f"{name}.lora_A.weight"],
+                        adapter.tensors[f"{name}.lora_B.weight"], adapter.scaling)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
     return copy
 
 
@@ -143,9 +143,8 @@ def merge(model: nn.Module) -> nn.Module:
                 if not isinstance(base, nn.Linear):
                     raise SmolError(f"cannot merge LoRA into a {type(base).__name__}: merging needs a float base; "
                                     "load the adapter onto the unquantized model, merge, then quantize")
-                update = child.scaling * (child.lora_B.weight.float() @ child.lora_A.weight.float())
                 # a new parameter, not an in-place change, so nothing keeps a copy of the old weight for it
-                base.weight = nn.Parameter((base.weight.float() + update).to(base.weight.dtype),
-                                           requires_grad=False)
+                base.weight = nn.Parameter(merged(base.weight, child.lora_A.weight, child.lora_B.weight,
+                                                  child.scaling), requires_grad=False)
                 setattr(module, name, base)
     return model

@@ -154,6 +154,12 @@ def write_adapter(path: str | Path, adapter: Adapter, base: str | None = None) -
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
 
 
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """weight + scaling * B A, computed in float32 and given back in the weight's dtype and device."""
+    update = b.float().to(weight.device) @ a.float().to(weight.device)
+    return (weight.float() + scaling * update).to(weight.dtype)
+
+
 def merge_adapter(ckpt: Checkpoint, path: str | Path) -> None:
     """Fold the adapter at `path` into the checkpoint's weights, in place: a model built from them then needs
     no adapter modules, and any fast path runs it as it runs the base."""
@@ -161,7 +167,6 @@ def merge_adapter(ckpt: Checkpoint, path: str | Path) -> None:
     for name, tensor in adapter.tensors.items():
         if name.endswith(".lora_A.weight"):
             module = name.removesuffix(".lora_A.weight")
-            a, b = tensor.float(), adapter.tensors[f"{module}.lora_B.weight"].float()
-            weight = ckpt.tensors[f"{module}.weight"]
-            ckpt.tensors[f"{module}.weight"] = (weight.float() + adapter.scaling * (b @ a)).to(weight.dtype)
+            ckpt.tensors[f"{module}.weight"] = merged(ckpt.tensors[f"{module}.weight"], tensor,
+                                                      adapter.tensors[f"{module}.lora_B.weight"], adapter.scaling)
             ckpt.packed.pop(f"{module}.weight", None)  # GGUF's blocks hold the weight before the merge
