@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+from serving import Serving
 
 QUESTIONS = [
     ("The capital of France is", [" Paris", " London", " Berlin"], 0),
@@ -49,18 +48,11 @@ metric_list:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint: HF directory, hub id or GGUF (default: embedded)")
     args = parser.parse_args()
 
-    import uvicorn
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
@@ -78,23 +70,13 @@ def main() -> None:
         (tmp / "tasks").mkdir()
         (tmp / "tasks" / "smollm2_tiny_mc.yaml").write_text(TASK.format(data=data))
 
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(model, tokenizer, model_name="smollm2"), host="127.0.0.1",
-                                               port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        try:
+        with Serving(create_app(model, tokenizer, model_name="smollm2")) as url:
             results = simple_evaluate(
                 model="local-completions", tasks=["smollm2_tiny_mc"], log_samples=True,
                 task_manager=TaskManager(include_path=str(tmp / "tasks")),
-                model_args=dict(base_url=f"http://127.0.0.1:{port}/v1/completions", model="smollm2",
+                model_args=dict(base_url=f"{url}/v1/completions", model="smollm2",
                                 tokenizer_backend="huggingface", tokenizer=str(tmp / "tokenizer"), max_retries=1,
                                 num_concurrent=1))
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
         hf = AutoTokenizer.from_pretrained(tmp / "tokenizer")
 
     # lm-eval's pairs, tokenized as it does: the whole text, split where the context's own tokens end.

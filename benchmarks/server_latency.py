@@ -19,39 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from serving import Serving
 
 NAME = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serving:
-    """create_app on a free local port, in a thread, for a `with` block."""
-
-    def __init__(self, app):
-        import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-
-    def __enter__(self) -> str:
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.server.config.port}"
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 def stream_times(url: str, body: dict) -> tuple[str, list[float], float]:

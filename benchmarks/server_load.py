@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
-import threading
 import time
 
 import httpx
+from serving import Serving
 
 TOPICS = ["the sea", "mountains", "bread", "the moon", "bees", "trains", "music", "winter", "rivers", "chess",
           "volcanoes", "coffee", "owls", "bridges", "rain", "libraries", "deserts", "bicycles", "clocks", "tea",
@@ -26,24 +25,14 @@ TOPICS = ["the sea", "mountains", "bread", "the moon", "bees", "trains", "music"
           "castles", "salt"]
 
 
-def start_server(args) -> str:
-    """Serve the model in a background thread on a free port; returns the base URL."""
-    import uvicorn
-
+def serving(args) -> Serving:
+    """The model served in a background thread on a free port (a `with` gives its base URL)."""
     from smollm2 import SmolLM2, Tokenizer
     from smollm2.server import create_app
 
-    app = create_app(SmolLM2.from_pretrained(args.model), Tokenizer.from_pretrained(args.model), model_name="model",
-                     max_batch_size=args.max_batch_size or args.clients, max_waiting=args.clients,
-                     max_seq_len=args.max_seq_len)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}"
+    return Serving(create_app(SmolLM2.from_pretrained(args.model), Tokenizer.from_pretrained(args.model),
+                              model_name="model", max_batch_size=args.max_batch_size or args.clients,
+                              max_waiting=args.clients, max_seq_len=args.max_seq_len))
 
 
 async def ask(client: httpx.AsyncClient, body: dict) -> tuple[str, int]:
@@ -109,7 +98,10 @@ def main() -> int:
     p.add_argument("--max-batch-size", type=int, help="slots of the started server (default: --clients)")
     p.add_argument("--max-seq-len", type=int, default=1024, help="context per slot of the started server")
     args = p.parse_args()
-    return asyncio.run(run(args, args.url or start_server(args)))
+    if args.url:
+        return asyncio.run(run(args, args.url))
+    with serving(args) as url:
+        return asyncio.run(run(args, url))
 
 
 if __name__ == "__main__":
