@@ -402,24 +402,14 @@ def train(args):
 
 
 def model_to_tune(args, c, run: dict):
-    """--model in fp32, whatever the checkpoint stores; with --lora-r, frozen under a fresh adapter (over an int8
-    base with --quantize), whose settings go into `run`."""
-    from .model import SmolLM2
+    """--model, ready to fine-tune (smollm2.training.tuning); with --lora-r its adapter's settings go into `run`."""
+    from .training.tuning import LoRASettings, model_to_tune
 
-    if args.quantize and args.lora_r is None:
-        raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
-    model = SmolLM2.from_pretrained(args.model, accelerate=False)
-    if args.lora_r is not None:
-        from .lora import add_lora
-        from .quantize import quantize_int8
-
-        lora = dict(r=args.lora_r, alpha=args.lora_r if args.lora_alpha is None else args.lora_alpha,
-                    targets=args.lora_targets.split(","), dropout=args.lora_dropout)
-        if args.quantize == "int8":
-            quantize_int8(model)
-        torch.manual_seed(c.seed)  # the adapter's initial A follows --seed
-        add_lora(model, **lora)
-        run["lora"] = {**lora, "quantize": args.quantize}
+    lora = None if args.lora_r is None else LoRASettings(args.lora_r, args.lora_alpha, tuple(args.lora_targets.split(",")),
+                                                        args.lora_dropout)
+    model = model_to_tune(args.model, lora, args.quantize, c.seed)
+    if lora is not None:
+        run["lora"] = lora.as_run(args.quantize)
     return model
 
 
@@ -451,7 +441,7 @@ def dpo(args):
     from .tokenizer import Tokenizer
     from .training import train
     from .training.data import PreferenceData
-    from .training.dpo import DPOLoss, check_settings, reference_logps
+    from .training.dpo import check_settings, dpo_objective
     from .training.loop import DTYPES as AUTOCAST
 
     c = training_config(args)
@@ -464,13 +454,10 @@ def dpo(args):
     run = dict(kind="dpo", data=str(Path(args.data).resolve()), model=args.model or "embedded",
                dpo=dict(beta=args.beta, label_smoothing=args.label_smoothing))
     model = model_to_tune(args, c, run)
-    # Before train() loads a checkpoint to resume from: the reference is always the starting model. Under torchrun
-    # each process computes it on its own GPU, as it will train there.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else "cpu"
-    for pairs in (data, val) if val else (data,):
-        reference_logps(model, pairs, c.batch_size, device, AUTOCAST[c.dtype])
+    objective = dpo_objective(model, data, val, c.batch_size, args.device, AUTOCAST[c.dtype], args.beta,
+                              args.label_smoothing)
     final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
-                  adapter_base=args.model, objective=DPOLoss(model, args.beta, args.label_smoothing))
+                  adapter_base=args.model, objective=objective)
     print_final(args, final, "DPO-trained")
 
 

@@ -2,5 +2,6 @@
 DPO (loop, with loss and dpo), and checkpoints that survive a crash (state)."""
 
 from .loop import TrainConfig, train
+from .tuning import LoRASettings, model_to_tune
 
-__all__ = ["TrainConfig", "train"]
+__all__ = ["LoRASettings", "TrainConfig", "model_to_tune", "train"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import SmolError
 from .loss import IGNORE
+from .tuning import process_device
 
 
 def check_settings(beta: float, label_smoothing: float) -> None:
@@ -97,3 +98,16 @@ def reference_logps(model, data, batch_size: int = 8, device: str | torch.device
     model.train(training)
     data.reference = torch.cat(found).view(-1, 2).cpu()
     return data.reference
+
+
+def dpo_objective(model, data, val_data, batch_size: int, device: str = "cpu", dtype: torch.dtype | None = None,
+                  beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+    """DPO's setup: the reference log-probabilities of every pair of `data` and `val_data` (None: none) under
+    `model` as it is now, the starting model, computed on this process's device (under torchrun, each process on
+    its own GPU, as it will train there); then the objective that train() takes. dtype: the training's autocast
+    dtype. Call it before train() loads a checkpoint to resume from: the reference is always the starting model."""
+    check_settings(beta, label_smoothing)
+    for pairs in (data, val_data) if val_data is not None else (data,):
+        reference_logps(model, pairs, batch_size, process_device(device), dtype)
+    return DPOLoss(model, beta, label_smoothing)
+
