@@ -6,16 +6,17 @@ A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so tha
 n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
 holds row n, the next. Each step
   1. runs ONE decoding step for rows 0..n-1 at once, every row at its own position (slot s of a row holds
-     position s of its sequence; the causal mask over slots hides what an earlier, longer row left past it);
-  2. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
-     PREFILL_CHUNK (steps.chunks), up to a budget of tokens a step: the server's keeps the rows decoding going
+     position s of its sequence; the causal mask over slots hides what an earlier, longer row left past it),
+     and picks every row's next token in one sampling call (sequence.advance), each row with its own
+     parameters and random generator; its Sequence says what text is final and whether it has finished;
+  2. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
+     copied, so the rows decoding stay 0..n-1 (and the prefilling one n);
+  3. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
+     PREFILL_CHUNK (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on
      between a long prompt's chunks; several short prompts fit in one step. Chunks already in the prefix cache
      (same tokens, same place) are copied instead of computed, and those computed are kept. A row that scores
-     its prompt (echo) computes every chunk, scoring each as it goes;
-  3. picks the next token of the rows decoding, then the first token of the rows whose prompt is complete, in
-     one sampling call each (sequence.advance); each row's Sequence says what text is final and when it ends;
-  4. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
-     copied, so the rows decoding stay 0..n-1 (and the prefilling one n).
+     its prompt (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first
+     token (one sampling call), and decode from the next step on.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Row:
 
 
 class Engine:
+    """The rows of one KV cache and the sequences in them, stepped by a driver (see above)."""
+
     def __init__(self, model, rows: int, length: int, *, prefill_budget: int | None,
                  prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False):
         """rows: how many sequences may hold a cache row at once; length: the most slots one takes (its prompt
@@ -65,7 +68,7 @@ class Engine:
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
         needs."""
-        self.model, self.rows = model, rows
+        self.model, self.cache_rows = model, rows
         self.device = model.model.embed_tokens.weight.device
         self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings))
         if whole_cache and self.device.type == "cuda":
@@ -81,7 +84,7 @@ class Engine:
     @property
     def free(self) -> int:
         """Cache rows that neither a row holds nor a queued row will take."""
-        return self.rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
+        return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
 
     def admit(self, sequence: Sequence, prompt_logprobs: int | None = None) -> Row:
         """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs."""
@@ -121,8 +124,8 @@ class Engine:
         slots = [[row.filled] for row in rows]
         if self.whole_cache:  # the other rows feed a token at the last slot, which no row reads: the cache is
             # sized for the longest prompt and all its new tokens, and the last token is never fed
-            ids += [[0]] * (self.rows - len(rows))
-            slots += [[self.cache.max_len - 1]] * (self.rows - len(rows))
+            ids += [[0]] * (self.cache_rows - len(rows))
+            slots += [[self.cache.max_len - 1]] * (self.cache_rows - len(rows))
             cache = self.cache
         else:  # the filled slots only
             cache = self.cache.view(slice(0, len(rows)), max(s for (s,) in slots) + 1)
@@ -136,7 +139,7 @@ class Engine:
         """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the
         rows whose prompt is complete, which join the rows decoding, and their last hidden states, (1, C) each."""
         spent, ready, hidden = 0, [], []
-        while len(self.decoding) < self.rows and (self.prefill_budget is None or spent < self.prefill_budget) \
+        while len(self.decoding) < self.cache_rows and (self.prefill_budget is None or spent < self.prefill_budget) \
                 and (row := self.filling or self._start()) is not None:
             prompt = row.sequence.prompt
             if row.filled < len(prompt):
@@ -196,7 +199,7 @@ class Engine:
 
     def _take(self, rows: list[Row], logits: torch.Tensor, events: list) -> None:
         """Every row's next token from its row of logits, in one sampling call; then the finished rows go."""
-        _, taken = advance(logits, [row.sequence for row in rows])
+        taken = advance(logits, [row.sequence for row in rows])
         events += [(row, step) for row, step in zip(rows, taken) if step is not None]
         self._retire()
 
