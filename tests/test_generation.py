@@ -10,7 +10,7 @@ from conftest import TINY, hf_copy, tiny_model
 
 import smollm2.generation.steps as steps
 from smollm2 import SmolError, Tokenizer
-from smollm2.generation import Conversation, Sampling, stream
+from smollm2.generation import PrefixCache, Sampling, stream
 from smollm2.generation.sampling import penalized, sample, warped
 from smollm2.generation.sequence import Sequence, StopStrings
 
@@ -132,33 +132,50 @@ def test_stream_yields_the_tokens_generate_returns(tiny):
     assert tokens == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
 
 
-def test_a_conversation_prefills_only_what_its_cache_does_not_hold(model, monkeypatch):
-    """Each call continues the cache where the prompt still matches it: the tokens are those of a fresh
-    call, and only the rest of the prompt is prefilled."""
-    widths = []
-    hidden_states = model.hidden_states
-    monkeypatch.setattr(model, "hidden_states",
-                        lambda ids, *a, **kw: widths.append(ids.shape[1]) or hidden_states(ids, *a, **kw))
+def prefilled_chunks(model, monkeypatch) -> list[int]:
+    """Where each prefill chunk the model computes from now on starts (a decoding step's slots are per row)."""
+    starts, hidden_states = [], model.hidden_states
 
-    def turn(prompt, conversation):
-        widths.clear()
-        tokens = [step.token for (step,) in stream(model, [prompt], 8, eos_token_id=None, conversation=conversation)]
-        return tokens, widths[0]
+    def recording(ids, input_pos=None, *args, **kwargs):
+        if input_pos is not None and input_pos.dim() == 1:
+            starts.append(int(input_pos[0]))
+        return hidden_states(ids, input_pos, *args, **kwargs)
 
-    conversation, first = Conversation(), [1, 504, 3458, 282, 4649, 314]
-    answer, prefilled = turn(first, conversation)
-    assert prefilled == 6 and conversation.tokens == first + answer[:-1]  # the last token was never fed
-    follow_up = first + answer + [28, 17, 30]
-    assert turn(follow_up, conversation) == (turn(follow_up, None)[0], 4)  # answer[-1] and the new 3
-    edited = first[:3] + [99, 100]  # shares 3 tokens with what the cache holds
-    assert turn(edited, conversation) == (turn(edited, None)[0], 2)
+    monkeypatch.setattr(model, "hidden_states", recording)
+    return starts
 
 
-def test_a_conversation_holds_one_row_decoded_eagerly(tiny):
-    with pytest.raises(SmolError, match="one prompt"):
-        next(stream(tiny, [[1, 2], [3, 4]], 2, conversation=Conversation()))
-    with pytest.raises(SmolError, match="without compile"):
-        next(stream(tiny, [[1, 2]], 2, conversation=Conversation(), compile=True))
+def test_a_prefix_cache_kept_across_calls_prefills_only_the_chunks_it_lacks(tiny, monkeypatch):
+    """A chat's turns through one PrefixCache: each turn computes only the chunks after those an earlier prompt
+    prefilled whole, and its steps (tokens, log-probabilities) are those of a call without it, bit for bit."""
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 8)
+    starts = prefilled_chunks(tiny, monkeypatch)
+
+    def turn(prompt, prefix_cache):
+        starts.clear()
+        answer = [step for (step,) in stream(tiny, [prompt], 6, eos_token_id=None, temperature=0.8, seed=1,
+                                             logprobs=2, prefix_cache=prefix_cache)]
+        return answer, list(starts)
+
+    cache, first = PrefixCache(1 << 20), list(range(1, 21))  # chunks 0-7, 8-15, 16-19
+    answer, computed = turn(first, cache)
+    assert computed == [0, 8, 16] and answer == turn(first, None)[0]
+    assert turn(first, cache) == (answer, [])  # the same prompt again: found whole, its last state too
+    follow_up = first + [step.token for step in answer] + [30, 31, 32]  # 29 tokens
+    assert turn(follow_up, cache) == (turn(follow_up, None)[0], [16, 24])  # its first two chunks copied
+    edited = first[:10] + [99, 100]
+    assert turn(edited, cache) == (turn(edited, None)[0], [8])
+
+
+def test_rows_of_one_batch_share_their_prefix_through_the_cache(tiny, monkeypatch):
+    """Prompts are prefilled one after another: a later row copies the chunks an earlier one has just kept."""
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 8)
+    starts = prefilled_chunks(tiny, monkeypatch)
+    system = list(range(100, 116))  # two whole chunks
+    prompts = [system + [1, 2, 3], system + [4, 5]]
+    with_cache = list(stream(tiny, prompts, 5, eos_token_id=None, prefix_cache=PrefixCache(1 << 20)))
+    assert starts[:4] == [0, 8, 16, 16]
+    assert with_cache == list(stream(tiny, prompts, 5, eos_token_id=None))
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tiny):

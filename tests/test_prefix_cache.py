@@ -197,13 +197,14 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_row(tiny, s
         long = scheduler.submit(list(range(5, 405)), 4, Sampling(), ())
         with torch.inference_mode():
             scheduler._step()  # its first chunk
-        assert scheduler.filling is long and 0 < long.filled < 400
+        (row,) = scheduler.requests
+        assert scheduler.requests[row] is long and scheduler.engine.filling is row and 0 < row.filled < 400
         scheduler.cancel(long)
         short = scheduler.submit([1, 2, 3], 3, Sampling(), ())
         with torch.inference_mode():
             for _ in range(6):
                 scheduler._step()
-        assert scheduler.filling is None and ended == [long, short] and short.sequence.finish_reason == "length"
+        assert scheduler.engine.filling is None and ended == [long, short] and short.sequence.finish_reason == "length"
         assert scheduler.load()["active"] == 0
 
     asyncio.run(run())

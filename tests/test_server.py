@@ -619,10 +619,11 @@ def test_requests_cancelled_together_each_end_once(tiny):
     async def run():
         requests = [sched.submit([1, 2, 3 + i], 8, Sampling(), ()) for i in range(3)]
         with torch.inference_mode():
-            sched._admit()
-        assert sched.active == requests
+            sched._step()
+        assert [sched.requests[row] for row in sched.engine.decoding] == requests
         requests[0].cancelled = requests[2].cancelled = True
-        sched._retire()
-        assert sched.active == [requests[1]] and sorted(map(id, ended)) == sorted(map(id, [requests[0], requests[2]]))
+        with torch.inference_mode():
+            sched._step()
+        assert [sched.requests[row] for row in sched.engine.decoding] == [requests[1]] and sorted(map(id, ended)) == sorted(map(id, [requests[0], requests[2]]))
 
     asyncio.run(run())

@@ -128,14 +128,15 @@ def response_format(args) -> dict | None:
     return {"type": "json_object"} if args.json else None
 
 
-def print_stream(model, tokenizer, ids: list[int], args, conversation=None) -> str:
+def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> str:
     """Generate from one prompt, printing its text as it becomes final; returns the text. With --logprobs N,
-    then one line per generated token: the token, its log-probability, and the N most likely tokens'."""
+    then one line per generated token: the token, its log-probability, and the N most likely tokens'.
+    prefix_cache: a PrefixCache the prompt's whole prefill chunks are looked up in and kept in."""
     from .generation import stream
 
     text, logprobs = [], []
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
-                          compile=args.compile, conversation=conversation, logprobs=getattr(args, "logprobs", None),
+                          compile=args.compile, prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
                           response_format=args.response_format, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
@@ -160,17 +161,17 @@ def generate(args):
 
 
 def chat(args):
-    from .generation import Conversation
+    from .generation import PrefixCache
 
     utf8(args.system or "", "--system")
     utf8(args.prompt or "", "--prompt")
     args.response_format = response_format(args)
     model, tokenizer = load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    # Each turn sends the whole history again; a conversation keeps its cache, so only the new turn is
-    # prefilled. It decodes eagerly: on CUDA, where the compiled step is the fast one, each turn starts afresh.
-    compiled = args.compile if args.compile is not None else args.device == "cuda"
-    conversation = None if compiled else Conversation()
+    # Each turn sends the whole history again; the prefix cache keeps its prompts' whole prefill chunks, so a
+    # turn prefills only from the first chunk that holds something new (the previous answer, say), and
+    # answers as the same prompt sent fresh would.
+    prefix_cache = PrefixCache(2**30)  # as serve's --prefix-cache: more than a 135M model's whole window takes
     turns = [args.prompt] if args.prompt is not None else None
     if turns is None:
         print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -199,7 +200,7 @@ def chat(args):
         messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         try:
-            answer = print_stream(model, tokenizer, ids, args, conversation)
+            answer = print_stream(model, tokenizer, ids, args, prefix_cache)
         except SmolError:
             messages.pop()  # the turn that did not fit is not kept
             raise

@@ -251,10 +251,10 @@ class SmolLM2(nn.Module):
         from .checkpoints import save_hf
         save_hf(self.config, self.state_dict(), path)
 
-    def generate(self, input_ids, max_new_tokens: int = 128, **kwargs):  # see smollm2.generation.generate
+    def generate(self, input_ids, *args, **kwargs):  # see smollm2.generation.generate
         from .generation import generate
-        return generate(self, input_ids, max_new_tokens, **kwargs)
+        return generate(self, input_ids, *args, **kwargs)
 
-    def stream(self, input_ids, max_new_tokens: int = 128, **kwargs):  # see smollm2.generation.stream
+    def stream(self, input_ids, *args, **kwargs):  # see smollm2.generation.stream
         from .generation import stream
-        return stream(self, input_ids, max_new_tokens, **kwargs)
+        return stream(self, input_ids, *args, **kwargs)

@@ -1,8 +1,9 @@
-"""Generation: per-sequence state, a batched sampler and the model's steps, driven as a static batch here
-(generate, stream) or as a continuous one by the server's scheduler."""
+"""Generation: per-sequence state, a batched sampler and the model's steps, in one engine of cache rows, driven
+as a static batch here (generate, stream) or as a continuous one by the server's scheduler."""
 
-from .engine import Conversation, generate, stream
+from .batch import generate, stream
+from .prefix_cache import PrefixCache
 from .sampling import Sampling
 from .sequence import Step
 
-__all__ = ["Conversation", "Sampling", "Step", "generate", "stream"]
+__all__ = ["PrefixCache", "Sampling", "Step", "generate", "stream"]

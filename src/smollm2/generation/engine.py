@@ -1,151 +1,225 @@
-"""The static batch: prompts in, one Step per row per step out, until every row has finished.
+"""The engine: the rows of one KV cache, each a Sequence at its own positions, advanced a step at a time. Every
+driver runs on it: generate()/stream() (batch.py) admit a static batch and step until every row has finished;
+the server's scheduler admits requests as they come and steps for as long as any is in flight.
 
-A batch of prompts of different lengths is left-padded into one (B, T) block, so every row's next token
-sits in the same column; the attention mask hides the padding and gives each row the positions it would
-have alone. The prompt is prefilled into a static KV cache in fixed-size chunks (bounded memory for long
-prompts), then each step feeds one token per row at the next cache slot. Each row is a Sequence, which
-decides its tokens' text and when it finishes.
+A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so that a decoding step runs on those
+n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
+holds row n, the next. Each step
+  1. runs ONE decoding step for rows 0..n-1 at once, every row at its own position (slot s of a row holds
+     position s of its sequence; the causal mask over slots hides what an earlier, longer row left past it),
+     and picks every row's next token in one sampling call (sequence.advance), each row with its own
+     parameters and random generator; its Sequence says what text is final and whether it has finished;
+  2. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
+     copied, so the rows decoding stay 0..n-1 (and the prefilling one n);
+  3. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
+     PREFILL_CHUNK (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on
+     between a long prompt's chunks; several short prompts fit in one step. Chunks already in the prefix cache
+     (same tokens, same place) are copied instead of computed, and those computed are kept. A row that scores
+     its prompt (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first
+     token (one sampling call), and decode from the next step on.
 """
 
 from __future__ import annotations
 
+import collections
 from collections import abc
+from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SmolError
-from .grammar import Grammar
-from .sampling import Sampling
-from .logprobs import check_top
-from .sequence import Sequence, Step, advance, check_request, prompt_rows
-from .steps import cache_length, compiled_decode_step, decode_step, prefill
-
-CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
+from . import steps
+from .logprobs import TokenLogprob, chunk_logprobs
+from .prefix_cache import Block, PrefixCache
+from .sequence import Sequence, Step, advance
+from .steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache
 
 
-class Conversation:
-    """One row's KV cache kept from one stream() call to the next, with the tokens it holds: a prompt that
-    starts with them (a chat's history, sent again each turn) prefills only the rest."""
-
-    def __init__(self):
-        self.cache = None  # KVCache of one row, or None
-        self.tokens: list[int] = []  # the tokens whose keys and values fill its first slots
-
-    def reuse(self, model, prompt: list[int], length: int):
-        """A cache of at least `length` slots, and how many of the prompt's first tokens it already holds
-        (at most all but the last, whose logits the next token needs)."""
-        same = next((i for i, (a, b) in enumerate(zip(self.tokens, prompt[:-1])) if a != b),
-                    min(len(self.tokens), len(prompt) - 1))
-        if self.cache is None or self.cache.max_len < length:  # grown in doublings, up to the context window
-            old = self.cache
-            self.cache = model.new_cache(1, min(max(length, 2 * (old.max_len if old else 0)),
-                                                model.config.max_position_embeddings))
-            if old is not None:
-                self.cache.k[..., :same, :] = old.k[..., :same, :]
-                self.cache.v[..., :same, :] = old.v[..., :same, :]
-        del self.tokens[same:]
-        return self.cache, same
+@dataclass
+class PromptLogprobs:
+    """A row's prompt tokens' log-probabilities (None for the first), once its prefill is complete and before
+    its first Step: asked for with prompt_logprobs (echo)."""
+    logprobs: list[TokenLogprob | None]
 
 
-def eos_ids(eos_token_id, config) -> set[int]:
-    if eos_token_id is CHECKPOINT_EOS:
-        return set(config.eos_token_ids)
-    if eos_token_id is None:
-        return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+@dataclass(eq=False)
+class Row:
+    """A sequence in the engine, and how far its prompt is in its cache row."""
+    sequence: Sequence
+    prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
+    filled: int = 0  # slots of its cache row holding its keys and values
+    scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
+    blocks: list[Block] | None = field(default_factory=list)  # the prefix cache's, for its filled chunks; None:
+    # not kept (a block evicted meanwhile)
+    cancelled: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.cancelled or self.sequence.finish_reason is not None
 
 
-@torch.inference_mode()
-def stream(model, input_ids, max_new_tokens: int = 128, *, eos_token_id=CHECKPOINT_EOS,
-           stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
-           conversation: Conversation | None = None, logprobs: int | None = None, response_format=None,
-           **sampling) -> abc.Iterator[list[Step | None]]:
-    """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
-    text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
+class Engine:
+    """The rows of one KV cache and the sequences in them, stepped by a driver (see above)."""
 
-    sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
-    A row finishes after its EOS token (eos_token_id: the checkpoint's by default, None to never stop), or
-    once its text contains one of the `stop` strings (which needs `tokenizer`; its text then ends before the
-    stop string), or after max_new_tokens.
-    compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
-    step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
-    the compiled step runs on torch's kernels instead of smollm2.kernels, slower than the eager step.
-    conversation: a Conversation whose cache this one prompt continues (compile=False on CUDA): the tokens
-    it shares with the previous call's are not prefilled again.
-    logprobs: None (the default) or 0..20: each Step's `logprob` is then a TokenLogprob, the token's
-    log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
-    likely tokens at its position with theirs.
-    response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
-    (needs `tokenizer` and the `structured` extra): each row may only write JSON that fits it, then its EOS.
-    """
-    config = model.config
-    context = config.max_position_embeddings
-    rows = check_request(input_ids, max_new_tokens, stop, config.vocab_size, context)
-    device = model.model.embed_tokens.weight.device
-    params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
-    if response_format is not None and tokenizer is None:
-        raise SmolError("response_format needs a tokenizer: pass tokenizer=")
-    grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)
-    sequences = [Sequence(row, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
-                 for row in rows]
-    if compile is None:
-        compile = device.type == "cuda"
-    if conversation is not None and (len(rows) > 1 or compile):
-        raise SmolError("a conversation continues one prompt, decoded without compile")
-    if max_new_tokens == 0:
-        return
-    B, T = len(rows), max(map(len, rows))
-    length = cache_length(T + max_new_tokens, context) if compile else T + max_new_tokens
+    def __init__(self, model, rows: int, length: int, *, prefill_budget: int | None,
+                 prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False):
+        """rows: how many sequences may hold a cache row at once; length: the most slots one takes (its prompt
+        and new tokens). prefill_budget: the most prompt tokens prefilled a step (a chunk is never split, so a
+        step prefills one at least), or None: every queued prompt at once. prefix_cache: where prompts' chunks
+        are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
+        whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
+        needs."""
+        self.model, self.cache_rows = model, rows
+        self.device = model.model.embed_tokens.weight.device
+        self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings))
+        if whole_cache and self.device.type == "cuda":
+            for t in (self.cache.k, self.cache.v):  # a CUDA graph may update these in place only if they never move
+                torch._dynamo.mark_static_address(t)
+        self.prefill_budget, self.prefix_cache = prefill_budget, prefix_cache
+        self.step_fn, self.whole_cache = step, whole_cache
+        self.decoding: list[Row] = []  # decoding[b] holds cache row b
+        self.filling: Row | None = None  # the row whose prompt is being prefilled, in cache row len(decoding)
+        self.filling_at = 0  # the cache row it holds (a retired row moves it to len(decoding) again)
+        self.queued: collections.deque[Row] = collections.deque()  # admitted, waiting for a cache row
 
-    # Left-padded prompts, padding as id 0; the mask, over every slot, has 0 at the padding alone.
-    prompts = torch.zeros((B, T), dtype=torch.long)
-    padded = any(len(row) < T for row in rows)
-    attention_mask = torch.ones((B, length), dtype=torch.long) if padded else None
-    for b, row in enumerate(rows):
-        prompts[b, T - len(row):] = torch.tensor(row)
-        if padded:
-            attention_mask[b, :T - len(row)] = 0
-    prompts = prompts.to(device)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
+    @property
+    def free(self) -> int:
+        """Cache rows that neither a row holds nor a queued row will take."""
+        return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
 
-    cache, held = conversation.reuse(model, rows[0], length) if conversation else (model.new_cache(B, length), 0)
-    if compile and device.type == "cuda":
-        for t in (cache.k, cache.v):  # a CUDA graph may update these in place only if they never move
-            torch._dynamo.mark_static_address(t)
-    step_fn = compiled_decode_step(device.type) if compile else decode_step
-    h = prefill(model, prompts, cache, held, attention_mask)
-    if conversation:
-        conversation.tokens += rows[0][held:]
-    logits = model.logits(h)  # (B, V): only the last position is needed
+    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None) -> Row:
+        """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs."""
+        row = Row(sequence, prompt_logprobs)
+        self.queued.append(row)
+        return row
 
-    for pos in range(T, T + max_new_tokens):
-        next_ids, steps = advance(logits, sequences)  # (B,), a Step per unfinished row
-        yield steps
-        if all(s.finish_reason for s in sequences):
-            return
-        # Compiled: one static shape, the whole cache with unfilled slots masked; eager: the filled slots only.
-        filled = length if compile else pos + 1
-        logits = step_fn(model, next_ids[:, None], torch.tensor([pos], device=device),
-                         cache if compile else cache.view(length=filled),
-                         None if attention_mask is None else attention_mask[:, :filled])
-        if conversation:
-            conversation.tokens.append(steps[0].token)
+    def cancel(self, row: Row) -> None:
+        """Drop a row at once, wherever it is: queued, prefilling or decoding."""
+        row.cancelled = True
+        if row in self.queued:
+            self.queued.remove(row)
+        elif row is self.filling:
+            self.filling = None
+        self._retire()
 
+    def reset(self) -> None:
+        """Drop every row (after a step that failed: it may have left them half moved)."""
+        self.decoding, self.filling = [], None
+        self.queued.clear()
 
-def generate(model, input_ids, max_new_tokens: int = 128, **kwargs) -> torch.LongTensor:
-    """The prompts followed by their new tokens, (B, T + steps), like transformers' generate.
+    def step(self) -> list[tuple[Row, Step | PromptLogprobs]]:
+        """One step (see the module's docstring); returns what it did to each row, in order: a row's Step (its
+        new token), or its PromptLogprobs, which come before its first Step."""
+        events = []
+        if self.decoding:
+            self._take(self.decoding, self._decode(), events)
+        ready, hidden = self._prefill(events)
+        if ready:
+            self._take(ready, self.model.logits(torch.cat(hidden)), events)
+        return events
 
-    Prompts of different lengths are left-padded, and a row that finishes early is filled to the end, with
-    the checkpoint's pad id (else its EOS id, else 0). Takes the keyword arguments of `stream`.
-    """
-    rows = prompt_rows(input_ids, model.config.vocab_size)
-    pad = model.config.pad_token_id
-    if pad is None:
-        pad = next(iter(model.config.eos_token_ids), 0)
-    T = max(map(len, rows))
-    out = [[pad] * (T - len(row)) + row for row in rows]
-    for steps in stream(model, rows, max_new_tokens, **kwargs):
-        for row, step in zip(out, steps):
-            row.append(pad if step is None else step.token)
-    return torch.tensor(out, dtype=torch.long, device=model.model.embed_tokens.weight.device)
+    def _decode(self) -> torch.Tensor:
+        """The next-token logits of the rows decoding, (n, V): each row feeds its last token at its next slot."""
+        rows = self.decoding
+        ids = [[row.sequence.tokens[-1]] for row in rows]
+        slots = [[row.filled] for row in rows]
+        if self.whole_cache:  # the other rows feed a token at the last slot, which no row reads: the cache is
+            # sized for the longest prompt and all its new tokens, and the last token is never fed
+            ids += [[0]] * (self.cache_rows - len(rows))
+            slots += [[self.cache.max_len - 1]] * (self.cache_rows - len(rows))
+            cache = self.cache
+        else:  # the filled slots only
+            cache = self.cache.view(slice(0, len(rows)), max(s for (s,) in slots) + 1)
+        logits = self.step_fn(self.model, torch.tensor(ids, device=self.device),
+                              torch.tensor(slots, device=self.device), cache, None)
+        for row in rows:
+            row.filled += 1
+        return logits[:len(rows)]
+
+    def _prefill(self, events: list) -> tuple[list[Row], list[torch.Tensor]]:
+        """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the
+        rows whose prompt is complete, which join the rows decoding, and their last hidden states, (1, C) each."""
+        spent, ready, hidden = 0, [], []
+        while len(self.decoding) < self.cache_rows and (self.prefill_budget is None or spent < self.prefill_budget) \
+                and (row := self.filling or self._start()) is not None:
+            prompt = row.sequence.prompt
+            if row.filled < len(prompt):
+                begin, end = next(chunks(row.filled, len(prompt)))
+                if spent and self.prefill_budget is not None and spent + end - begin > self.prefill_budget:
+                    break  # a chunk is never split: it is the next step's
+                h = self._prefill_chunk(row, begin, end)
+                spent += end - begin
+                if end < len(prompt):
+                    continue
+            else:  # an equal prompt was prefilled before: its last hidden state is cached
+                h = row.blocks[-1].h
+            self.filling = None
+            if row.prompt_logprobs is not None:
+                events.append((row, PromptLogprobs(row.scored)))
+            if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
+                continue
+            self.decoding.append(row)
+            ready.append(row)
+            hidden.append(h[:, -1])
+        return ready, hidden
+
+    def _start(self) -> Row | None:
+        """The next queued row to prefill, in cache row len(decoding), its cached prefix copied in; None if none.
+        A row that scores its prompt computes every chunk: it needs every position's hidden state."""
+        if not self.queued:
+            return None
+        row = self.filling = self.queued.popleft()
+        at = self.filling_at = len(self.decoding)
+        if self.prefix_cache is not None and row.prompt_logprobs is None:
+            row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
+            for block in row.blocks:
+                begin, end = row.filled, row.filled + block.k.shape[-2]
+                self.cache.k[:, at, :, begin:end] = block.k
+                self.cache.v[:, at, :, begin:end] = block.v
+                row.filled = end
+        return row
+
+    def _prefill_chunk(self, row: Row, begin: int, end: int) -> torch.Tensor:
+        """One chunk of the filling row's prompt into its cache row, kept in the prefix cache if it is whole or
+        ends the prompt; returns the last position's hidden state, (1, 1, C), as any prefill computes it."""
+        prompt, at = row.sequence.prompt, self.filling_at
+        cache = self.cache.view(slice(at, at + 1))
+        ids = torch.tensor([prompt[begin:end]], device=self.device)
+        if row.prompt_logprobs is not None:  # echo: every position's state, each chunk scored
+            h = prefill_chunk(self.model, ids, cache, begin, last_only=False)
+            row.scored += chunk_logprobs(self.model, prompt, begin, h[0], row.prompt_logprobs)
+        ends = end == len(prompt)
+        if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
+            h = prefill_chunk(self.model, ids, cache, begin)
+        row.filled = end
+        if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
+            block = self.prefix_cache.store(row.blocks, prompt[begin:end], self.cache.k[:, at, :, begin:end],
+                                            self.cache.v[:, at, :, begin:end], h if ends else None)
+            row.blocks = None if block is None else [*row.blocks, block]
+        return h
+
+    def _take(self, rows: list[Row], logits: torch.Tensor, events: list) -> None:
+        """Every row's next token from its row of logits, in one sampling call; then the finished rows go."""
+        taken = advance(logits, [row.sequence for row in rows])
+        events += [(row, step) for row, step in zip(rows, taken) if step is not None]
+        self._retire()
+
+    def _retire(self) -> None:
+        """Drop the rows that have ended, moving the last row decoding into each row freed."""
+        rows, b = self.decoding, 0
+        while b < len(rows):
+            if not rows[b].ended:
+                b += 1
+                continue
+            last = rows.pop()
+            if b < len(rows):  # the last row takes row b; one that has ended too is dropped next
+                if not last.ended:
+                    self._move(len(rows), b, last.filled)
+                rows[b] = last
+        if self.filling is not None and self.filling_at != len(rows):  # the prefilling row stays right after
+            self._move(self.filling_at, len(rows), self.filling.filled)
+            self.filling_at = len(rows)
+
+    def _move(self, source: int, target: int, filled: int) -> None:
+        # Only the filled slots; what the target row holds past them is hidden by the causal mask.
+        for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
+            t[:, target, :, :filled] = t[:, source, :, :filled]

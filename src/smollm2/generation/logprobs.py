@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
-from .steps import chunks, prefill_chunk
+from .sampling import Sampling
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
@@ -61,14 +61,14 @@ def chunk_logprobs(model, prompt: Sequence[int], begin: int, h: torch.Tensor, to
 
 def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
-    predicts), computed as the server computes it: prefilled chunk by chunk (bounded memory), each chunk scored."""
+    predicts), computed as the server computes it: by the engine's prefill, chunk by chunk, each chunk scored."""
+    from . import engine, sequence  # here: both import this module, whose log-probabilities their rows take
+
     ids = list(ids)
     if not ids:
         raise SmolError("the prompt is empty")
-    device = model.model.embed_tokens.weight.device
     with torch.inference_mode():
-        tokens, cache, scored = torch.tensor([ids], device=device), model.new_cache(1, len(ids)), [None]
-        for begin, end in chunks(0, len(ids)):
-            h = prefill_chunk(model, tokens[:, begin:end], cache, begin, last_only=False)[0]
-            scored += chunk_logprobs(model, ids, begin, h, top)
-        return scored
+        scoring = engine.Engine(model, 1, len(ids), prefill_budget=None)
+        scoring.admit(sequence.Sequence(ids, 0, Sampling(), eos=()), prompt_logprobs=top)
+        ((_, scored),) = scoring.step()
+    return scored.logprobs

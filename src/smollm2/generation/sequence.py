@@ -182,8 +182,8 @@ def next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor
     return sample(logits, [s.sampling for s in sequences], [s.generator for s in sequences], history)
 
 
-def advance(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, list[Step | None]]:
-    """Every sequence's next token, (B,), from its row of logits (B, V), handed to the sequences that have not
+def advance(logits: torch.Tensor, sequences: list[Sequence]) -> list[Step | None]:
+    """Every sequence's next token from its row of logits (B, V), handed to the sequences that have not
     finished; their Steps (None for a finished one) carry the token's log-probabilities where asked."""
     ids = next_tokens(logits, sequences)
     tokens = ids.tolist()
@@ -193,4 +193,4 @@ def advance(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tens
         rows = torch.tensor(want, device=logits.device)
         for b, lp in zip(want, token_logprobs(logits[rows], ids[rows], [sequences[b].logprobs for b in want])):
             logprobs[b] = lp
-    return ids, [None if s.finish_reason else s.accept(t, lp) for s, t, lp in zip(sequences, tokens, logprobs)]
+    return [None if s.finish_reason else s.accept(t, lp) for s, t, lp in zip(sequences, tokens, logprobs)]

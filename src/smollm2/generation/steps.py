@@ -1,5 +1,5 @@
-"""Running the model for generation, the same for every driver: a prompt into a KV cache in chunks, one
-decoding step, and how long a cache to give attention."""
+"""Running the model for generation: a prompt's chunk into a KV cache, one decoding step, and how long a cache
+to make."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 PREFILL_CHUNK = 512  # the bigger, the faster (a 135M fp32 model reads its weights once a chunk); the smaller,
 # the sooner the server's running streams get their next token, and the finer the prefix cache
-CACHE_BLOCK = 128  # caches are sized in these steps: compiled steps see few distinct lengths, so rarely recompile
+CACHE_BLOCK = 128  # caches are sized in these steps: a compiled step, over the whole cache, sees few distinct
+# lengths, so rarely recompiles
 
 
 def decode_step(model, ids, input_pos, cache, attention_mask) -> torch.Tensor:
@@ -36,22 +37,14 @@ def chunks(start: int, end: int) -> abc.Iterator[tuple[int, int]]:
         start = stop
 
 
-def prefill_chunk(model, ids, cache, begin: int, attention_mask=None, last_only: bool = True) -> torch.Tensor:
+def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True) -> torch.Tensor:
     """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the final hidden states, (B, n, C), or with
     last_only the last position's alone, (B, 1, C); the keys and values it writes are the same either way.
-    Attention reads only the slots filled so far: the first chunk of an unpadded prompt is plain causal, which
-    the CPU kernel computes half of."""
+    Attention reads only the slots filled so far: a prompt's first chunk is plain causal, which the CPU kernel
+    computes half of."""
     end = begin + ids.shape[1]
     return model.hidden_states(ids, torch.arange(begin, end, device=ids.device), cache.view(length=end),
-                               None if attention_mask is None else attention_mask[:, :end], last_only=last_only)
-
-
-def prefill(model, ids, cache, start: int = 0, attention_mask=None) -> torch.Tensor:
-    """Prompt ids (B, T) into the cache from slot `start` on, a chunk at a time (bounded memory); returns the last
-    position's hidden state, (B, C)."""
-    for begin, end in chunks(start, ids.shape[1]):
-        h = prefill_chunk(model, ids[:, begin:end], cache, begin, attention_mask)
-    return h[:, -1]
+                               last_only=last_only)
 
 
 def untouched_cache(model, rows: int, length: int):

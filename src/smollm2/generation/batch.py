@@ -1,0 +1,95 @@
+"""The static batch: prompts in, one Step per row per step out, until every row has finished.
+
+Every prompt is admitted to one engine at once and prefilled at its first step; from then on each step gives
+every row still going its next token, each row at its own positions, as it would alone.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+
+import torch
+
+from ..errors import SmolError
+from .engine import Engine
+from .grammar import Grammar
+from .logprobs import check_top
+from .prefix_cache import PrefixCache
+from .sampling import Sampling
+from .sequence import Sequence, Step, check_request, prompt_rows
+from .steps import compiled_decode_step, decode_step
+
+MAX_NEW_TOKENS = 128
+CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
+
+
+def eos_ids(eos_token_id, config) -> set[int]:
+    if eos_token_id is CHECKPOINT_EOS:
+        return set(config.eos_token_ids)
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+@torch.inference_mode()
+def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
+           stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
+           prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
+           **sampling) -> abc.Iterator[list[Step | None]]:
+    """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
+    text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
+
+    sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
+    A row finishes after its EOS token (eos_token_id: the checkpoint's by default, None to never stop), or
+    once its text contains one of the `stop` strings (which needs `tokenizer`; its text then ends before the
+    stop string), or after max_new_tokens.
+    compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
+    step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
+    the compiled step runs on torch's kernels instead of smollm2.kernels, slower than the eager step.
+    prefix_cache: a PrefixCache kept from call to call (a chat's turns): the whole prefill chunks a prompt
+    shares with an earlier one's are copied from it, not computed, with the same bits.
+    logprobs: None (the default) or 0..20: each Step's `logprob` is then a TokenLogprob, the token's
+    log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
+    likely tokens at its position with theirs.
+    response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
+    (needs `tokenizer` and the `structured` extra): each row may only write JSON that fits it, then its EOS.
+    """
+    config = model.config
+    prompts = check_request(input_ids, max_new_tokens, stop, config.vocab_size, config.max_position_embeddings)
+    device = model.model.embed_tokens.weight.device
+    params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
+    if response_format is not None and tokenizer is None:
+        raise SmolError("response_format needs a tokenizer: pass tokenizer=")
+    grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)
+    sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
+                 for prompt in prompts]
+    if compile is None:
+        compile = device.type == "cuda"
+    if max_new_tokens == 0:
+        return
+    engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
+                    prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
+                    whole_cache=compile)
+    rows = [engine.admit(sequence) for sequence in sequences]
+    while not all(sequence.finish_reason for sequence in sequences):
+        # Every prompt is prefilled at the first step, so each step gives each row going one Step.
+        taken = dict(engine.step())
+        yield [taken.get(row) for row in rows]
+
+
+def generate(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -> torch.LongTensor:
+    """The prompts followed by their new tokens, (B, T + steps), like transformers' generate.
+
+    Prompts of different lengths are left-padded, and a row that finishes early is filled to the end, with
+    the checkpoint's pad id (else its EOS id, else 0). Takes the keyword arguments of `stream`.
+    """
+    rows = prompt_rows(input_ids, model.config.vocab_size)
+    pad = model.config.pad_token_id
+    if pad is None:
+        pad = next(iter(model.config.eos_token_ids), 0)
+    T = max(map(len, rows))
+    out = [[pad] * (T - len(row)) + row for row in rows]
+    for steps in stream(model, rows, max_new_tokens, **kwargs):
+        for row, step in zip(out, steps):
+            row.append(pad if step is None else step.token)
+    return torch.tensor(out, dtype=torch.long, device=model.model.embed_tokens.weight.device)
