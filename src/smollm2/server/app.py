@@ -229,7 +229,7 @@ class Served:
         return self.schedulers[name]
 
 
-def app_state(connection: Connection) -> Served:
+async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
     return connection.app.state.served
 
 
