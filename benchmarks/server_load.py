@@ -11,10 +11,11 @@ streamed and not. The systems take turns, mode by mode, for --rounds rounds (the
 a busy machine slows both alike; the best round of each counts. The figure is generated tokens (the answers'
 usage.completion_tokens) per second of wall time, and the ratio is smollm2 / llama-server.
 
-The answers differ between the two (different kernels); the check is that every request completes. llama-server
-is asked to ignore its end-of-text token (its own extension) and smollm2 answers questions that take longer than
---max-tokens tokens, so both generate --max-tokens tokens a request. smollm2's greedy answers are also checked to
-be the same whichever way they were asked, alone or among others: batching changes no answer.
+The answers differ between the two (different kernels); the check is that every request completes with
+--max-tokens tokens: llama-server is asked to ignore its end-of-text token (its own extension), and smollm2 answers
+questions that take longer. Every question is asked once (the round and mode are part of it), so neither server
+answers from its prompt cache what it prefilled before, in an earlier round or mode. That smollm2's answers do not
+change with batching is tests/test_same_request.py's concern.
 
 --url measures one running server instead (any OpenAI-compatible one), --no-llama-server smollm2 alone.
 """
@@ -108,10 +109,11 @@ async def ask(client: httpx.AsyncClient, body: dict) -> tuple[str, int]:
     return "".join(text), tokens
 
 
-def bodies(args, model: str, count: int, stream: bool) -> list[dict]:
+def bodies(args, model: str, count: int, stream: bool, tag: str) -> list[dict]:
+    """Questions no server has seen (`tag` names the round and mode): none answers from its prompt cache."""
     usage = {"stream_options": {"include_usage": True}} if stream else {}
     return [dict(model=model, temperature=0, max_tokens=args.max_tokens, stream=stream, **usage, ignore_eos=True,
-                 messages=[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} ({i})."}])
+                 messages=[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} ({tag}.{i})."}])
             for i in range(count)]
 
 
@@ -131,9 +133,8 @@ async def timed(client: httpx.AsyncClient, requests: list[dict], concurrent: boo
 
 
 async def measure(args, urls: dict[str, str]) -> int:
-    """Every mode, each system in turn; prints the table and returns 1 if a request failed or answers differ."""
+    """Every mode, each system in turn; prints the table and returns 1 if a request failed or fell short."""
     best = {(system, mode): 0.0 for system in urls for mode in MODES}
-    texts: dict[tuple[str, str, int], set[str]] = {}  # (system, prompt) -> the texts answered to it, every way
     failures = []
     async with contextlib.AsyncExitStack() as stack:
         clients = {system: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=None))
@@ -141,14 +142,15 @@ async def measure(args, urls: dict[str, str]) -> int:
         models = {system: (await client.get("/v1/models")).json()["data"][0]["id"]
                   for system, client in clients.items()}
         for system, client in clients.items():  # warm-up: smollm2 times its kernels on its first requests
-            await timed(client, bodies(args, models[system], args.slots, False), concurrent=True)
+            await timed(client, bodies(args, models[system], args.slots, False, "warm-up"), concurrent=True)
         for round_ in range(args.rounds):
             for name, stream in MODES:
                 concurrent = name == "concurrent"
                 count = args.clients if concurrent else args.sequential
                 order = list(clients) if round_ % 2 == 0 else list(clients)[::-1]
                 for system in order:
-                    seconds, answers = await timed(clients[system], bodies(args, models[system], count, stream),
+                    tag = f"{round_}{name[0]}{'s' if stream else 'w'}"
+                    seconds, answers = await timed(clients[system], bodies(args, models[system], count, stream, tag),
                                                    concurrent)
                     failed = [a for a in answers if isinstance(a, BaseException)]
                     failures += [f"{system}, {name}, {'streamed' if stream else 'whole'}: {a!r}" for a in failed]
@@ -161,9 +163,6 @@ async def measure(args, urls: dict[str, str]) -> int:
                     print(f"round {round_ + 1}: {system:<13}{name:<15}{'streamed' if stream else 'whole':<10}"
                           f"{len(answers)} requests, {tokens} tokens in {seconds:6.2f} s: {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
-                    for i, answer in enumerate(answers):
-                        if not isinstance(answer, BaseException):
-                            texts.setdefault((system, i), set()).add(answer[0])
 
     print(f"{args.slots} rows, {args.threads} threads, {args.max_tokens} greedy tokens a request: "
           f"{args.sequential} one at a time, {args.clients} concurrent; generated tok/s, best of {args.rounds}")
@@ -174,14 +173,10 @@ async def measure(args, urls: dict[str, str]) -> int:
         rates = [best[system, (name, stream)] for system in systems]
         print(f"{name + (', streamed' if stream else ', whole'):<26}" + "".join(f"{r:>14.1f}" for r in rates)
               + (f"{rates[0] / rates[1]:>8.2f}x" if len(rates) == 2 and rates[1] else ""))
-    differ = sorted(i for (system, i), seen in texts.items() if system == "smollm2" and len(seen) > 1)
     for failure in failures:
         print(failure, file=sys.stderr)
-    if differ:
-        print(f"smollm2's answers to prompts {differ} differ between the ways they were asked", file=sys.stderr)
-    print("all complete" + (", smollm2's answers the same every way" if "smollm2" in urls and not differ else "")
-          if not failures and not differ else f"{len(failures)} failures, {len(differ)} answers differ")
-    return 1 if failures or differ else 0
+    print(f"{len(failures)} failures" if failures else f"all complete, {args.max_tokens} tokens each")
+    return 1 if failures else 0
 
 
 def main() -> int:
