@@ -137,7 +137,11 @@ async def measure(args, urls: dict[str, str]) -> int:
     best = {(system, mode): 0.0 for system in urls for mode in MODES}
     failures = []
     async with contextlib.AsyncExitStack() as stack:
-        clients = {system: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=None))
+        # A connection idle for a second is not reused: llama-server closes those idle for 5 s, and one system
+        # idles while the other is timed.
+        limits = httpx.Limits(keepalive_expiry=1)
+        clients = {system: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=None,
+                                                                             limits=limits))
                    for system, url in urls.items()}
         models = {system: (await client.get("/v1/models")).json()["data"][0]["id"]
                   for system, client in clients.items()}
