@@ -28,6 +28,11 @@ makes that venv (pip, CMake and a C++ compiler; minutes), then a run borrows its
     .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 --build
     .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 [--json]
 The header prints llama.cpp's llama_print_system_info(), which names the instructions it was compiled with.
+
+--build-server builds llama.cpp's own HTTP server, llama-server, from the same source distribution and with the
+same options, into $XDG_CACHE_HOME/smollm2/llama-server-<tier>/bin (~10 minutes on 2 cores), for
+benchmarks/server_load.py to serve beside `smollm2 serve`:
+    .venv/bin/python benchmarks/llamacpp.py --build-server
 """
 
 from __future__ import annotations
@@ -188,12 +193,39 @@ def build(tier: str, venv: Path) -> int:
     return 0
 
 
+def server_binary(tier: str) -> Path:
+    return venv_dir(tier).with_name(f"llama-server-{tier}") / "bin" / "llama-server"
+
+
+def build_server(tier: str) -> int:
+    """llama-server compiled for the tier from llama-cpp-python's source distribution (the llama.cpp it vendors),
+    without its web page, TLS or downloads: a server for the model file it is given, nothing more."""
+    build_dir = server_binary(tier).parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
+                        "llama-cpp-python"], check=True)
+        (archive,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        subprocess.run(["tar", "xzf", str(archive), "-C", tmp], check=True)
+        (source,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
+        log(f"building llama-server for {tier} from {archive.name} into {build_dir}")
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+                        "-DLLAMA_CURL=OFF", *CMAKE_ARGS[tier]], check=True)
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{os.cpu_count()}"],
+                       check=True)
+    print(server_binary(tier))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tier", choices=list(CMAKE_ARGS), default="native",
                    help="the x86 instruction set both sides are built for (default: this CPU's own)")
     p.add_argument("--build", action="store_true",
                    help="build llama-cpp-python for --tier into its venv (replacing it), then exit")
+    p.add_argument("--build-server", action="store_true",
+                   help="build llama-server for --tier (for benchmarks/server_load.py), then exit")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
@@ -208,6 +240,8 @@ def main() -> int:
     venv = venv_dir(args.tier)
     if args.build:
         return build(args.tier, venv)
+    if args.build_server:
+        return build_server(args.tier)
     if not (site_packages(venv) / "llama_cpp").is_dir():
         p.error(f"no llama.cpp built for {args.tier} in {venv}: run {sys.argv[0]} --tier {args.tier} --build")
 

@@ -291,9 +291,8 @@ class Tokenizer:
         if self.chat_template is None:
             raise SmolError(f"{self.source}: this checkpoint has no chat template")
         _check_messages(messages)
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         try:
-            template = env.from_string(self.chat_template)
+            env, template = _compiled_template(self.chat_template)
             return env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except Exception as e:  # the template is untrusted code: whatever it raises is its failure
@@ -317,6 +316,14 @@ def _unicode_to_byte() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> tuple[BoundedSandbox, jinja2.Template]:
+    """A chat template compiled once, in its own sandbox: compiling takes milliseconds, rendering a chat a tenth
+    of one, and a server renders one per request. A template that fails to compile is not kept."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    return env, env.from_string(source)
 
 
 class TemplateLimit(jinja2.TemplateError):

@@ -5,6 +5,9 @@ Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as Op
 {"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
 serving. Answers stream as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters.
+
+The routes are module-level functions on `router`; what they serve (schedulers, tokenizer, metrics, API key) is
+their own app's Served, in app.state, so that several apps can live in one process (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import uuid
 from collections import abc
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
@@ -211,6 +214,28 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class Served:
+    """What one app serves, kept in its app.state.served: a scheduler per model name (the base model's and its
+    adapters'), the tokenizer they share, the metrics, and the API key (None: no key asked)."""
+
+    def __init__(self, schedulers: dict[str, Scheduler], tokenizer, metrics: Metrics, api_key: str | None):
+        self.schedulers, self.tokenizer, self.metrics, self.api_key = schedulers, tokenizer, metrics, api_key
+
+    def scheduler(self, name: str) -> Scheduler:
+        """The scheduler of the model a request names."""
+        if name not in self.schedulers:
+            raise APIError(404, f"the model {name!r} does not exist; this server has "
+                           f"{', '.join(map(repr, self.schedulers))}", param="model", code="model_not_found")
+        return self.schedulers[name]
+
+
+async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
+    return connection.app.state.served
+
+
+AppState = Annotated[Served, Depends(app_state)]  # what a route serves: its own app's, as several apps may run
+
+
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None) -> FastAPI:
@@ -226,173 +251,187 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
                                   on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes)
                   for name, m in models.items()}
     metrics = Metrics(list(schedulers.values()))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        for scheduler in schedulers.values():
-            scheduler.start()
-        try:
-            yield
-        finally:
-            for scheduler in schedulers.values():
-                scheduler.stop()
-
-    async def authorize(authorization: Annotated[str, Header()] = ""):
-        # Constant-time comparison: the time taken must not tell how much of a guessed key is right.
-        if api_key is not None and not secrets.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer KEY')",
-                           "authentication_error", code="invalid_api_key")
-
-    app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)])
+    app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
+                  exception_handlers=EXCEPTION_HANDLERS)
+    app.state.served = Served(schedulers, tokenizer, metrics, api_key)
+    app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return error_response(e)
-
-    @app.exception_handler(SmolError)
-    async def smol_error(request, e: SmolError):
-        return error_response(APIError(400, str(e)))
-
-    @app.exception_handler(QueueFull)
-    async def queue_full(request, e: QueueFull):
-        return error_response(APIError(429, str(e), "rate_limit_error", code="queue_full"))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, e: RequestValidationError):
-        error = e.errors()[0]
-        if error["type"] == "json_invalid":
-            return error_response(APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error')}"))
-        where = [str(part) for part in error["loc"] if part != "body"]
-        message = f"{'.'.join(where) or 'body'}: {error['msg']}"
-        return error_response(APIError(400, message, param=".".join(where) or None))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):  # unknown routes (404), wrong methods (405)
-        return error_response(APIError(e.status_code, str(e.detail)))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
-
-    @app.get("/health")
-    async def health():
-        loads = [scheduler.load() for scheduler in schedulers.values()]
-        return {"status": "ok", **{key: sum(load[key] for load in loads) for key in loads[0]}}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2"}
-                                           for name in schedulers]}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody):
-        # add_special: the special tokens the tokenizer's own post-processor adds (SmolLM2's: none).
-        return {"tokens": tokenizer.backend.encode(body.content, add_special_tokens=body.add_special).ids}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody):
-        bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"tokens.{bad}: {body.tokens[bad]} is not a token id in [0, {tokenizer.vocab_size})",
-                           param=f"tokens.{bad}")
-        return {"content": tokenizer.decode(body.tokens)}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, connection: Connection):
-        scheduler = check_model(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
-        messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
-                              Reply(True, body.model, tokenizer, logprobs))
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, connection: Connection):
-        scheduler = check_model(body.model)
-        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        prompts, texts = [], []
-        for prompt in body.prompt:
-            if isinstance(prompt, str):
-                prompts.append(tokenizer.encode(prompt))
-                texts.append(prompt)
-            else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
-                prompts.append(prompt_rows([prompt], model.config.vocab_size)[0] if prompt else [])
-                texts.append(tokenizer.decode(prompts[-1]))
-        return await complete(body, scheduler, prompts, max_tokens, connection,
-                              Reply(False, body.model, tokenizer, body.logprobs, texts if body.echo else None))
-
-    def check_model(name: str) -> Scheduler:
-        """The scheduler of the model a request names."""
-        if name not in schedulers:
-            raise APIError(404, f"the model {name!r} does not exist; this server has "
-                           f"{', '.join(map(repr, schedulers))}", param="model", code="model_not_found")
-        return schedulers[name]
-
-    async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], max_tokens: int | None,
-                       connection: Connection, reply: Reply):
-        """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i."""
-        for p, prompt in enumerate(prompts):
-            if not prompt:
-                where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
-                raise APIError(400, f"{where}: the prompt is empty", param=where)
-        if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
-            raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
-                           f"requests, more than this server queues ({scheduler.max_waiting})", param="n")
-        reply.prompts, reply.n = prompts, body.n
-        echo_logprobs = reply.logprobs if reply.echo is not None else None
-        grammar = None
-        if body.response_format is not None:
-            try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
-                grammar = await run_in_threadpool(Grammar.from_response_format, body.response_format, tokenizer)
-            except SmolError as e:
-                raise APIError(400, str(e), param="response_format") from None
-        requests = []
-        try:
-            for prompt in prompts:
-                # No max_tokens: up to the context window; too long a prompt still fails as such.
-                limit = max(scheduler.max_seq_len - len(prompt), 1) if max_tokens is None else max_tokens
-                for i in range(body.n):
-                    seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
-                    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
-                    requests.append(scheduler.submit(prompt, limit, sampling, body.stop or [], reply.logprobs,
-                                                     echo_logprobs, grammar))
-        except BaseException:
-            for request in requests:
-                scheduler.cancel(request)
-            raise
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(stream(scheduler, requests, reply, usage))
-        # Nothing is sent before the whole answer, so only listening tells that the client went away.
-        watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
-        texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
-        try:
-            async with contextlib.aclosing(merged(requests)) as events:
-                async for i, event in events:
-                    if isinstance(event, PromptLogprobs):
-                        logprobs[i] = event.logprobs
-                    elif isinstance(event, Delta):
-                        texts[i].append(event.text)
-                        logprobs[i] += event.logprobs
-                    elif event.error:
-                        raise APIError(503, event.error, "server_error")
-                    else:
-                        dones[i] = event
-            return reply.whole(["".join(text) for text in texts], dones, logprobs)
-        finally:
-            watcher.cancel()
-            for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
-                scheduler.cancel(request)
-
     return app
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    schedulers = app.state.served.schedulers.values()
+    for scheduler in schedulers:
+        scheduler.start()
+    try:
+        yield
+    finally:
+        for scheduler in schedulers:
+            scheduler.stop()
+
+
+async def authorize(served: AppState, authorization: Annotated[str, Header()] = ""):
+    # Constant-time comparison: the time taken must not tell how much of a guessed key is right.
+    if served.api_key is not None and not secrets.compare_digest(authorization.encode(),
+                                                              f"Bearer {served.api_key}".encode()):
+        raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer KEY')",
+                       "authentication_error", code="invalid_api_key")
+
+
+async def api_error(request, e: APIError):
+    return error_response(e)
+
+
+async def smol_error(request, e: SmolError):
+    return error_response(APIError(400, str(e)))
+
+
+async def queue_full(request, e: QueueFull):
+    return error_response(APIError(429, str(e), "rate_limit_error", code="queue_full"))
+
+
+async def invalid_body(request, e: RequestValidationError):
+    error = e.errors()[0]
+    if error["type"] == "json_invalid":
+        return error_response(APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error')}"))
+    where = [str(part) for part in error["loc"] if part != "body"]
+    message = f"{'.'.join(where) or 'body'}: {error['msg']}"
+    return error_response(APIError(400, message, param=".".join(where) or None))
+
+
+async def http_error(request, e: HTTPException):  # unknown routes (404), wrong methods (405)
+    return error_response(APIError(e.status_code, str(e.detail)))
+
+
+async def internal_error(request, e: Exception):
+    return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+
+EXCEPTION_HANDLERS = {APIError: api_error, SmolError: smol_error, QueueFull: queue_full,
+                      RequestValidationError: invalid_body, HTTPException: http_error, Exception: internal_error}
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(served: AppState):
+    loads = [scheduler.load() for scheduler in served.schedulers.values()]
+    return {"status": "ok", **{key: sum(load[key] for load in loads) for key in loads[0]}}
+
+
+@router.get("/metrics")
+async def prometheus(served: AppState):
+    return Response(served.metrics.render(), media_type=served.metrics.content_type)
+
+
+@router.get("/v1/models")
+async def models(served: AppState):
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2"}
+                                       for name in served.schedulers]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, served: AppState):
+    # add_special: the special tokens the tokenizer's own post-processor adds (SmolLM2's: none).
+    return {"tokens": served.tokenizer.backend.encode(body.content, add_special_tokens=body.add_special).ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, served: AppState):
+    vocab_size = served.tokenizer.vocab_size
+    bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens.{bad}: {body.tokens[bad]} is not a token id in [0, {vocab_size})",
+                       param=f"tokens.{bad}")
+    return {"content": served.tokenizer.decode(body.tokens)}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, connection: Connection, served: AppState):
+    scheduler = served.scheduler(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
+    messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
+    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
+                          Reply(True, body.model, served.tokenizer, logprobs))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionBody, connection: Connection, served: AppState):
+    scheduler, tokenizer = served.scheduler(body.model), served.tokenizer
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    prompts, texts = [], []
+    for prompt in body.prompt:
+        if isinstance(prompt, str):
+            prompts.append(tokenizer.encode(prompt))
+            texts.append(prompt)
+        else:  # token ids: checked against the vocabulary (SmolError: a 400 naming the id) before decoding
+            prompts.append(prompt_rows([prompt], scheduler.model.config.vocab_size)[0] if prompt else [])
+            texts.append(tokenizer.decode(prompts[-1]))
+    return await complete(body, scheduler, prompts, max_tokens, connection,
+                          Reply(False, body.model, tokenizer, body.logprobs, texts if body.echo else None))
+
+
+async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], max_tokens: int | None,
+                   connection: Connection, reply: Reply):
+    """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i."""
+    for p, prompt in enumerate(prompts):
+        if not prompt:
+            where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
+            raise APIError(400, f"{where}: the prompt is empty", param=where)
+    if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
+        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
+                       f"requests, more than this server queues ({scheduler.max_waiting})", param="n")
+    reply.prompts, reply.n = prompts, body.n
+    echo_logprobs = reply.logprobs if reply.echo is not None else None
+    grammar = None
+    if body.response_format is not None:
+        try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
+            grammar = await run_in_threadpool(Grammar.from_response_format, body.response_format,
+                                              reply.tokenizer)
+        except SmolError as e:
+            raise APIError(400, str(e), param="response_format") from None
+    requests = []
+    try:
+        for prompt in prompts:
+            # No max_tokens: up to the context window; too long a prompt still fails as such.
+            limit = max(scheduler.max_seq_len - len(prompt), 1) if max_tokens is None else max_tokens
+            for i in range(body.n):
+                seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
+                sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
+                requests.append(scheduler.submit(prompt, limit, sampling, body.stop or [], reply.logprobs,
+                                                 echo_logprobs, grammar))
+    except BaseException:
+        for request in requests:
+            scheduler.cancel(request)
+        raise
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStream(stream(scheduler, requests, reply, usage))
+    # Nothing is sent before the whole answer, so only listening tells that the client went away.
+    watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
+    texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
+    try:
+        async with contextlib.aclosing(merged(requests)) as events:
+            async for i, event in events:
+                if isinstance(event, PromptLogprobs):
+                    logprobs[i] = event.logprobs
+                elif isinstance(event, Delta):
+                    texts[i].append(event.text)
+                    logprobs[i] += event.logprobs
+                elif event.error:
+                    raise APIError(503, event.error, "server_error")
+                else:
+                    dones[i] = event
+        return reply.whole(["".join(text) for text in texts], dones, logprobs)
+    finally:
+        watcher.cancel()
+        for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
+            scheduler.cancel(request)
 
 
 class Reply:
