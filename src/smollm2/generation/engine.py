@@ -112,9 +112,9 @@ class Engine:
         events = []
         if self.decoding:
             self._take(self.decoding, self._decode(), events)
-        ready, hidden = self._prefill(events)
+        ready, logits = self._prefill(events)
         if ready:
-            self._take(ready, self.model.logits(torch.cat(hidden)), events)
+            self._take(ready, torch.cat(logits), events)
         return events
 
     def _decode(self) -> torch.Tensor:
@@ -137,8 +137,9 @@ class Engine:
 
     def _prefill(self, events: list) -> tuple[list[Row], list[torch.Tensor]]:
         """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the
-        rows whose prompt is complete, which join the rows decoding, and their last hidden states, (1, C) each."""
-        spent, ready, hidden = 0, [], []
+        rows whose prompt is complete, which join the rows decoding, and their next-token logits, (1, V) each,
+        computed as each prompt completes (a row's logits do not depend on the rows beside it)."""
+        spent, ready, logits = 0, [], []
         while len(self.decoding) < self.cache_rows and (self.prefill_budget is None or spent < self.prefill_budget) \
                 and (row := self.filling or self._start()) is not None:
             prompt = row.sequence.prompt
@@ -159,8 +160,8 @@ class Engine:
                 continue
             self.decoding.append(row)
             ready.append(row)
-            hidden.append(h[:, -1])
-        return ready, hidden
+            logits.append(self.model.logits(h[:, -1]))
+        return ready, logits
 
     def _start(self) -> Row | None:
         """The next queued row to prefill, in cache row len(decoding), its cached prefix copied in; None if none.

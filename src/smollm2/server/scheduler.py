@@ -179,8 +179,14 @@ class Scheduler:
             self._wake.notify()
 
     def load(self) -> dict:
-        in_flight = list(self.requests.values())  # a copy: the scheduler thread changes the dict meanwhile
-        return dict(active=sum(not r.done for r in in_flight), waiting=len(self.waiting), slots=self.max_batch_size)
+        """Requests holding a cache row (decoding, or their prompt being prefilled), and those waiting for one:
+        here or in the engine's queue."""
+        engine = self.engine  # copies: the scheduler thread changes these meanwhile
+        holding = [*engine.decoding, engine.filling]
+        queued = len(engine.queued)
+        active = [self.requests.get(row) for row in holding if row is not None]
+        return dict(active=sum(r is not None and not r.done for r in active), waiting=len(self.waiting) + queued,
+                    slots=self.max_batch_size)
 
     # The scheduler thread.
 
