@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smollm2 import PRESETS, SmolConfig, SmolLM2, kernels
+from smollm2 import PRESETS, SmolConfig, SmolLM2
 from smollm2.kernels import accelerate
 from smollm2.checkpoints import default_model_path
 
@@ -17,8 +17,8 @@ DATA = Path(__file__).parent / "data"
 
 # The kernels wherever they can run, not the faster of kernel and torch on this machine: tests compare them with
 # torch, the same way on every run, and write no measured choices into the user's cache (bench's processes too).
+# Every accelerator made from here on reads it.
 os.environ["SMOLLM2_KERNELS"] = "on"
-kernels.choices.mode = "on"
 
 # Tiny LLaMA variants that exercise every branch of the architecture.
 TINY = {
