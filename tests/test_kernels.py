@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, tiny_model
+from conftest import TINY, clear_leads, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf_files import gguf_tensors, write_gguf
 
@@ -363,16 +363,22 @@ def teacher_forced_logits(model, tokens, prompt=8):
 
 
 def test_bf16_decoding_is_as_exact_as_the_reference(reference_model, english):
-    """bf16 rounds differently on the kernels (float32 sums, one rounding per output), so near-ties can go
-    either way: measured against fp32, along a real text, it is as exact as torch's bf16."""
-    tokens = Tokenizer.from_pretrained().encode(english)[:120]
+    """bf16 rounds differently on the kernels (float32 sums, one rounding per output) than on torch, whose own
+    bf16 rounds differently again with and without bf16 arithmetic, so near-ties of fp32's top token fall either
+    way (on a Zen 4, 5 of 112 flipped where torch's held; on a Sapphire Rapids torch's flipped more). Measured
+    against fp32 along a real text: every clear lead is kept, and the logits are as exact as torch's bf16."""
+    tokens = Tokenizer.from_pretrained().encode(english)[:176]
     reference = teacher_forced_logits(reference_model, tokens)
     bf16 = copy.deepcopy(reference_model).to(torch.bfloat16)
     fast = teacher_forced_logits(accelerated(bf16), tokens)
     slow = teacher_forced_logits(bf16, tokens)
-    top1 = reference.argmax(-1)
-    assert (fast - reference).abs().mean() <= 1.05 * (slow - reference).abs().mean()
-    assert (fast.argmax(-1) == top1).float().mean() >= (slow.argmax(-1) == top1).float().mean() - 0.03
+    clear = clear_leads(reference, reference_model.config.num_hidden_layers)
+    assert clear.sum() >= 30  # of 168 positions (42 for this text)
+    assert torch.equal(fast.argmax(-1)[clear], reference.argmax(-1)[clear])
+    # Where the roundings fall moves the mean error by ~10-15% (over 240 positions torch's bf16 was 0.095 on its
+    # AVX2 code, 0.111 with AMX; the kernels' 0.097 to 0.105 by tier); a lost rounding or a wrong sum shows as a
+    # multiple.
+    assert (fast - reference).abs().mean() <= 1.25 * (slow - reference).abs().mean()
 
 
 def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):

@@ -58,4 +58,4 @@ def load_model(src: str | os.PathLike | None = None, *, dtype: torch.dtype = tor
         model.to(device).eval()
         if quantize == "int8":
             quantize_int8(model)
-    return accelerate(model, ckpt.quantized) if accelerated else model
+        return accelerate(model, ckpt.quantized) if accelerated else model

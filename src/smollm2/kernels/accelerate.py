@@ -215,10 +215,12 @@ def block_linears(block) -> list[nn.Module]:
 
 
 def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
-    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at."""
+    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at,
+    or at a copy of (packed blocks, float32 scales). The packed copies themselves change only by assignment."""
     modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
                                                            *block_linears(block))]
-    return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    return [t for m in modules for t in (*m.parameters(recurse=False),
+                                         *(b for name, b in m.named_buffers(recurse=False) if name != "packed"))]
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int]:
