@@ -38,6 +38,7 @@ benchmarks/server_load.py to serve beside `smollm2 serve`:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -98,12 +99,13 @@ def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> s
 @torch.inference_mode()
 def validate(model: SmolLM2, path: Path, precision: str) -> str:
     """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within rounding."""
-    from smollm2 import SmolLM2, kernels
+    from smollm2 import SmolLM2
+    from smollm2.kernels import accelerate
 
     ids = torch.tensor([CHECK_IDS])
-    with kernels.choices.forced(True):  # both on the kernel, where the blocks give the F32 file's bits exactly
-        return check(f"smollm2 reading {path.name}", SmolLM2.from_pretrained(path)(ids), model(ids),
-                     TOLERANCE[precision])
+    # both on the kernel, where the blocks give the F32 file's bits exactly
+    read, original = (accelerate(m, mode="on") for m in (SmolLM2.from_pretrained(path), copy.deepcopy(model)))
+    return check(f"smollm2 reading {path.name}", read(ids), original(ids), TOLERANCE[precision])
 
 
 def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: int, ref: torch.Tensor,
@@ -144,15 +146,12 @@ def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: i
 
 def ours(precision: str, path: Path) -> SmolLM2:
     from smollm2 import SmolLM2
-    from smollm2.kernels import accelerate
-    from smollm2.quantize import quantize_int8
 
     if precision == "f16":
         return SmolLM2.from_pretrained(dtype=torch.bfloat16)
     if precision == "f32":
         return SmolLM2.from_pretrained(path)  # F32 tensors: fp32 weights streamed as they are
-    model = SmolLM2.from_pretrained()
-    return accelerate(quantize_int8(model)) if precision == "q8_0" else model  # again: new int8 modules
+    return SmolLM2.from_pretrained(quantize="int8" if precision == "q8_0" else None)
 
 
 def speeds(s: bench.Speed) -> dict:  # peak memory is left out: one process holds both systems' models

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, as_variant, tiny_model
+from conftest import TINY, as_variant, clear_leads, tiny_model
 
 from smollm2 import SmolError, SmolLM2, Tokenizer
 from smollm2.cli import main
@@ -69,16 +69,15 @@ def test_bf16_logits_follow_transformers_bf16(model, hf_model, tokens):
     theirs = copy.deepcopy(hf_model).to(torch.bfloat16)(ids).logits.float()
     reference = model(ids)
     # As close to fp32 as transformers' own bf16, on average (a bf16 prompt on a CPU without bf16 arithmetic
-    # multiplies in float32, rounding once); single logits differ by bf16 noise, never by more than it. The mean
-    # itself moves with the summation order: 0.092 to 0.106 with the kernels built for x86-64, native and
-    # x86-64-v3, 0.101 on torch alone, transformers' 0.097.
-    assert (ours - reference).abs().mean() <= 1.1 * (theirs - reference).abs().mean()
+    # multiplies in float32, rounding once); where the roundings fall moves the mean by ~10%: 0.092 to 0.106 with
+    # the kernels built for x86-64, native and x86-64-v3, 0.101 on torch alone, transformers' 0.097. A lost
+    # rounding or a wrong sum shows as a multiple. Single logits differ by bf16 noise, never by more than it.
+    assert (ours - reference).abs().mean() <= 1.25 * (theirs - reference).abs().mean()
     assert (ours - theirs).abs().max() <= 2 * (theirs - reference).abs().max()
-    # The top token is kept wherever fp32's leads by more than bf16 noise (twice transformers' mean error);
+    # The top token is kept wherever fp32's leads by more than bf16 rounding can move (conftest.clear_leads);
     # nearer ties fall either way, for transformers too, and differently on CPUs with and without bf16 arithmetic.
-    top2 = reference.topk(2, dim=-1).values
-    clear = top2[..., 0] - top2[..., 1] > 2 * (theirs - reference).abs().mean()
-    assert clear.float().mean() > 0.5
+    clear = clear_leads(reference, model.config.num_hidden_layers)
+    assert clear.sum() >= 20  # of 128 positions
     assert torch.equal(ours.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 

@@ -5,27 +5,34 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import json
 import os
 import platform
 import subprocess
-import time
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, tiny_model
+from conftest import TINY, clear_leads, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf_files import gguf_tensors, write_gguf
 
-from smollm2 import SmolLM2, Tokenizer, kernels
+from smollm2 import SmolError, SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
 from smollm2.generation.steps import decode_step
-from smollm2.kernels import accelerate
+from smollm2.kernels import accelerate, ops
 from smollm2.kernels.accelerate import DecodePlan, packed_of
-from smollm2.kernels.choosing import Choices, Key, rows_bucket
+from smollm2.kernels.build import choices_file
+from smollm2.kernels.choosing import BUDGET_S, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key, rows_bucket
+from smollm2.kernels.packed import PACKED_TYPES
+from smollm2.model import MLP
 from smollm2.quantize import quantize_int8
 
 pytestmark = pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
+
+ON = Choices("on", choices_file)  # the kernel wherever it can run: what the functions of ops.py are tested with
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +60,7 @@ def weights(dtype, N=96, K=64):
 def test_linear_matches_torch(dtype, rows, K):
     w, scale = weights(dtype, K=K)
     x = torch.randn(rows, K).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    got = kernels.linear(x, [w], [scale])[0]
+    got = ops.linear(ON, x, [w], [scale])[0]
     want = F.linear(x.float(), w.float()) * (1 if scale is None else scale)
     assert got.dtype == x.dtype and got.shape == (rows, 96)
     if dtype == torch.bfloat16:  # one rounding of the float32 sum
@@ -67,9 +74,9 @@ def test_linear_matches_torch(dtype, rows, K):
 def test_a_rows_result_does_not_depend_on_its_batch(dtype, K):
     w, scale = weights(dtype, K=K)
     x = torch.randn(16, K).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    batched = kernels.linear(x, [w], [scale])[0]
+    batched = ops.linear(ON, x, [w], [scale])[0]
     for b in (0, 5, 15):
-        assert torch.equal(kernels.linear(x[b:b + 1], [w], [scale])[0][0], batched[b])
+        assert torch.equal(ops.linear(ON, x[b:b + 1], [w], [scale])[0][0], batched[b])
 
 
 @pytest.mark.parametrize("weight_type", [torch.float32, torch.int8])
@@ -77,26 +84,26 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype, K):
 def test_a_float32_prompts_products_are_its_rows_decoded_alone(weight_type, rows):
     w, scale = weights(weight_type)
     x = torch.randn(rows, 64)
-    got = kernels.linear(x, [w], [scale])[0]
+    got = ops.linear(ON, x, [w], [scale])[0]
     want = F.linear(x, w.float()) * (1 if scale is None else scale)
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
     for b in {0, min(64, rows - 1), rows - 1}:
-        assert torch.equal(kernels.linear(x[b:b + 1], [w], [scale])[0][0], got[b])
+        assert torch.equal(ops.linear(ON, x[b:b + 1], [w], [scale])[0][0], got[b])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_several_weights_in_one_pass(dtype):
     (wq, sq), (wk, sk) = weights(dtype), weights(dtype, N=32)
     x = torch.randn(3, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    q, k = kernels.linear(x, [wq, wk], [sq, sk])
-    assert torch.equal(q, kernels.linear(x, [wq], [sq])[0]) and torch.equal(k, kernels.linear(x, [wk], [sk])[0])
+    q, k = ops.linear(ON, x, [wq, wk], [sq, sk])
+    assert torch.equal(q, ops.linear(ON, x, [wq], [sq])[0]) and torch.equal(k, ops.linear(ON, x, [wk], [sk])[0])
 
 
-@pytest.mark.parametrize("dtype, K", [(torch.bfloat16, 64), (torch.float32, kernels.MAX_PROMPT_K + 16)])
+@pytest.mark.parametrize("dtype, K", [(torch.bfloat16, 64), (torch.float32, ops.MAX_PROMPT_K + 16)])
 def test_prompts_products_the_kernel_leaves_to_torch(dtype, K):
     w, _ = weights(dtype, K=K)
-    x = torch.randn(kernels.MAX_ROWS + 1, K, dtype=dtype)
-    assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
+    x = torch.randn(ops.MAX_ROWS + 1, K, dtype=dtype)
+    assert torch.equal(ops.linear(ON, x, [w])[0], F.linear(x, w))
 
 
 def tiny(name: str, dtype: str):
@@ -151,7 +158,7 @@ def test_prompt_attention_matches_torch(dtype, B, T, H, KVH, D):
     """Causal attention of a prompt's rows against torch's, keys and values read in place from a longer cache."""
     q = torch.randn(B, T, H, D, dtype=dtype)
     k, v = (torch.randn(B, KVH, T + 5, D, dtype=dtype)[:, :, :T] for _ in range(2))
-    got = kernels.prompt_attention(q, k, v, on_torch)
+    got = ops.prompt_attention(ON, q, k, v, on_torch)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
     torch.testing.assert_close(got.float(), want.float(), **tol)
@@ -164,22 +171,22 @@ def test_prompt_elementwise_steps_match_torch(dtype):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -7)
-    torch.testing.assert_close(kernels.silu_mul(gate, up, on_torch), F.silu(gate) * up, **tol)
-    torch.testing.assert_close(kernels.rope(x, cos, sin, on_torch), x * cos + torch.cat([-x2, x1], dim=-1) * sin,
+    torch.testing.assert_close(ops.silu_mul(ON, gate, up, on_torch), F.silu(gate) * up, **tol)
+    torch.testing.assert_close(ops.rope(ON, x, cos, sin, on_torch), x * cos + torch.cat([-x2, x1], dim=-1) * sin,
                                **tol)
     weight = torch.randn(96, dtype=dtype)
     h = gate.float() * torch.rsqrt(gate.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(kernels.rms_norm(gate, weight, 1e-5, on_torch), weight * h.to(dtype), **tol)
-    assert kernels.silu_mul(gate[:, :8], up[:, :8], on_torch) == "torch"  # a decoding step's few rows: blocks' work
-    assert kernels.rope(x[..., :16], cos[..., :16], sin[..., :16], on_torch) == "torch"  # head size off 32
+    torch.testing.assert_close(ops.rms_norm(ON, gate, weight, 1e-5, on_torch), weight * h.to(dtype), **tol)
+    assert ops.silu_mul(ON, gate[:, :8], up[:, :8], on_torch) == "torch"  # a decoding step's few rows: blocks' work
+    assert ops.rope(ON, x[..., :16], cos[..., :16], sin[..., :16], on_torch) == "torch"  # head size off 32
 
 
 def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
     q, k = torch.randn(1, 40, 4, 64), torch.randn(1, 2, 40, 64)
-    assert kernels.prompt_attention(q[:, :16], k[:, :, :16], k[:, :, :16], on_torch) == "torch"  # a few rows
-    assert kernels.prompt_attention(q[..., :32], k[..., :32], k[..., :32], on_torch) == "torch"  # head size off 64
+    assert ops.prompt_attention(ON, q[:, :16], k[:, :, :16], k[:, :, :16], on_torch) == "torch"  # a few rows
+    assert ops.prompt_attention(ON, q[..., :32], k[..., :32], k[..., :32], on_torch) == "torch"  # head size off 64
     with torch.inference_mode(False):  # training
-        assert kernels.prompt_attention(torch.randn(1, 40, 4, 64, requires_grad=True), k.clone(), k.clone(),
+        assert ops.prompt_attention(ON, torch.randn(1, 40, 4, 64, requires_grad=True), k.clone(), k.clone(),
                                         on_torch) == "torch"
 
 
@@ -251,7 +258,23 @@ def test_a_weight_changed_in_place_is_streamed_itself(tmp_path):
     assert torch.equal(changed, decode(plain, ids, torch.ones_like(ids), 1)[0])
 
 
-def test_a_weight_replaced_rebuilds_the_plan():
+def double_down_proj(model):
+    model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(model.model.layers[0].mlp.down_proj.weight * 2)
+
+
+def swap_blocks(model):
+    model.model.layers[0], model.model.layers[1] = model.model.layers[1], model.model.layers[0]
+
+
+def new_mlp(model):
+    mlp = MLP(model.config)  # a reference module, into an accelerated model too
+    mlp.load_state_dict(model.model.layers[1].mlp.state_dict())
+    model.model.layers[0].mlp = mlp
+
+
+@pytest.mark.parametrize("change", [double_down_proj, swap_blocks, new_mlp])
+def test_anything_assigned_rebuilds_the_plan(change):
+    """A weight, a block or a block's module replaced: the plan, which points at the old weights, is rebuilt."""
     reference = tiny("gqa", "float32")
     model = accelerated(reference)
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
@@ -259,23 +282,37 @@ def test_a_weight_replaced_rebuilds_the_plan():
     plan = model.decode_plan(torch.float32)
     for m in (model, reference):
         with torch.inference_mode(False):
-            m.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.down_proj.weight * 2)
+            change(m)
     got, want = decode(model, ids, torch.ones_like(ids), 1)[0], decode(reference, ids, torch.ones_like(ids), 1)[0]
     assert model.decode_plan(torch.float32) is not plan
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_plan_holds_while_nothing_changed():
+    model = accelerated(tiny("gqa", "float32"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    decode(model, ids, torch.ones_like(ids), 1)
+    plan = model.decode_plan(torch.float32)
+    model.eval()
+    decode(model, ids, torch.ones_like(ids), 1)
+    assert model.decode_plan(torch.float32) is plan
+    assert model.accelerator.kernel_runs["blocks"] == 4  # each decode(): the 8-token prompt too is a step's size
+
+
 def test_copies_and_conversions_build_their_own_plans():
-    """A deep copy's weights are elsewhere, and .to() moves them: neither may run on the original's plan."""
+    """A deep copy's weights are elsewhere, and .to() moves them: neither may run on the original's plan. A copy
+    has an accelerator of its own."""
     model = accelerated(tiny("gqa", "float32"))
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     want, _ = decode(model, ids, torch.ones_like(ids), 1)
+    assert model.accelerator.plans
     copied = copy.deepcopy(model)
-    assert type(copied) is type(model) and "decode_plans" not in copied.__dict__
+    assert type(copied) is type(model) and copied.accelerator is not model.accelerator
+    assert not copied.accelerator.plans and copied.model.layers[0].mlp.accelerator is copied.accelerator
     del model
     assert torch.equal(decode(copied, ids, torch.ones_like(ids), 1)[0], want)
     bf16 = copied.to(torch.bfloat16)
-    assert "decode_plans" not in bf16.__dict__
+    assert not bf16.accelerator.plans
     assert decode(bf16, ids, torch.ones_like(ids), 1)[0].dtype == torch.bfloat16
 
 
@@ -285,14 +322,18 @@ def test_accelerating_keeps_the_models_parameters_and_names():
     assert isinstance(model, SmolLM2) and type(model) is not SmolLM2
     assert model.state_dict().keys() == reference.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    accelerator = model.accelerator
     assert accelerate(model) is model  # twice is once
     assert [type(m) for m in accelerate(model).modules()] == [type(m) for m in model.modules()]
+    assert model.accelerator is accelerator and accelerate(model, mode="off").accelerator.mode == "off"
+    with pytest.raises(SmolError, match="kernels mode 'fast' is none of auto, on, off"):
+        accelerate(model, mode="fast")
 
 
 def test_the_embedded_model_streams_its_files_packed_blocks(model):
     """fp32 decoding of the default model reads its file's Q4_1 block weights and Q8_0 embeddings."""
     assert kernels.weight_format(model) == "Q4_1 packed"
-    assert packed_of(model.model.embed_tokens).type == kernels.PACKED_TYPES[Q.Q8_0]
+    assert packed_of(model.model.embed_tokens).type == PACKED_TYPES[Q.Q8_0]
 
 
 def test_bf16_models_keep_no_packed_blocks(tmp_path):
@@ -322,16 +363,22 @@ def teacher_forced_logits(model, tokens, prompt=8):
 
 
 def test_bf16_decoding_is_as_exact_as_the_reference(reference_model, english):
-    """bf16 rounds differently on the kernels (float32 sums, one rounding per output), so near-ties can go
-    either way: measured against fp32, along a real text, it is as exact as torch's bf16."""
-    tokens = Tokenizer.from_pretrained().encode(english)[:120]
+    """bf16 rounds differently on the kernels (float32 sums, one rounding per output) than on torch, whose own
+    bf16 rounds differently again with and without bf16 arithmetic, so near-ties of fp32's top token fall either
+    way (on a Zen 4, 5 of 112 flipped where torch's held; on a Sapphire Rapids torch's flipped more). Measured
+    against fp32 along a real text: every clear lead is kept, and the logits are as exact as torch's bf16."""
+    tokens = Tokenizer.from_pretrained().encode(english)[:176]
     reference = teacher_forced_logits(reference_model, tokens)
     bf16 = copy.deepcopy(reference_model).to(torch.bfloat16)
     fast = teacher_forced_logits(accelerated(bf16), tokens)
     slow = teacher_forced_logits(bf16, tokens)
-    top1 = reference.argmax(-1)
-    assert (fast - reference).abs().mean() <= 1.05 * (slow - reference).abs().mean()
-    assert (fast.argmax(-1) == top1).float().mean() >= (slow.argmax(-1) == top1).float().mean() - 0.03
+    clear = clear_leads(reference, reference_model.config.num_hidden_layers)
+    assert clear.sum() >= 30  # of 168 positions (42 for this text)
+    assert torch.equal(fast.argmax(-1)[clear], reference.argmax(-1)[clear])
+    # Where the roundings fall moves the mean error by ~10-15% (over 240 positions torch's bf16 was 0.095 on its
+    # AVX2 code, 0.111 with AMX; the kernels' 0.097 to 0.105 by tier); a lost rounding or a wrong sum shows as a
+    # multiple.
+    assert (fast - reference).abs().mean() <= 1.25 * (slow - reference).abs().mean()
 
 
 def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
@@ -342,12 +389,11 @@ def test_without_a_compiler_torch_does_the_work(tmp_path, monkeypatch):
         with pytest.warns(UserWarning, match="kernels unavailable"):
             assert kernels.compiled() is None
         x, (w, _) = torch.randn(1, 64), weights(torch.float32)
-        assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
+        assert torch.equal(ops.linear(ON, x, [w])[0], F.linear(x, w))
         model = tiny("gqa", "float32")
         assert type(accelerate(model)) is SmolLM2  # left as it is
     finally:
         kernels.compiled.cache_clear()
-
 
 
 @pytest.mark.slow
@@ -365,37 +411,117 @@ def test_the_kernels_compile_for_other_x86_cpus(march, tmp_path):
 
 
 # The choice between kernel and torch: in "auto" mode the faster runs, measured on the first call of each kind.
+# Timed on a clock of the test's own: each side's run moves it by the seconds the test gives.
 
 KEY = Key("rms_norm", "float32", None, 64, 2, (96,))
 
 
-def measuring(tmp_path) -> Choices:
-    return Choices("auto", lambda: tmp_path / "choices.json")
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def side(name: str, calls: list, seconds: float = 0.0):
-    """A kernel() or plain() that takes `seconds`, notes each call in `calls` and returns its name."""
+def measuring(tmp_path, clock=None) -> Choices:
+    return Choices("auto", lambda: tmp_path / "choices.json", clock or Clock())
+
+
+def timed(winner: str, kernel_s: float, torch_s: float, margin: float, measurements: int) -> Choice:
+    """A Choice to compare with a measured one: the test clock's sums round its times a little."""
+    return Choice(winner, pytest.approx(kernel_s), pytest.approx(torch_s), pytest.approx(margin), measurements)
+
+
+def side(name: str, calls: list, choices: Choices | None = None, seconds=0.0):
+    """A kernel() or plain() that notes each call in `calls`, returns its name and takes `seconds` on the clock of
+    `choices` (one figure every run, or one per run: the first is the warm-up's)."""
+    durations = iter(seconds) if isinstance(seconds, list) else itertools.repeat(seconds)
+
     def run():
         calls.append(name)
-        time.sleep(seconds)
+        if choices is not None:
+            choices.clock.now += next(durations)
         return name
     return run
 
 
 def test_the_faster_side_is_picked_and_runs_last(tmp_path):
     choices, calls = measuring(tmp_path), []
-    assert choices.pick(KEY, side("kernel", calls, 0.002), side("torch", calls)) == "torch"
+    assert choices.pick(KEY, side("kernel", calls, choices, 0.002), side("torch", calls, choices, 0.001)) == "torch"
     assert calls[-1] == "torch"  # what it writes (a KV cache) is what stays
-    assert choices.made[KEY].winner == "torch" and choices.made[KEY].kernel_s > choices.made[KEY].torch_s >= 0
-    assert (calls.count("kernel"), calls.count("torch")) == (1 + 3, 1 + 3 + 1)  # warm-up, timed runs, winner
+    assert choices.made[KEY] == timed("torch", 0.002, 0.001, 2.0, 1)
+    # a clear winner whose times repeat: settled at the fewest turns
+    assert (calls.count("kernel"), calls.count("torch")) == (1 + MIN_TURNS, 1 + MIN_TURNS + 1)  # warm-up, winner
     prompt = KEY._replace(rows=128)
-    assert choices.pick(prompt, side("kernel", calls), side("torch", calls, 0.002)) == "kernel"
+    assert choices.pick(prompt, side("kernel", calls, choices), side("torch", calls, choices, 0.002)) == "kernel"
     assert calls[-1] == "kernel" and choices.made[prompt].winner == "kernel"
+    assert choices.kernel_runs == {"rms_norm": 1}
+
+
+def test_a_noisy_side_is_timed_until_its_best_repeats(tmp_path):
+    """The kernel's first runs fall on a busy stretch of the machine: the best of 3 turns would crown torch."""
+    choices, calls = measuring(tmp_path), []
+    kernel = side("kernel", calls, choices, [0.003, 0.003, 0.0025, 0.0028, 0.001, 0.00102] + [0.001] * 10)
+    assert choices.pick(KEY, kernel, side("torch", calls, choices, 0.0015)) == "kernel"
+    assert calls.count("kernel") == 1 + 5  # the warm-up, then turns until its best (1 ms) came twice
+    assert choices.made[KEY] == timed("kernel", 0.001, 0.0015, 1.5, 1)
+
+
+def test_a_close_call_is_timed_longer_and_its_margin_kept(tmp_path):
+    choices, calls = measuring(tmp_path), []
+    assert choices.pick(KEY, side("kernel", calls, choices, 0.001), side("torch", calls, choices, 0.00105)) == "kernel"
+    assert calls.count("torch") == 1 + MAX_TURNS
+    choice = choices.made[KEY]
+    assert choice.margin == pytest.approx(1.05) and choice.measurements == 1
+    assert "kernel by 1.05x (kernel 1 ms vs torch 1.05 ms)" in choices.report()[0]["text"]
+
+
+def test_measuring_is_bounded_in_time(tmp_path):
+    """A big model's slow step whose times never repeat: the fewest turns once past the budget."""
+    choices, calls = measuring(tmp_path), []
+    slow = [BUDGET_S / 2, BUDGET_S / 3] * MAX_TURNS
+    choices.pick(KEY, side("kernel", calls, choices, slow), side("torch", calls, choices, slow[1:]))
+    assert calls.count("kernel") == 1 + MIN_TURNS
+
+
+def test_a_thin_choice_is_measured_again_by_later_accelerators(tmp_path):
+    """Measured while the machine was busy, torch won by a hair; later accelerators measure again, each once, and
+    the best times of all their measurements decide: the kernel, which was the faster all along."""
+    first, calls = measuring(tmp_path), []
+    first.pick(KEY, side("kernel", calls, first, 0.00104), side("torch", calls, first, 0.001))
+    assert first.made[KEY].winner == "torch" and first.made[KEY].margin < 1.1
+    assert first.pick(KEY, side("kernel", calls, first), side("torch", calls, first)) == "torch"  # once here
+    second = measuring(tmp_path)
+    assert second.pick(KEY, side("kernel", calls, second, 0.0008), side("torch", calls, second, 0.001)) == "kernel"
+    assert second.made[KEY] == timed("kernel", 0.0008, 0.001, 1.25, 2)
+    calls.clear()  # a clear margin now: not measured again
+    assert measuring(tmp_path).pick(KEY, side("kernel", calls), side("torch", calls)) == "kernel"
+    assert calls == ["kernel"]
+
+
+def test_measuring_a_near_tie_again_stops(tmp_path):
+    """A real near tie stays thin: it is measured MEASUREMENTS times in all, then kept."""
+    for n in range(1, MEASUREMENTS + 2):
+        choices, calls = measuring(tmp_path), []
+        choices.pick(KEY, side("kernel", calls, choices, 0.001), side("torch", calls, choices, 0.00102))
+        assert choices.made[KEY].measurements == min(n, MEASUREMENTS)
+        assert calls.count("torch") == (1 + MAX_TURNS if n <= MEASUREMENTS else 0)
+
+
+def test_a_file_without_margins_is_measured_again(tmp_path):
+    """Choices kept before margins were: as thin, whatever their times said."""
+    entry = dict(KEY._asdict(), winner="torch", kernel_s=0.002, torch_s=0.001)
+    (tmp_path / "choices.json").write_text(json.dumps([entry]))
+    choices, calls = measuring(tmp_path), []
+    assert choices.pick(KEY, side("kernel", calls, choices, 0.0005), side("torch", calls, choices, 0.001)) == "kernel"
+    assert choices.made[KEY] == timed("kernel", 0.0005, 0.001, 2.0, 2)
+    assert measuring(tmp_path).read() == choices.made
 
 
 def test_a_known_kind_is_not_measured_again(tmp_path):
     choices = measuring(tmp_path)
-    choices.pick(KEY, side("kernel", []), side("torch", [], 0.002))
+    choices.pick(KEY, side("kernel", [], choices), side("torch", [], choices, 0.002))
     calls = []
     assert [choices.pick(KEY, side("kernel", calls), side("torch", calls)) for _ in range(3)] == ["kernel"] * 3
     assert calls == ["kernel"] * 3
@@ -408,15 +534,15 @@ def test_choices_round_trip_through_their_file(tmp_path):
     ours, theirs = measuring(tmp_path), measuring(tmp_path)  # two processes, each measuring its own kinds
     product = Key("linear", "bfloat16", "Q4_1 packed", 16, 4, (576, 576, 192, 192))
     step = Key("blocks", "float32", "int8", 16, 4, (30, 576, 9, 3, 64, 1536))
-    ours.pick(KEY, side("kernel", []), side("torch", [], 0.002))
-    ours.pick(product, side("kernel", [], 0.002), side("torch", []))
-    theirs.pick(step, side("kernel", []), side("torch", [], 0.002))
+    ours.pick(KEY, side("kernel", [], ours, 0.001), side("torch", [], ours, 0.002))
+    ours.pick(product, side("kernel", [], ours, 0.0024), side("torch", [], ours, 0.002))
+    theirs.pick(step, side("kernel", [], theirs, 0.001), side("torch", [], theirs, 0.002))
     assert measuring(tmp_path).read() == {**ours.made, **theirs.made}  # each kept the other's
     assert [choice["text"] for choice in ours.report()] == [
-        f"RMSNorm of 96, 33-64 rows, float32: kernel (kernel {ours.made[KEY].kernel_s * 1e3:.3g} ms vs torch "
-        f"{ours.made[KEY].torch_s * 1e3:.3g} ms)",
-        f"product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 packed: torch (kernel "
-        f"{ours.made[product].kernel_s * 1e3:.3g} ms vs torch {ours.made[product].torch_s * 1e3:.3g} ms)"]
+        "RMSNorm of 96, 33-64 rows, float32: kernel by 2.00x (kernel 1 ms vs torch 2 ms)",
+        "product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 packed: torch by 1.20x (kernel 2.4 ms vs "
+        "torch 2 ms)"]
+    assert ours.report()[0]["margin"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1]", '{"op": "rms_norm"}', '[{"op": "rms_norm"}]',
@@ -425,8 +551,8 @@ def test_choices_round_trip_through_their_file(tmp_path):
 def test_a_corrupt_file_is_measured_again(tmp_path, text):
     (tmp_path / "choices.json").write_text(text)
     choices, calls = measuring(tmp_path), []
-    assert choices.pick(KEY, side("kernel", calls), side("torch", calls, 0.002)) == "kernel"
-    assert calls.count("torch") == 1 + 3
+    assert choices.pick(KEY, side("kernel", calls, choices), side("torch", calls, choices, 0.002)) == "kernel"
+    assert calls.count("torch") == 1 + MIN_TURNS
     assert measuring(tmp_path).read() == choices.made  # and written anew
 
 
@@ -437,61 +563,66 @@ def test_a_file_that_cannot_be_written_does_not_stop_inference(tmp_path):
         raise RuntimeError("Could not determine home directory.")
 
     for where in (lambda: tmp_path / "a-file" / "choices.json", no_home):
-        choices = Choices("auto", where)
-        assert choices.pick(KEY, side("kernel", []), side("torch", [], 0.002)) == "kernel"
-        assert choices.made[KEY].winner == "kernel"  # for this process still
+        choices = Choices("auto", where, Clock())
+        assert choices.pick(KEY, side("kernel", [], choices), side("torch", [], choices, 0.002)) == "kernel"
+        assert choices.made[KEY].winner == "kernel"  # for this accelerator still
 
 
 def test_the_modes_do_what_they_say(tmp_path):
     for mode, ran in (("on", "kernel"), ("off", "torch")):
-        choices, calls = Choices(mode, lambda: tmp_path / "choices.json"), []
-        slow_kernel = choices.pick(KEY, side("kernel", calls, 0.002), side("torch", calls))
-        slow_torch = choices.pick(KEY, side("kernel", calls), side("torch", calls, 0.002))
+        choices, calls = Choices(mode, lambda: tmp_path / "choices.json", Clock()), []
+        slow_kernel = choices.pick(KEY, side("kernel", calls, choices, 0.002), side("torch", calls, choices))
+        slow_torch = choices.pick(KEY, side("kernel", calls, choices), side("torch", calls, choices, 0.002))
         assert slow_kernel == slow_torch == ran and calls == [ran, ran] and not choices.made
     for mode in ("auto", "on"):  # a kernel that cannot run: torch, and nothing decided
         choices = Choices(mode, lambda: tmp_path / "choices.json")
         assert choices.pick(KEY, lambda: None, on_torch) == "torch" and not choices.made
     assert not (tmp_path / "choices.json").exists()
-    choices = measuring(tmp_path)
-    with choices.forced(False):
+
+
+def test_torch_only_holds_in_its_own_thread_alone():
+    choices, seen = Choices("on", choices_file), []
+    with choices.torch_only():
         assert choices.pick(KEY, side("kernel", []), on_torch) == "torch"
-    with choices.forced(True):
-        assert choices.pick(KEY, side("kernel", []), on_torch) == "kernel"
-    assert choices.mode == "auto" and not choices.made
+        other = threading.Thread(target=lambda: seen.append(choices.pick(KEY, side("kernel", []), on_torch)))
+        other.start()
+        other.join()
+        assert Choices("on", choices_file).pick(KEY, side("kernel", []), on_torch) == "kernel"  # nor another's
+    assert seen == ["kernel"] and choices.pick(KEY, side("kernel", []), on_torch) == "kernel"
 
 
-def test_torch_always_leaves_every_kernel_unused():
+def test_torch_only_leaves_every_kernel_unused():
     x, w, model = torch.randn(2, 40, 96), torch.randn(32, 96), accelerated(tiny("gqa", "float32"))
     cache = model.new_cache(1, 8)
 
     def decoding_step():
-        return kernels.blocks(model.decode_plan(torch.float32).weights, torch.randn(1, 1, 64),
-                              (torch.ones(1, 1, 1, 16),) * 2, None, cache.view(length=1), torch.tensor([0]), on_torch)
+        return ops.blocks(ON, model.decode_plan(torch.float32).weights, torch.randn(1, 1, 64),
+                          (torch.ones(1, 1, 1, 16),) * 2, None, cache.view(length=1), torch.tensor([0]), on_torch)
 
-    with kernels.choices.forced(False):
-        assert kernels.rms_norm(x, torch.ones(96), 1e-5, on_torch) == "torch"
-        assert kernels.silu_mul(x, x, on_torch) == "torch"
-        assert torch.equal(kernels.linear(x, [w])[0], F.linear(x, w))
+    with ON.torch_only():
+        assert ops.rms_norm(ON, x, torch.ones(96), 1e-5, on_torch) == "torch"
+        assert ops.silu_mul(ON, x, x, on_torch) == "torch"
+        assert torch.equal(ops.linear(ON, x, [w])[0], F.linear(x, w))
         assert decoding_step() is None  # the model runs its own loop
     assert decoding_step().shape == (1, 1, 64)  # the kernel always, as tests run
 
 
-def test_measured_choices_give_the_kernels_tokens(monkeypatch, tmp_path):
+def test_measured_choices_give_the_kernels_tokens(tmp_path):
     """A tiny model whose heads fit every kernel generates the same tokens when its operations are measured
     (on the first call of each kind), and whichever side won each."""
     model = accelerate(tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64)))
     prompts = [list(range(5, 29)), list(range(40, 64))]  # 24 tokens each: a prompt's kernels run too
     want = generate(model, prompts, 8, eos_token_id=None)  # the kernels wherever they run
-    monkeypatch.setattr(kernels, "choices", measuring(tmp_path))
+    choices = model.accelerator.choices = Choices("auto", lambda: tmp_path / "choices.json")
     assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
-    made = kernels.choices.made
+    made = choices.made
     assert {key.op for key in made} == {"linear", "blocks", "prompt_attention", "rms_norm", "rope", "silu_mul"}
     for winner in ("kernel", "torch"):
-        kernels.choices.made = {key: choice._replace(winner=winner) for key, choice in made.items()}
+        choices.made = {key: choice._replace(winner=winner) for key, choice in made.items()}
         assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
 
 
 def test_every_decoding_batch_is_one_kind():
     """A row decodes to the same bits whatever its batch only if every batch size runs on the same side."""
-    assert {rows_bucket(rows) for rows in range(1, kernels.MAX_ROWS + 1)} == {kernels.MAX_ROWS}
+    assert {rows_bucket(rows) for rows in range(1, ops.MAX_ROWS + 1)} == {ops.MAX_ROWS}
     assert [rows_bucket(rows) for rows in (17, 300, 512, 513)] == [32, 512, 512, 1024]

@@ -15,7 +15,7 @@ from conftest import TINY, as_variant, hf_copy, tiny_model
 
 import smollm2.model as model_module
 from smollm2 import KVCache, SmolConfig, SmolLM2
-from smollm2.checkpoints.loading import WithoutRandomInit
+from smollm2.loading import WithoutRandomInit
 from smollm2.model import RMSNorm, rope_tables
 
 GQA = TINY["gqa"]

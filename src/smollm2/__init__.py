@@ -4,11 +4,12 @@ from .config import PRESETS, SmolConfig
 from .errors import SmolError
 from .model import KVCache, SmolLM2
 
-__all__ = ["PRESETS", "KVCache", "SmolConfig", "SmolError", "SmolLM2", "Tokenizer", "accelerate"]
+__all__ = ["PRESETS", "KVCache", "SmolConfig", "SmolError", "SmolLM2", "Tokenizer", "accelerate", "load_model"]
 
 
 def __getattr__(name):
-    # The tokenizer pulls in `tokenizers` and jinja2, the kernels gguf; import them only when asked for.
+    # The tokenizer pulls in `tokenizers` and jinja2, the kernels and the loader gguf; import them only when asked
+    # for.
     if name == "Tokenizer":
         from .tokenizer import Tokenizer
 
@@ -17,4 +18,8 @@ def __getattr__(name):
         from .kernels import accelerate
 
         return accelerate
+    if name == "load_model":
+        from .loading import load_model
+
+        return load_model
     raise AttributeError(name)

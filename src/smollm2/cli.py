@@ -82,10 +82,8 @@ def check_address(host: str, port: int) -> None:
 def load_model(args):
     """The model named by --model (default: the embedded SmolLM2-135M-Instruct) with --adapter merged in, as
     --dtype/--quantize say; on the CPU kernels unless --no-kernels."""
+    from . import loading
     from .generation import Sampling
-    from .kernels import accelerate
-    from .model import SmolLM2
-    from .quantize import quantize_int8
 
     if hasattr(args, "temperature"):
         Sampling(**sampling(args))  # bad sampling flags fail before the model loads, not after
@@ -93,14 +91,8 @@ def load_model(args):
         raise SmolError("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    # An adapter is merged into the float weights as they load, before any quantizing or kernel sees them.
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device, accelerate=args.kernels,
-                                    adapter=args.adapter)
-    if args.quantize == "int8":
-        quantize_int8(model)
-        if args.kernels:
-            accelerate(model)  # again: the int8 layers are new modules
-    return model
+    return loading.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter,
+                              quantize=args.quantize, kernels=args.kernels)
 
 
 def load(args):
@@ -268,14 +260,17 @@ def perplexity(args):
 
 def bench_ours(args):
     """smollm2's run and facts for bench, in the process that times it."""
-    from . import bench, kernels
+    from . import bench
+    from .kernels import weight_format
 
     model = load_model(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
 
     def facts():  # after the warm-up run, which chose between the kernels and torch
-        return dict(weights_read=kernels.weight_format(model),  # what our decoding steps read
-                    kernels=kernels.choices.mode, kernel_choices=kernels.choices.report())
+        accelerator = getattr(model, "accelerator", None)  # none: --no-kernels, another device, no C compiler
+        return dict(weights_read=weight_format(model),  # what our decoding steps read
+                    kernels=accelerator.mode if accelerator else "off",
+                    kernel_choices=accelerator.report() if accelerator else [])
 
     return bench.ours(model, prompt, args.new_tokens, args.compile), facts
 

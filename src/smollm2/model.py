@@ -239,12 +239,14 @@ class SmolLM2(nn.Module):
 
     @classmethod
     def from_pretrained(cls, src: str | Path | None = None, dtype=torch.float32, device="cpu",
-                        accelerate: bool = True, adapter: str | Path | None = None) -> SmolLM2:
+                        accelerate: bool = True, adapter: str | Path | None = None,
+                        quantize: str | None = None) -> SmolLM2:
         """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct; adapter: a
-        LoRA directory in PEFT's format, merged into the weights. On the CPU, accelerated (smollm2.accelerate)
-        unless accelerate=False: then this file's modules alone."""
-        from .checkpoints import load_model  # loading, saving and generating live in their own packages
-        return load_model(cls, src, dtype, device, accelerate, adapter)
+        LoRA directory in PEFT's format, merged into the weights; quantize: "int8" for int8 weight-only linear
+        layers. On the CPU, accelerated (smollm2.accelerate) unless accelerate=False: then this file's modules
+        alone. See smollm2.loading.load_model."""
+        from .loading import load_model  # loading, saving and generating live in modules of their own
+        return load_model(src, dtype=dtype, device=device, adapter=adapter, quantize=quantize, kernels=accelerate)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write config.json + model.safetensors that transformers' from_pretrained loads."""

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from ..kernels import Packed
+
+
+class GGUFBlocks(NamedTuple):
+    """A matrix as a GGUF file stores it in a quantized type: its exact values, in a few bits each."""
+    type: int  # a GGMLQuantizationType
+    data: torch.Tensor  # uint8 (rows, bytes a row): the file's blocks, rows in the tensor's order (q, k un-permuted)
 
 
 @dataclass
@@ -17,9 +23,8 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> where it came from, for errors
     source: str = ""
-    # float32 tensors decoded from GGUF's packed blocks that the kernels can stream -> those blocks, as
-    # kernels.packed_layout gives them, rows in the tensor's order: their exact values, in a few bits each
-    packed: dict[str, Packed] = field(default_factory=dict)
+    # matrices a GGUF file stores in a quantized type -> its blocks of them, where asked for (load_checkpoint)
+    quantized: dict[str, GGUFBlocks] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:
         """Every tensor the model needs is here with the right shape and finite values, and nothing else is."""

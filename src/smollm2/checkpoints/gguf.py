@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from ..kernels import packed_layout
-from .checkpoint import Checkpoint, parameter_shapes
+from .checkpoint import Checkpoint, GGUFBlocks, parameter_shapes
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -168,10 +167,11 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> Checkpoint:
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> Checkpoint:
+    """quantized: also keep the file's blocks of every matrix it stores in a quantized type (Checkpoint.quantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    tensors, files, packed_copies = {}, {}, {}
+    tensors, files, blocks = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)
         try:
@@ -184,9 +184,8 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = Fal
             shape = t.shape[::-1]
             # Quantized types decode into a new array; plain F32 is a view of the read-only file: copy that one.
             w = torch.from_numpy(np.require(values, np.float32, ["W"])).reshape(shape)
-            # float32 matrices that the kernels can stream from their packed blocks instead: the same values, in a
-            # few bits each
-            kept = packed_layout(qtype, t.data) if packed and dtype == torch.float32 and len(shape) == 2 else None
+            kept = (GGUFBlocks(qtype, torch.from_numpy(np.array(t.data)).reshape(shape[0], -1))
+                    if quantized and block > 1 and len(shape) == 2 else None)  # copied: the file's pages go below
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
         heads = rotary_heads(name, config)
@@ -195,12 +194,12 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, packed: bool = Fal
             kept = kept and kept._replace(data=unpermute(kept.data, heads))
         tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
         if kept:
-            packed_copies[name] = kept
+            blocks[name] = kept
     reader.release_pages()  # every tensor above is a copy
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-        packed_copies.pop("lm_head.weight", None)
-    return Checkpoint(config, tensors, files, str(path), packed_copies)
+        blocks.pop("lm_head.weight", None)
+    return Checkpoint(config, tensors, files, str(path), blocks)
 
 
 def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer, path: str | Path,

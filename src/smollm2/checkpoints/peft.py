@@ -169,4 +169,4 @@ def merge_adapter(ckpt: Checkpoint, path: str | Path) -> None:
             module = name.removesuffix(".lora_A.weight")
             ckpt.tensors[f"{module}.weight"] = merged(ckpt.tensors[f"{module}.weight"], tensor,
                                                       adapter.tensors[f"{module}.lora_B.weight"], adapter.scaling)
-            ckpt.packed.pop(f"{module}.weight", None)  # GGUF's blocks hold the weight before the merge
+            ckpt.quantized.pop(f"{module}.weight", None)  # GGUF's blocks hold the weight before the merge

@@ -49,15 +49,15 @@ def resolve(src: str | os.PathLike | None) -> Path:
 
 
 def load_checkpoint(src: str | os.PathLike | None, dtype: torch.dtype | None = None,
-                    packed: bool = False) -> Checkpoint:
+                    quantized: bool = False) -> Checkpoint:
     """dtype: what every tensor becomes as it is read, one at a time (never two copies of the whole model);
-    None keeps the stored dtype (GGUF's quantized tensors: float32). packed: also keep GGUF's packed blocks
-    that the CPU kernels can stream for float32 tensors (Checkpoint.packed)."""
+    None keeps the stored dtype (GGUF's quantized tensors: float32). quantized: also keep a GGUF file's blocks of
+    the matrices it stores in a quantized type (Checkpoint.quantized)."""
     path = resolve(src)
     if path.is_dir():
         return read_hf(path, dtype)
     if path.suffix == ".gguf":
-        return read_gguf(path, dtype or torch.float32, packed)
+        return read_gguf(path, dtype or torch.float32, quantized)
     if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise SmolError(f"{path}: refusing to load a pickle file, which can run arbitrary code; "
                         "convert it to safetensors")

@@ -1,32 +1,83 @@
-"""Speed applied from outside: accelerate(model) turns model.py's reference modules, in place, into ones that run
-the CPU kernels (kernels/__init__.py) wherever they are the faster on this machine, and gives the model a
-decoding step that runs every block in one kernel call. Parameters, state dict and results (to float rounding,
-see tests/test_fast_paths.py) stay the reference's; model.py knows nothing of it.
+"""Speed applied from outside: accelerate(model) gives the model an Accelerator of its own (model.accelerator)
+and turns model.py's reference modules, in place, into ones that run the CPU kernels (ops.py) wherever they are
+the faster on this machine, with a decoding step that runs every block in one kernel call. Parameters, state
+dict and results (to float rounding, see tests/test_fast_paths.py) stay the reference's; model.py knows nothing
+of it.
 
-Each fast module is its reference class with one method replaced, so training, saving, hooks and isinstance
-checks see the same modules. What the kernels keep beside the weights is kept on the modules:
-- `packed`: a float32 weight read from GGUF keeps the file's packed blocks as a non-persistent buffer on its
-  module, and the kernels stream those (4-5x fewer bytes, the same float32 values) while the weight is unchanged;
-- the decoding step's plan (where each block's weights are, for C) is built once per dtype and kept on the
-  model. It is rebuilt when a weight (or any parameter, buffer or module) was assigned anywhere since, which
-  torch's registration hooks count, or when one of its tensors changed in place (trained, loaded into): each
-  step compares their version counters (~30 us for 30 blocks). Moving the model (.to(), .half()) drops it.
-  Changes through `.data` are not seen: assign new weights instead.
+Each fast module is its reference class with one method replaced (Block and the containers only watched), so
+training, saving, hooks and isinstance checks see the same modules. What the kernels keep for a model is its
+accelerator's or its modules', never the process's, so two models (a base and its adapters, served from
+threads of their own) never change each other's:
+- the accelerator: its mode, its choices between kernel and torch (choosing.py), its decoding plans and the
+  count of its kernels' runs;
+- `packed`: a float32 weight read from GGUF keeps the file's blocks, in the kernels' layout (packed.py), as a
+  non-persistent buffer on its module, and the kernels stream those while the weight is unchanged;
+- the decoding step's plan (where each block's weights are, for C) is built once per dtype. It is rebuilt when
+  anything (a parameter, buffer or submodule) was assigned to one of the model's modules since, which they count
+  in their accelerator (Watched), or when one of its tensors changed in place (trained, loaded into): each step
+  compares their version counters (~45 us for the 480 tensors of 30 blocks streaming packed weights). Moving
+  the model (.to(), .half()) drops it. Changes through `.data` are not seen: assign new weights instead.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import MLP, Attention, RMSNorm, SmolLM2
+from ..errors import SmolError
+from ..model import MLP, Attention, Block, RMSNorm, SmolLM2
 from ..quantize import Int8Linear
-from . import (LINEARS, MAX_HEAD_DIM, MAX_ROWS, TYPES, WEIGHT_FORMATS, BlockWeights, Packed, choices, compiled,
-               streamed, streams)
-from . import blocks as kernel_blocks
-from . import linear as kernel_linear
-from . import prompt_attention, rms_norm, rope, silu_mul
+from . import ops
+from .build import choices_file, compiled
+from .choosing import MODES, Choices
+from .packed import Packed, packed_layout, streams
+
+if TYPE_CHECKING:
+    from ..checkpoints import GGUFBlocks
+
+
+def mode_from_environment() -> str:
+    """SMOLLM2_KERNELS: auto (the faster of kernel and torch, measured), on (the kernel wherever it runs) or off."""
+    mode = os.environ.get("SMOLLM2_KERNELS", "auto")
+    if mode not in MODES:
+        warnings.warn(f"smollm2: SMOLLM2_KERNELS={mode!r} is none of auto, on, off; using auto", stacklevel=3)
+        return "auto"
+    return mode
+
+
+class Accelerator:
+    """What accelerate() gives a model, as model.accelerator: its mode ("auto": the faster of kernel and torch,
+    measured; "on": the kernel wherever it can run; "off": torch alone), its choices, its decoding plans, and
+    how many times its kernels ran (kernel_runs, by operation). Nothing here is shared with another model: the
+    choices' file is read into this accelerator's own Choices."""
+
+    def __init__(self, mode: str | None = None, file: Callable[[], Path] = choices_file):
+        self.choices = Choices(mode or mode_from_environment(), file)
+        self.plans: dict[torch.dtype, DecodePlan] = {}
+        self.changes = 0  # assignments to the model's modules (Watched): a plan holds while this has not moved
+
+    @property
+    def mode(self) -> str:
+        return self.choices.mode
+
+    @property
+    def kernel_runs(self) -> Counter[str]:
+        return self.choices.kernel_runs
+
+    def report(self) -> list[dict]:
+        """The choices made so far (choosing.Choices.report), for benchmarks to show."""
+        return self.choices.report()
+
+    def __getstate__(self):  # a copy's weights are elsewhere: it builds its own plans
+        return {**self.__dict__, "plans": {}}
 
 
 def version(t: torch.Tensor) -> int:
@@ -54,86 +105,122 @@ def packed_of(module: nn.Module) -> Packed | None:
     return Packed(module.packed_type, data)
 
 
-def products(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+def products(choices: Choices, x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
     """The outputs of linear layers (nn.Linear, or Int8Linear with its .scale) of one input x: on the kernel,
     their weights stream in one pass (gate and up: one pass, not two)."""
-    ys = kernel_linear(x, [m.weight for m in linears], [getattr(m, "scale", None) for m in linears],
-                       [packed_of(m) for m in linears])
+    ys = ops.linear(choices, x, [m.weight for m in linears], [getattr(m, "scale", None) for m in linears],
+                    [packed_of(m) for m in linears])
     return [y if m.bias is None else y + m.bias for y, m in zip(ys, linears)]
 
 
-class FastLinear(nn.Linear):
+class Watched(nn.Module):
+    """A module of an accelerated model, which knows its accelerator. What is assigned to it (a parameter, buffer
+    or submodule, new or replaced) moves the accelerator's count of changes, so that a decoding plan, which points
+    at the weights, knows it may no longer hold without walking the model each step. Converting it (.to(),
+    .half()) drops the plans, which would keep the old weights alive."""
+
+    accelerator: Accelerator  # set by accelerate(), before the module becomes Watched
+
+    def __setattr__(self, name, value):
+        if (isinstance(value, (torch.Tensor, nn.Module)) or name in self._parameters or name in self._buffers
+                or name in self._modules):
+            self.accelerator.changes += 1
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        self.accelerator.changes += 1
+        super().__delattr__(name)
+
+    def register_parameter(self, name, param):
+        self.accelerator.changes += 1
+        super().register_parameter(name, param)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        self.accelerator.changes += 1
+        super().register_buffer(name, tensor, persistent)
+
+    def add_module(self, name, module):
+        self.accelerator.changes += 1
+        super().add_module(name, module)
+
+    def _apply(self, fn, recurse=True):
+        self.accelerator.plans.clear()
+        self.accelerator.changes += 1
+        return super()._apply(fn, recurse)
+
+
+class FastLinear(Watched, nn.Linear):
     def forward(self, x):
-        return products(x, self)[0]
+        return products(self.accelerator.choices, x, self)[0]
 
 
-class FastInt8Linear(Int8Linear):
+class FastInt8Linear(Watched, Int8Linear):
     def forward(self, x):
-        return products(x, self)[0]
+        return products(self.accelerator.choices, x, self)[0]
 
 
-class FastRMSNorm(RMSNorm):
+class FastRMSNorm(Watched, RMSNorm):
     def forward(self, x):  # a prompt: one pass, not six
-        return rms_norm(x, self.weight, self.eps, lambda: super(FastRMSNorm, self).forward(x))
+        return ops.rms_norm(self.accelerator.choices, x, self.weight, self.eps,
+                            lambda: super(FastRMSNorm, self).forward(x))
 
 
-class FastAttention(Attention):
+class FastAttention(Watched, Attention):
     def rotate(self, x, cos, sin):  # a prompt: one pass, not five
-        return rope(x, cos, sin, lambda: Attention.rotate(x, cos, sin))
+        return ops.rope(self.accelerator.choices, x, cos, sin, lambda: Attention.rotate(x, cos, sin))
 
     def attend(self, q, k, v, mask, is_causal: bool):  # a prompt: the causal half of the scores, not all
         plain = lambda: super(FastAttention, self).attend(q, k, v, mask, is_causal)  # noqa: E731
-        return prompt_attention(q, k, v, plain) if is_causal else plain()
+        return ops.prompt_attention(self.accelerator.choices, q, k, v, plain) if is_causal else plain()
 
 
-class FastMLP(MLP):
+class FastMLP(Watched, MLP):
     def forward(self, x):  # gate and up in one pass, then SiLU*up in one
-        gate, up = products(x, self.gate_proj, self.up_proj)
-        return self.down_proj(silu_mul(gate, up, lambda: F.silu(gate) * up))
+        choices = self.accelerator.choices
+        gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        return self.down_proj(ops.silu_mul(choices, gate, up, lambda: F.silu(gate) * up))
 
 
-# Parameters, buffers and submodules registered (assigned) on any module since import, counted by torch's global
-# registration hooks: one number that moves whenever a model's structure or weights are replaced, so that a plan
-# can tell it still holds without walking the model each step.
-registrations = 0
+class WatchedBlock(Watched, Block):
+    pass
 
 
-def count_registration(*_):
-    global registrations
-    registrations += 1
+class WatchedModuleList(Watched, nn.ModuleList):
+    pass
 
 
-for register in (nn.modules.module.register_module_parameter_registration_hook,
-                 nn.modules.module.register_module_buffer_registration_hook,
-                 nn.modules.module.register_module_module_registration_hook):
-    register(count_registration)
+class WatchedModuleDict(Watched, nn.ModuleDict):
+    pass
 
 
 class DecodePlan:
     """The C view of every block's weights (struct block), for one activation dtype, with the tensors it was
-    built from: it holds while nothing was assigned to any module since, and none of them changed in place."""
+    built from: it holds while nothing was assigned to the model's modules since, and none of them changed in
+    place."""
 
-    def __init__(self, model: SmolLM2, dtype: torch.dtype):
+    def __init__(self, model: FastSmolLM2, dtype: torch.dtype):
         found = [block_weights(block, dtype) for block in model.model.layers]
-        self.weights = None if None in found else (BlockWeights * len(found))(*(f[0] for f in found))
+        self.weights = None if None in found else (ops.BlockWeights * len(found))(*(f[0] for f in found))
         self.kept = [f[1] for f in found if f is not None]  # the float32 scales that weights point into
         self.tensors = tensors_of(model)
-        self.versions, self.registrations = versions(self.tensors), registrations
+        self.versions, self.changes = versions(self.tensors), model.accelerator.changes
 
-    def holds(self) -> bool:
-        return registrations == self.registrations and versions(self.tensors) == self.versions
+    def holds(self, accelerator: Accelerator) -> bool:
+        return accelerator.changes == self.changes and versions(self.tensors) == self.versions
 
 
 def block_linears(block) -> list[nn.Module]:
     attn, mlp = block.self_attn, block.mlp
-    return [getattr(attn, name) for name in LINEARS[:4]] + [getattr(mlp, name) for name in LINEARS[4:]]
+    return [getattr(attn, name) for name in ops.LINEARS[:4]] + [getattr(mlp, name) for name in ops.LINEARS[4:]]
 
 
 def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
-    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at."""
+    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at,
+    or at a copy of (packed blocks, float32 scales). The packed copies themselves change only by assignment."""
     modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
                                                            *block_linears(block))]
-    return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    return [t for m in modules for t in (*m.parameters(recurse=False),
+                                         *(b for name, b in m.named_buffers(recurse=False) if name != "packed"))]
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int]:
@@ -144,78 +231,89 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
         return [version(t) for t in tensors]
 
 
-def block_weights(block, dtype: torch.dtype) -> tuple[BlockWeights, list] | None:
+def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
     cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
     norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block)
     attn = block.self_attn
     C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
     w_type = linears[0].weight.dtype
-    if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= MAX_HEAD_DIM and w_type in (dtype, torch.int8)
+    if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= ops.MAX_HEAD_DIM and w_type in (dtype, torch.int8)
             and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous()
                     and m.weight.device.type == "cpu" for m in linears)
             and all(n.weight.dtype == dtype for n in norms)):
         return None
     scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
-    kind, addresses = streamed([m.weight for m in linears], [packed_of(m) for m in linears])
-    return (BlockWeights(*(n.weight.data_ptr() for n in norms), *addresses,
-                         *(None if s is None else s.data_ptr() for s in scales), kind, C, attn.n_heads, attn.n_kv, D,
-                         I, norms[0].eps), scales)
+    kind, addresses = ops.streamed([m.weight for m in linears], [packed_of(m) for m in linears])
+    return (ops.BlockWeights(*(n.weight.data_ptr() for n in norms), *addresses,
+                             *(None if s is None else s.data_ptr() for s in scales), kind, C, attn.n_heads,
+                             attn.n_kv, D, I, norms[0].eps), scales)
 
 
-class FastSmolLM2(SmolLM2):
+class FastSmolLM2(Watched, SmolLM2):
     def blocks(self, x, rope, mask, cache, slots, last_only: bool = False):
         """A decoding step of up to MAX_ROWS rows: every block in one kernel call, where it is the faster."""
         B, T, _ = x.shape
-        if cache is not None and B * T <= MAX_ROWS and not torch.compiler.is_compiling():
+        choices = self.accelerator.choices
+        if (cache is not None and B * T <= ops.MAX_ROWS and choices.allow_kernels()
+                and not torch.compiler.is_compiling()):
             plan = self.decode_plan(x.dtype)
             if plan.weights is not None:
-                y = kernel_blocks(plan.weights, x, rope, mask, cache, slots,
-                                  lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots))
+                y = ops.blocks(choices, plan.weights, x, rope, mask, cache, slots,
+                               lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots))
                 if y is not None:
                     return y[:, -1:] if last_only else y
         return super().blocks(x, rope, mask, cache, slots, last_only)
 
     def decode_plan(self, dtype: torch.dtype) -> DecodePlan:
-        plans = self.__dict__.setdefault("decode_plans", {})
+        plans = self.accelerator.plans
         plan = plans.get(dtype)
-        if plan is None or not plan.holds():
+        if plan is None or not plan.holds(self.accelerator):
             plan = plans[dtype] = DecodePlan(self, dtype)
         return plan
 
     def logits(self, h):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return kernel_linear(h, [head.weight], packed=[packed_of(head)])[0]  # (B, T, vocab)
-
-    def _apply(self, fn, recurse=True):  # .to(), .half(), ...: the weights move, and the plans with them
-        self.__dict__.pop("decode_plans", None)
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):  # a copy's weights are elsewhere: it builds its own plans
-        state = super().__getstate__().copy()
-        state.pop("decode_plans", None)
-        return state
+        return ops.linear(self.accelerator.choices, h, [head.weight], packed=[packed_of(head)])[0]  # (B, T, vocab)
 
 
+# What each reference module becomes: the modules on the way from the model to every weight a plan points at
+# are watched.
 FAST = {SmolLM2: FastSmolLM2, nn.Linear: FastLinear, Int8Linear: FastInt8Linear, RMSNorm: FastRMSNorm,
-        Attention: FastAttention, MLP: FastMLP}
+        Attention: FastAttention, MLP: FastMLP, Block: WatchedBlock, nn.ModuleList: WatchedModuleList,
+        nn.ModuleDict: WatchedModuleDict}
 
 
-def accelerate(model: SmolLM2, packed: dict[str, Packed] | None = None) -> SmolLM2:
-    """Make `model` (built on the CPU) run on the kernels where they are the faster, in place, and return it.
+def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *,
+               mode: str | None = None) -> SmolLM2:
+    """Give `model` (built on the CPU) an Accelerator and make it run on the kernels where they are the faster,
+    in place; returns it.
 
-    packed: GGUF's packed copies of float32 weights, by parameter name (Checkpoint.packed). Apply it after
-    any other module swap (quantize_int8). A model on another device, or without a C compiler, stays as it is."""
+    quantized: GGUF's blocks of the float32 weights read from them, by parameter name (Checkpoint.quantized):
+    the kernels stream those of the kinds they read. mode: "auto", "on" or "off" (default: SMOLLM2_KERNELS, else
+    auto). Apply it after any other module swap (quantize_int8); again after one, it keeps the model's
+    accelerator (its choices), and `mode`, where given, becomes its mode. A model on another device, or without
+    a C compiler, stays as it is."""
+    if mode is not None and mode not in MODES:
+        raise SmolError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
     if next(model.parameters()).device.type != "cpu" or compiled() is None:
         return model
+    accelerator = model.__dict__.get("accelerator")
+    if accelerator is None:
+        accelerator = Accelerator(mode)
+    elif mode is not None:
+        accelerator.choices.mode = mode
     for module in model.modules():
         fast = FAST.get(type(module))
-        if fast is not None:
-            module.__class__ = fast  # the same state, one method replaced: no parameter is copied or renamed
-    for name, copy in (packed or {}).items():
+        if fast is not None or isinstance(module, Watched):
+            object.__setattr__(module, "accelerator", accelerator)  # first: a Watched module counts in it
+            module.__class__ = fast or type(module)  # the same state: no parameter is copied or renamed
+    for name, blocks in (quantized or {}).items():
         owner, _, attribute = name.rpartition(".")
-        if attribute == "weight":
-            attach_packed(model.get_submodule(owner), copy)
+        packed = packed_layout(blocks.type, blocks.data) if attribute == "weight" else None
+        if packed is not None:
+            attach_packed(model.get_submodule(owner), packed)
+    accelerator.changes += 1  # new modules swapped in, new packed copies: plans built before no longer hold
     return model
 
 
@@ -224,9 +322,8 @@ def weight_format(model: SmolLM2) -> str:
     packed blocks a float32 model streams (for benchmarks to say what they measured)."""
     linears = [m for block in model.model.layers for m in block_linears(block)]
     weights = [m.weight for m in linears]
-    if weights[0].device.type != "cpu" or weights[0].dtype not in TYPES or compiled() is None:
+    accelerator = model.__dict__.get("accelerator")
+    if (accelerator is None or accelerator.mode == "off" or weights[0].device.type != "cpu"
+            or weights[0].dtype not in ops.TYPES):
         return str(weights[0].dtype).removeprefix("torch.")
-    return WEIGHT_FORMATS[streamed(weights, [packed_of(m) for m in linears])[0]]
-
-
-__all__ = ["accelerate", "choices", "weight_format"]
+    return ops.WEIGHT_FORMATS[ops.streamed(weights, [packed_of(m) for m in linears])[0]]

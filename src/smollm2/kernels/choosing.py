@@ -3,8 +3,13 @@
 Which one wins depends on the CPU (on an AVX2-only CPU a prompt's products ran 4-6x slower on the kernel than on
 MKL's sgemm), its cores and torch's build: rather than guess from the CPU's flags, the first call of each kind
 times both and the winner runs from then on. Decisions are kept in a file in the user's cache, one per kernel
-build, torch version and torch dispatch, so that a later process measures nothing again. They are only as good
-as the machine was quiet while measuring: delete the file to measure again.
+build, torch version and torch dispatch, so that a later process measures nothing again.
+
+A measurement is only as good as the machine was quiet: both sides run in turns until each side's best time
+repeats and the winner leads clearly, or a bounded number of turns. The margin (the loser's time over the
+winner's) is kept with the choice; where it is thin, a later accelerator measures again, a bounded number of
+times, each measurement's best times merged with the stored ones, so that a near tie measured on a busy machine
+does not stay decided the wrong way for good.
 """
 
 from __future__ import annotations
@@ -12,21 +17,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-TURNS = 3  # timed runs of each, in turns, after one warm-up run each; the best of each counts
+MIN_TURNS = 3  # timed runs of each side, in turns, after one warm-up run each
+MAX_TURNS = 12  # at most, for a side whose best time does not repeat, or a close call
+BUDGET_S = 1.0  # no more turns past MIN_TURNS once a measurement has taken this long (a big model's step)
+SPREAD = 0.05  # a side's best time counts once its second best is within 5% of it: not one lucky run
+THIN = 1.10  # a winner less than 10% faster is a close call: measured longer, and again by later accelerators
+MEASUREMENTS = 3  # a thin choice is measured at most this many times in all (each process's first meeting)
 
 
 class Key(NamedTuple):
     """A kind of operation: calls of one kind run alike, so one measurement decides them all."""
     op: str  # linear, blocks (a decoding step), prompt_attention, rms_norm, rope or silu_mul
     dtype: str  # the activations'
-    weights: str | None  # the format a product's weights are streamed in (kernels.WEIGHT_FORMATS)
+    weights: str | None  # the format a product's weights are streamed in (ops.WEIGHT_FORMATS)
     rows: int  # rows (tokens; a prompt's attention: its length), as rows_bucket() groups them
     threads: int  # torch.get_num_threads()
     sizes: tuple[int, ...]  # the rest of the shape, as describe() reads it
@@ -34,11 +45,22 @@ class Key(NamedTuple):
 
 class Choice(NamedTuple):
     winner: str  # "kernel" or "torch"
-    kernel_s: float  # the best of TURNS runs
+    kernel_s: float  # the best time of its runs, over every measurement of this kind
     torch_s: float
+    margin: float  # the loser's time over the winner's, >= 1; files without it read as 1 (to be measured again)
+    measurements: int  # how many measurements the times come from
+
+    @classmethod
+    def timed(cls, kernel_s: float, torch_s: float, measurements: int = 1) -> Choice:
+        faster, slower = sorted((kernel_s, torch_s))
+        return cls("kernel" if kernel_s < torch_s else "torch", kernel_s, torch_s,
+                   slower / faster if faster > 0 else float("inf"), measurements)
+
+    def measure_again(self) -> bool:
+        return self.margin < THIN and self.measurements < MEASUREMENTS
 
 
-DECODING_ROWS = 16  # rows of a decoding step the kernel takes in one call (kernels.MAX_ROWS)
+DECODING_ROWS = 16  # rows of a decoding step the kernel takes in one call (ops.MAX_ROWS)
 
 
 def rows_bucket(rows: int) -> int:
@@ -49,7 +71,7 @@ def rows_bucket(rows: int) -> int:
 
 
 def describe(key: Key, choice: Choice) -> str:
-    """One line: what ran this kind of operation, and the times that decided it."""
+    """One line: what ran this kind of operation, by how much it won, and the times that decided it."""
     match key.op, key.sizes:
         case "linear", (K, *N):
             what = f"product {K} -> {'+'.join(map(str, N))}"
@@ -65,66 +87,103 @@ def describe(key: Key, choice: Choice) -> str:
             what = f"SiLU*up of {I}"
     rows = f"{1 if key.rows == DECODING_ROWS else key.rows // 2 + 1}-{key.rows} rows"  # the bucket's range
     weights = f" reading {key.weights}" if key.weights else ""
-    return (f"{what}, {rows}, {key.dtype}{weights}: {choice.winner} "
+    return (f"{what}, {rows}, {key.dtype}{weights}: {choice.winner} by {choice.margin:.2f}x "
             f"(kernel {choice.kernel_s * 1e3:.3g} ms vs torch {choice.torch_s * 1e3:.3g} ms)")
 
 
-class Choices:
-    """For each Key, whether the kernel or torch runs it. mode: "auto" measures (see pick); "on" runs the kernel
-    wherever it can (tests compare it with torch); "off" runs torch everywhere."""
+MODES = ("auto", "on", "off")
 
-    def __init__(self, mode: str, file: Callable[[], Path]):
-        self.mode = mode
-        self.file = file  # where the decisions are kept; asked once, when first needed
-        self.made: dict[Key, Choice] = {}  # this process's: measured here, or read from the file when first met
+
+class Choices:
+    """One accelerator's choices: for each Key, whether the kernel or torch runs it. mode: "auto" measures (see
+    pick); "on" runs the kernel wherever it can (tests compare it with torch); "off" runs torch everywhere.
+    file: where the decisions are kept, asked once, when first needed. clock: seconds, to time runs with."""
+
+    def __init__(self, mode: str, file: Callable[[], Path], clock: Callable[[], float] = time.perf_counter):
+        if mode not in MODES:
+            raise ValueError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
+        self.mode, self.file, self.clock = mode, file, clock
+        self.made: dict[Key, Choice] = {}  # this accelerator's: measured, or read from the file when first met
         self.stored: dict[Key, Choice] | None = None  # the file's, once read
+        self.kernel_runs: Counter[str] = Counter()  # calls whose result a kernel computed, by operation
+        self.local = threading.local()  # torch_only(), for the thread that is inside it
 
     @functools.cached_property
     def path(self) -> Path:
         return self.file()
 
+    def __getstate__(self):  # a copy (a model's deepcopy, say): the same choices, outside any torch_only()
+        state = self.__dict__.copy()
+        del state["local"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, local=threading.local())
+
+    def allow_kernels(self) -> bool:
+        """Whether a kernel may run here at all: not in mode "off", nor inside torch_only() in this thread."""
+        return self.mode != "off" and not getattr(self.local, "torch_only", False)
+
     @contextlib.contextmanager
-    def forced(self, kernel: bool):
-        """Inside: the kernel wherever it can run (True), or torch everywhere (False)."""
-        mode, self.mode = self.mode, "on" if kernel else "off"
+    def torch_only(self):
+        """Inside, in this thread alone: torch everywhere, as a decoding step's torch side runs when it is timed
+        against the kernel's or has won. Other threads, and other accelerators, go on as they were."""
+        outer = getattr(self.local, "torch_only", False)
+        self.local.torch_only = True
         try:
             yield
         finally:
-            self.mode = mode
+            self.local.torch_only = outer
 
     def pick(self, key: Key, kernel: Callable, plain: Callable):
         """kernel()'s result or plain()'s (torch's code for the same values), whichever computes this kind of
         operation faster. kernel() returns None where it cannot run; then plain() does, and nothing is decided."""
+        if not self.allow_kernels():
+            return plain()
         if self.mode == "auto":
-            choice = self.made.get(key) or self.recall(key)
+            choice = self.made.get(key)
             if choice is None:
-                return self.measure(key, kernel, plain)
+                choice = self.recall(key)
+                if choice is None or choice.measure_again():
+                    return self.measure(key, kernel, plain, choice)
             if choice.winner == "torch":
                 return plain()
-        elif self.mode == "off":
-            return plain()
         y = kernel()
-        return plain() if y is None else y
+        if y is None:
+            return plain()
+        self.kernel_runs[key.op] += 1
+        return y
 
-    def measure(self, key: Key, kernel: Callable, plain: Callable):
-        """Times both: a warm-up run each, then TURNS runs each in turns, so that a noisy stretch of the machine
-        falls on both alike; the best time of each decides. The winner runs last, so that what it writes (a
-        KV cache) is what stays, and its result is returned."""
+    def measure(self, key: Key, kernel: Callable, plain: Callable, before: Choice | None = None):
+        """Times both: a warm-up run each, then runs in turns, so that a noisy stretch of the machine falls on
+        both alike, until settled() or MAX_TURNS (BUDGET_S past MIN_TURNS); the best time of each decides,
+        merged with `before` (an earlier measurement's). The winner runs last, so that what it writes (a KV
+        cache) is what stays, and its result is returned."""
         if kernel() is None:
             return plain()
         plain()
-        best = [math.inf, math.inf]  # torch's, the kernel's
-        for _ in range(TURNS):
-            for i, run in enumerate((plain, kernel)):  # the kernel last: it usually wins
-                start = time.perf_counter()
+        times = ([], [])  # torch's, the kernel's
+        start = self.clock()
+        for turn in range(1, MAX_TURNS + 1):
+            for run, kept in ((plain, times[0]), (kernel, times[1])):  # the kernel last: it usually wins
+                begin = self.clock()
                 y = run()
-                best[i] = min(best[i], time.perf_counter() - start)
-        choice = self.made[key] = Choice("kernel" if best[1] < best[0] else "torch", best[1], best[0])
+                kept.append(self.clock() - begin)
+            if turn >= MIN_TURNS and (settled(*times) or self.clock() - start > BUDGET_S):
+                break
+        kernel_s, torch_s, measurements = min(times[1]), min(times[0]), 1
+        if before is not None:
+            kernel_s, torch_s = min(kernel_s, before.kernel_s), min(torch_s, before.torch_s)
+            measurements += before.measurements
+        choice = self.made[key] = Choice.timed(kernel_s, torch_s, measurements)
         self.save()
-        return y if choice.winner == "kernel" else plain()
+        if choice.winner == "kernel":
+            self.kernel_runs[key.op] += 1
+            return y
+        return plain()
 
     def recall(self, key: Key) -> Choice | None:
-        """The file's choice for key, from now on this process's; None where it holds none."""
+        """The file's choice for key, from now on this accelerator's; None where it holds none."""
         if self.stored is None:
             self.stored = self.read()
         choice = self.stored.get(key)
@@ -136,7 +195,8 @@ class Choices:
         """The file's choices; none where it is missing, unreadable or not what save() writes (then they are
         measured again)."""
         def parsed(entry: dict) -> tuple[Key, Choice]:
-            choice = Choice(entry["winner"], float(entry["kernel_s"]), float(entry["torch_s"]))
+            choice = Choice(entry["winner"], float(entry["kernel_s"]), float(entry["torch_s"]),
+                            float(entry.get("margin", 1.0)), int(entry.get("measurements", 1)))
             if choice.winner not in ("kernel", "torch"):
                 raise ValueError(choice.winner)
             return Key(*(entry[field] for field in Key._fields[:-1]), tuple(entry["sizes"])), choice
@@ -147,8 +207,8 @@ class Choices:
             return {}
 
     def save(self) -> None:
-        """Adds this process's choices to the file, beside those other processes stored meanwhile. Where it
-        cannot be written they are measured again next time; inference goes on."""
+        """Adds this accelerator's choices to the file, beside those others stored meanwhile. Where it cannot be
+        written they are measured again next time; inference goes on."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             entries = [{**key._asdict(), **choice._asdict()} for key, choice in {**self.read(), **self.made}.items()]
@@ -160,6 +220,16 @@ class Choices:
             pass
 
     def report(self) -> list[dict]:
-        """This process's choices, for people (text) and programs (the rest)."""
+        """This accelerator's choices, for people (text) and programs (the rest)."""
         return [{**key._asdict(), **choice._asdict(), "text": describe(key, choice)}
                 for key, choice in self.made.items()]
+
+
+def settled(torch_times: list[float], kernel_times: list[float]) -> bool:
+    """Whether both sides' best times repeated (the second best within SPREAD of the best) and the faster leads
+    by THIN or more: a close call goes on, where one more quiet turn may still change the winner."""
+    bests = [sorted(times)[:2] for times in (torch_times, kernel_times)]
+    if not all(second <= best * (1 + SPREAD) for best, second in bests):
+        return False
+    faster, slower = sorted(best for best, _ in bests)
+    return slower >= faster * THIN

@@ -1,0 +1,246 @@
+"""Each kernel of kernels.c beside the torch code it replaces, the faster of the two running (choosing.py): for
+decoding, few-row matrix products and all the transformer blocks of a decoding step in one call; for prompts,
+float32 matrix products, the causal attention and the elementwise steps.
+
+Every function takes the Choices of the accelerator it runs for: its mode, its measured choices, whether this
+thread is inside its torch_only(). Where a kernel cannot run the call (gradients, other devices, dtypes or
+sizes it has no code for) torch's code runs, with the same values to float rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .build import compiled
+from .choosing import DECODING_ROWS, Choices, Key, rows_bucket
+from .packed import Packed
+
+MAX_ROWS = DECODING_ROWS  # decoding steps of up to 16 rows (one kernel call for all the blocks)
+# Past this many inputs a prompt's products go to BLAS, which splits them: the kernel's 4 weight rows outgrow L1
+# and its 64 activation rows L2 (K = 4096 and 8192 ran at 70-85% of sgemm's speed, K <= 2560 at 100-125%).
+MAX_PROMPT_K = 2560
+MAX_HEAD_DIM = 256  # as kernels.c
+TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed")  # by kernels.c's type
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
+
+# bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
+# holds torch to an AVX2 CPU's code, whose bf16 products are emulated).
+NATIVE_BF16 = ((torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+               and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2"))
+
+
+def usable(choices: Choices, x: torch.Tensor) -> bool:
+    """Whether the kernels can compute with x: inference (no gradients, no torch.compile) on the CPU, in float32
+    or bf16, unless choices allow torch alone."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and choices.allow_kernels() and compiled() is not None)
+
+
+def multiplies(choices: Choices, x: torch.Tensor, rows: int) -> bool:
+    """Whether the kernel multiplies x, holding `rows` rows (tokens), by weights: a decoding step's few rows; a
+    prompt's many rows in float32 with up to MAX_PROMPT_K inputs, where it runs ~15% faster than BLAS (sgemm
+    reaches ~85 of a 2-core Zen 4's 117 GMAC/s, the kernel ~100). A bf16 prompt stays on torch, whose bf16
+    BLAS is as fast."""
+    return (rows <= MAX_ROWS or (x.dtype == torch.float32 and x.shape[-1] <= MAX_PROMPT_K)) and usable(choices, x)
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T on torch. Where the CPU has no bf16 arithmetic, torch emulates a bf16 product of many
+    rows (a prompt) several times slower than widening both sides to float32 first; a bf16 product sums
+    in float32 anyway, so inference does that (one rounding at the end, as a bf16 product has)."""
+    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not NATIVE_BF16 and not torch.is_grad_enabled()
+            and x.numel() > MAX_ROWS * x.shape[-1]):
+        y = F.linear(x.float(), weight.float())
+        return (y if scale is None else y * scale.float()).to(x.dtype)
+    y = F.linear(x, weight.to(x.dtype))  # under autocast, in its dtype
+    return y if scale is None else y * scale.to(y.dtype)
+
+
+def pointers(tensors, kind=ctypes.c_void_p):
+    return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def streamed(weights: list[torch.Tensor], packed: list[Packed | None]) -> tuple[int, list[int]]:
+    """kernels.c's type and the addresses of what it reads for these weights: their packed copies where all
+    have them, of one type; else the weights themselves."""
+    if all(p is not None and p.type == packed[0].type for p in packed):
+        return packed[0].type, [p.data.data_ptr() for p in packed]
+    return TYPES[weights[0].dtype], [w.data_ptr() for w in weights]
+
+
+def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
+           scales: list[torch.Tensor | None] | None = None,
+           packed: list[Packed | None] | None = None) -> list[torch.Tensor]:
+    """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
+
+    Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
+    Torch multiplies (torch_linear) where the kernel cannot or is the slower."""
+    scales = scales or [None] * len(weights)
+    packed = packed or [None] * len(weights)
+    K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
+
+    def plain():
+        return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
+
+    if not (multiplies(choices, x, rows) and K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
+            w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
+        return plain()
+    sizes = [w.shape[0] for w in weights]
+    weight_type, addresses = streamed(weights, packed)
+    float_scales = [None if s is None else s.float().contiguous() for s in scales]
+
+    def kernel():
+        contiguous = x.contiguous()
+        y = torch.empty(rows * sum(sizes), dtype=x.dtype)
+        compiled().linear(x=contiguous.data_ptr(), type=TYPES[x.dtype], count=len(sizes),
+                          w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
+                          scale=pointers(float_scales), y=y.data_ptr(), B=rows,
+                          N=(ctypes.c_long * len(sizes))(*sizes), K=K)
+        return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
+
+    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], rows_bucket(rows),
+                            torch.get_num_threads(), (K, *sizes)), kernel, plain)
+
+
+class BlockWeights(ctypes.Structure):
+    """kernels.c's struct block: where a transformer block's weights are, and its sizes."""
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", *LINEARS)]
+                + [(name + "_scale", ctypes.c_void_p) for name in LINEARS]
+                + [("w_type", ctypes.c_int)] + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
+                + [("eps", ctypes.c_float)])
+
+
+def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache,
+           slots: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
+    parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
+    kernel cannot run them. weights: a BlockWeights per block. plain() is the model's own loop over the
+    blocks (the same residual stream and cache writes): on torch's kernels alone (choices.torch_only()), it
+    runs instead where it is the faster.
+
+    x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
+    cache: a KVCache (or a view of one), (L, B, KVH, S, D); slots: (T,) or (B, T) cache slots of the rows."""
+    B, T, C = x.shape
+    k, v = cache.k, cache.v  # in place: a view's rows and slots of a larger cache, say
+    L, S, w = len(weights), cache.max_len, weights[0]
+    cos, sin = rope
+    if B * T > MAX_ROWS or not usable(choices, x) or not (
+            k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
+            and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
+            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C):
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
+        return None
+    full_mask = None if mask is None else mask.expand(B, 1, T, S).contiguous()
+    k_layers, v_layers = ((ctypes.c_void_p * L)(*[t.data_ptr() + n * t.stride(0) * t.element_size() for n in range(L)])
+                          for t in (k, v))
+
+    def kernel():
+        y = x.contiguous().clone()  # the residual stream, updated in place
+        if compiled().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
+                             sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
+                             k_cache=k_layers, v_cache=v_layers, S=S, stride_b=k.stride(1), stride_h=k.stride(2),
+                             mask=None if full_mask is None else full_mask.data_ptr()):
+            raise MemoryError("out of memory in the decoding kernel")
+        return y
+
+    def torch_loop():
+        with choices.torch_only():
+            return plain()
+
+    return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
+                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I)), kernel, torch_loop)
+
+
+def prompt_rows(choices: Choices, *tensors: torch.Tensor) -> bool:
+    """Whether these (a prompt's activations, of one dtype, contiguous) go to the elementwise kernels: many rows
+    on the CPU, without gradients. A few rows are a decoding step's, which blocks() runs whole."""
+    x = tensors[0]
+    return (x.numel() > MAX_ROWS * x.shape[-1] and usable(choices, x)
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors))
+
+
+def prompt_attention(choices: Choices, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Causal attention of a prompt's rows, each query t seeing keys 0..t: q (B, T, H, D), k and v (B, KVH, T, D)
+    (a cache's first T slots, say) -> (B, T, H, D). Only the seen half is computed, where torch's kernel
+    scores every key of a prompt of up to 512 tokens, then masks half of them. plain(), torch's, runs where the
+    kernel does not (few rows, gradients, other devices, head sizes off 64) or is the slower."""
+    B, T, H, D = q.shape
+    KVH = k.shape[1]
+    if not (prompt_rows(choices, q) and T > MAX_ROWS and D % 64 == 0 and D <= MAX_HEAD_DIM and H % KVH == 0
+            and k.shape == v.shape == (B, KVH, T, D) and k.dtype == v.dtype == q.dtype
+            and k.stride(-1) == v.stride(-1) == 1):
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(q)
+        if compiled().prompt_attention(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+                                       type=TYPES[q.dtype], B=B, T=T, H=H, KVH=KVH, D=D,
+                                       k_stride=(ctypes.c_long * 3)(*k.stride()[:3]),
+                                       v_stride=(ctypes.c_long * 3)(*v.stride()[:3])):
+            raise MemoryError("out of memory in the prompt attention kernel")
+        return out
+
+    # Its length, not its rows, sizes a prompt's attention (each query sees up to T keys).
+    return choices.pick(Key("prompt_attention", DTYPES[q.dtype], None, rows_bucket(T), torch.get_num_threads(),
+                            (B, H, KVH, D)), kernel, plain)
+
+
+def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
+             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """silu(gate) * up in one pass; plain(), torch's, where the kernel does not run it or is the slower."""
+    if not (prompt_rows(choices, gate, up) and gate.shape == up.shape and gate.shape[-1] % 16 == 0):
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(gate)
+        compiled().silu_mul(gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), type=TYPES[gate.dtype],
+                            n=gate.numel())
+        return out
+
+    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, rows_bucket(gate.numel() // gate.shape[-1]),
+                            torch.get_num_threads(), (gate.shape[-1],)), kernel, plain)
+
+
+def rope(choices: Choices, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); plain(), torch's,
+    where the kernel does not run it or is the slower."""
+    B, T, heads, D = x.shape
+    if not (prompt_rows(choices, x, cos, sin) and cos.shape == sin.shape == (B, T, 1, D) and D % 32 == 0):
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(x)
+        compiled().rope_rows(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), out=out.data_ptr(),
+                             type=TYPES[x.dtype], R=B * T, heads=heads, D=D)
+        return out
+
+    return choices.pick(Key("rope", DTYPES[x.dtype], None, rows_bucket(B * T), torch.get_num_threads(), (heads, D)),
+                        kernel, plain)
+
+
+def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension in one pass; plain(), torch's, where the kernel does not run
+    it or is the slower."""
+    C = x.shape[-1]
+    if not (prompt_rows(choices, x, weight) and C % 16 == 0 and weight.shape == (C,)):
+        return plain()
+
+    def kernel():
+        out = torch.empty_like(x)
+        compiled().norm_rows(x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), type=TYPES[x.dtype],
+                             R=x.numel() // C, C=C, eps=eps)
+        return out
+
+    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, rows_bucket(x.numel() // C), torch.get_num_threads(),
+                            (C,)), kernel, plain)

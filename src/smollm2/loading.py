@@ -1,0 +1,61 @@
+"""Building a model, the one recipe every caller uses (SmolLM2.from_pretrained, the CLI): a source's checkpoint
+read and checked, a LoRA adapter merged into its weights, the reference model built around its tensors (no
+copy), quantized where asked, and, for CPU inference, accelerated once, after every module swap."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from .checkpoints import load_checkpoint, parameter_shapes
+from .checkpoints.peft import merge_adapter
+from .errors import SmolError
+from .kernels import accelerate
+from .model import SmolLM2
+from .quantize import quantize_int8
+
+QUANTIZATIONS = ("int8",)
+
+
+class WithoutRandomInit(TorchFunctionMode):
+    """Modules built inside skip drawing their random initial weights, which stay allocated but untouched
+    (no resident memory, no time). Unlike building on the meta device, which runs torch's reference
+    implementations of those draws and of the RoPE tables, and so imports its compiler stack (~75 MB)."""
+
+    DRAWS = (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_)  # what nn.Linear, nn.Embedding and we call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DRAWS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def load_model(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
+               adapter: str | os.PathLike | None = None, quantize: str | None = None, kernels: bool = True) -> SmolLM2:
+    """The model at src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct.
+
+    adapter: a LoRA directory in PEFT's format, merged into the float weights as they load, before any quantizing
+    or kernel sees them. quantize: "int8" for int8 weight-only linear layers in the blocks (quantize.py).
+    kernels: on the CPU, accelerated (smollm2.accelerate); False: model.py's modules alone."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise SmolError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, not {quantize!r}")
+    accelerated = kernels and torch.device(device).type == "cpu"
+    # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
+    with torch.inference_mode(False):
+        # A GGUF file's blocks hold its float32 weights' exact values, for the kernels to stream; a bf16 weight is
+        # rounded from them.
+        ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32)
+        ckpt.check(parameter_shapes(ckpt.config))
+        if adapter is not None:
+            merge_adapter(ckpt, adapter)
+        with WithoutRandomInit():  # every weight is replaced below
+            model = SmolLM2(ckpt.config)
+        model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
+        model.to(device).eval()
+        if quantize == "int8":
+            quantize_int8(model)
+        return accelerate(model, ckpt.quantized) if accelerated else model
