@@ -91,9 +91,12 @@ class Request:
         and the end once the sequence has finished."""
         if isinstance(event, PromptLogprobs):
             self._emit(event)
-        elif event.text or event.logprob:
+            if self.sequence.max_new_tokens == 0:  # the prompt scored, nothing to generate
+                self.finish()
+            return  # its first Step, of the same engine step, follows
+        if event.text or event.logprob:
             self._emit(Delta(event.text, [event.logprob] if event.logprob else []))
-        if self.sequence.finish_reason:  # (max_tokens 0: once the prompt is scored)
+        if event.finish_reason:
             self.finish()
 
     def finish(self) -> None:
