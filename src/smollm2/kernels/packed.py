@@ -25,8 +25,8 @@ class Packed(NamedTuple):
 def packed_layout(kind: int, blocks: torch.Tensor) -> Packed | None:
     """GGUF blocks of `kind`, uint8 (rows, bytes a row), in the layout the kernels stream; None for kinds they do
     not stream. Their float16 scales become float32 (exactly), which the CPU broadcasts for free. Laid out by
-    numpy, whose large arrays (the embeddings') get huge pages where the kernel asks for them by madvise (torch's
-    do not): the decoding step streams them once a token, with fewer TLB misses."""
+    numpy, which asks Linux for huge pages for its large arrays (the embeddings'), where torch does not: the
+    decoding step streams them once a token, with fewer TLB misses."""
     kind = GGMLQuantizationType(kind)
     if kind not in PACKED_TYPES:
         return None
