@@ -15,7 +15,7 @@ threads of their own) never change each other's:
 - the decoding step's plan (where each block's weights are, for C) is built once per dtype. It is rebuilt when
   anything (a parameter, buffer or submodule) was assigned to one of the model's modules since, which they count
   in their accelerator (Watched), or when one of its tensors changed in place (trained, loaded into): each step
-  compares their version counters (~45 us for the 480 tensors of 30 blocks streaming packed weights). Moving
+  compares their version counters (~15 us for the 270 tensors of the 135M model's blocks, 0.3% of its step). Moving
   the model (.to(), .half()) drops it. Changes through `.data` are not seen: assign new weights instead.
 """
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from ..errors import SmolError
+
 MIN_TURNS = 3  # timed runs of each side, in turns, after one warm-up run each
 MAX_TURNS = 12  # at most, for a side whose best time does not repeat, or a close call
 BUDGET_S = 1.0  # no more turns past MIN_TURNS once a measurement has taken this long (a big model's step)
@@ -101,7 +103,7 @@ class Choices:
 
     def __init__(self, mode: str, file: Callable[[], Path], clock: Callable[[], float] = time.perf_counter):
         if mode not in MODES:
-            raise ValueError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
+            raise SmolError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
         self.mode, self.file, self.clock = mode, file, clock
         self.made: dict[Key, Choice] = {}  # this accelerator's: measured, or read from the file when first met
         self.stored: dict[Key, Choice] | None = None  # the file's, once read
