@@ -38,6 +38,7 @@ from ..errors import SmolError
 from ..lora import LoRALinear, read_for, save_adapter
 from . import state as checkpoint_state
 from .loss import NextTokenLoss
+from .tuning import process_device
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16: autocast over fp32 master weights
@@ -158,15 +159,15 @@ class Runtime:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1 and not group:
             return cls(0, 1, torch.device(device))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device == "cuda":
-            torch.cuda.set_device(local)
+        own = process_device(device)
+        if own.type == "cuda":
+            torch.cuda.set_device(own)
         backend = "nccl" if device == "cuda" else "gloo"
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return cls(dist.get_rank(), world, torch.device(device, local) if device == "cuda" else torch.device(device))
+        return cls(dist.get_rank(), world, own)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
