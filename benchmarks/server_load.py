@@ -137,9 +137,9 @@ async def measure(args, urls: dict[str, str]) -> int:
     best = {(system, mode): 0.0 for system in urls for mode in MODES}
     failures = []
     async with contextlib.AsyncExitStack() as stack:
-        # A connection idle for a second is not reused: llama-server closes those idle for 5 s, and one system
-        # idles while the other is timed.
-        limits = httpx.Limits(keepalive_expiry=1)
+        # No connection is reused: llama-server closes some kept alive (those idle for 5 s, while the other
+        # system is timed, and now and then one just after a streamed answer), which fails the next request on it.
+        limits = httpx.Limits(max_keepalive_connections=0)
         clients = {system: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=None,
                                                                              limits=limits))
                    for system, url in urls.items()}

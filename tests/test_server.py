@@ -319,6 +319,26 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny, mo
         assert completion(client, "Hi", 3) == expected(model, tokenizer, tokenizer.encode("Hi"), 3)
 
 
+def test_the_scheduler_thread_runs_the_model_with_the_threads_it_was_given(tiny, monkeypatch):
+    """OpenMP's thread count is each thread's own: the scheduler sets it in its thread (see Scheduler)."""
+    import threading
+
+    import torch
+
+    model, tokenizer = tiny
+    answer = expected(model, tokenizer, tokenizer.encode("Hi"), 2)
+    logits, seen = model.logits, []
+
+    def counted(h):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return logits(h)
+
+    monkeypatch.setattr(model, "logits", counted)
+    with TestClient(create_app(model, tokenizer, model_name=NAME, threads=1)) as client:
+        assert completion(client, "Hi", 2) == answer
+    assert seen and set(seen) == {("smollm2-scheduler", 1)}
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny):
     model, tokenizer = tiny
     app = create_app(model, tokenizer, model_name=NAME, max_batch_size=1)

@@ -342,12 +342,15 @@ def serve(args):
         raise SmolError("--max-batch-size must be at least 1")
     check_address(args.host, args.port)
     served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
-    model, tokenizer = load(args)
+    # The model runs on the schedulers' threads, with --threads each; this thread loads it with one, so that it
+    # makes no OpenMP pool of its own to slow theirs (see Scheduler).
+    threads = args.threads or torch.get_num_threads()
+    model, tokenizer = load(argparse.Namespace(**{**vars(args), "threads": 1}))
     name = args.model or "SmolLM2-135M-Instruct"
     adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
-                     prefix_cache_bytes=args.prefix_cache * 2**20)
+                     prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads)
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
     # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

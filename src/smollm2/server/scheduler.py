@@ -115,9 +115,16 @@ class Request:
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
                  max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, threads: int | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
-        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix."""
+        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. threads: the
+        CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
+
+        Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
+        pools hold more threads than there are CPUs, their workers sleep between parallel regions instead of
+        spinning: every small operation then waits for a wake-up. A server whose main thread ran the model (to
+        load it) before the scheduler's thread did was 2.6x slower at batch 1 on 2 CPUs; `smollm2 serve` loads
+        with one thread, which makes no pool, and gives the scheduler its --threads."""
         context = model.config.max_position_embeddings
         if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2) \
                 or prefix_cache_bytes < 0:
@@ -129,6 +136,7 @@ class Scheduler:
         self.device = model.model.embed_tokens.weight.device
         self.max_batch_size = max_batch_size
         self.on_end = on_end
+        self.threads = threads or torch.get_num_threads()
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
                              prefix_cache=self.prefix_cache, step=decode_step)
@@ -195,6 +203,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # a thread's own setting (OpenMP's), not inherited from its creator
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self.requests:
