@@ -9,7 +9,8 @@ GGUF file) with --threads threads and --slots rows decoded together (llama-serve
 --max-tokens tokens, four ways: --sequential requests one at a time, and --clients requests at once; each
 streamed and not. The systems take turns, mode by mode, for --rounds rounds (the order swapped each round), so
 a busy machine slows both alike; the best round of each counts. The figure is generated tokens (the answers'
-usage.completion_tokens) per second of wall time, and the ratio is smollm2 / llama-server.
+usage.completion_tokens) per second of wall time, and the ratio is smollm2 / llama-server; the run fails (exit 1)
+where a ratio is under --at-least (1.0), a request failed or an answer fell short.
 
 The answers differ between the two (different kernels); the check is that every request completes with
 --max-tokens tokens: llama-server is asked to ignore its end-of-text token (its own extension), and smollm2 answers
@@ -176,11 +177,20 @@ async def measure(args, urls: dict[str, str]) -> int:
     for name, stream in MODES:
         rates = [best[system, (name, stream)] for system in systems]
         print(f"{name + (', streamed' if stream else ', whole'):<26}" + "".join(f"{r:>14.1f}" for r in rates)
-              + (f"{rates[0] / rates[1]:>8.2f}x" if len(rates) == 2 and rates[1] else ""))
+              + (f"{ratio(best, systems, (name, stream)):>8.2f}x" if len(rates) == 2 else ""))
+    if len(systems) == 2:
+        failures += [f"{name}, {'streamed' if stream else 'whole'}: smollm2 at {rate:.2f}x llama-server's speed, "
+                     f"under the --at-least {args.at_least}x required"
+                     for name, stream in MODES if (rate := ratio(best, systems, (name, stream))) < args.at_least]
     for failure in failures:
         print(failure, file=sys.stderr)
     print(f"{len(failures)} failures" if failures else f"all complete, {args.max_tokens} tokens each")
     return 1 if failures else 0
+
+
+def ratio(best: dict, systems: list[str], mode: tuple[str, bool]) -> float:
+    ours, theirs = (best[system, mode] for system in systems)
+    return ours / theirs if theirs else float("inf")
 
 
 def main() -> int:
@@ -197,6 +207,8 @@ def main() -> int:
     p.add_argument("--sequential", type=int, default=8, help="requests one at a time")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--at-least", type=float, default=1.0, metavar="RATIO",
+                   help="fail (exit 1) where smollm2 serves slower than this times llama-server (default 1.0)")
     p.add_argument("--smollm2-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the smollm2 server alone (repeatable), OMP_WAIT_POLICY say")
     args = p.parse_args()
