@@ -129,7 +129,7 @@ def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> s
     text, logprobs = [], []
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
                           compile=args.compile, prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
-                          response_format=args.response_format, **sampling(args)):
+                          response_format=args.response_format, speculative=args.speculative, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
         logprobs.append(step.logprob)
@@ -350,7 +350,8 @@ def serve(args):
     adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
-                     prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads)
+                     prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
+                     speculative=args.speculative == "ngram")
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
     # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -508,6 +509,9 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=whole_number(0, MAX_SEED))
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the answer before this text (repeatable); it is never printed")
+    sample.add_argument("--speculative", choices=("ngram",),
+                        help="ngram: guess tokens by prompt lookup and check them in one pass (same answer, faster "
+                             "where it repeats its input)")
     structured = sample.add_mutually_exclusive_group()
     structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
     structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
@@ -558,6 +562,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    c.add_argument("--speculative", choices=("ngram", "off"), default="ngram",
+                   help="ngram (default): requests guess tokens by prompt lookup, checked in one pass (the same "
+                        "answers); a request's \"speculative\" field overrides it")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
                         "every weight it does not adapt with the base")

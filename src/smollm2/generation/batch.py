@@ -35,9 +35,10 @@ def eos_ids(eos_token_id, config) -> set[int]:
 def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
-           **sampling) -> abc.Iterator[list[Step | None]]:
-    """Yield, each step, a Step for every row (None for a row that has already finished): its new token, the
-    text that became final with it (decoded when a tokenizer is given), and on its last step why it finished.
+           speculative: str | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
+    """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
+    tokens than another in a speculating step): its new token, the text that became final with it (decoded when
+    a tokenizer is given), and on its last step why it finished.
 
     sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
     A row finishes after its EOS token (eos_token_id: the checkpoint's by default, None to never stop), or
@@ -53,6 +54,8 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     likely tokens at its position with theirs.
     response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
     (needs `tokenizer` and the `structured` extra): each row may only write JSON that fits it, then its EOS.
+    speculative: None, or "ngram": each row guesses its next tokens by prompt lookup and the model checks them
+    in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
     """
     config = model.config
     prompts = check_request(input_ids, max_new_tokens, stop, config.vocab_size, config.max_position_embeddings)
@@ -63,18 +66,24 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)
     sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
                  for prompt in prompts]
+    if speculative not in (None, "ngram"):
+        raise SmolError(f"speculative must be None or 'ngram', got {speculative!r}")
     if compile is None:
-        compile = device.type == "cuda"
+        compile = device.type == "cuda" and speculative is None
     if max_new_tokens == 0:
         return
     engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
                     prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
                     whole_cache=compile)
-    rows = [engine.admit(sequence) for sequence in sequences]
+    rows = [engine.admit(sequence, speculative=speculative == "ngram") for sequence in sequences]
     while not all(sequence.finish_reason for sequence in sequences):
-        # Every prompt is prefilled at the first step, so each step gives each row going one Step.
-        taken = dict(engine.step())
-        yield [taken.get(row) for row in rows]
+        # Every prompt is prefilled at the first step, so each step gives each row going a Step at least, and a
+        # speculating row maybe more: its i-th goes in the i-th list.
+        taken = {row: [] for row in rows}
+        for row, step in engine.step():
+            taken[row].append(step)
+        for i in range(max(map(len, taken.values()))):
+            yield [steps[i] if i < len(steps) else None for steps in taken.values()]
 
 
 def generate(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -> torch.LongTensor:
@@ -91,5 +100,8 @@ def generate(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -
     out = [[pad] * (T - len(row)) + row for row in rows]
     for steps in stream(model, rows, max_new_tokens, **kwargs):
         for row, step in zip(out, steps):
-            row.append(pad if step is None else step.token)
+            if step is not None:
+                row.append(step.token)
+    width = max(map(len, out))
+    out = [row + [pad] * (width - len(row)) for row in out]
     return torch.tensor(out, dtype=torch.long, device=model.model.embed_tokens.weight.device)

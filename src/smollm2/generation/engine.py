@@ -5,10 +5,13 @@ the server's scheduler admits requests as they come and steps for as long as any
 A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so that a decoding step runs on those
 n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
 holds row n, the next. Each step
-  1. runs ONE decoding step for rows 0..n-1 at once, every row at its own position (slot s of a row holds
+  1. runs ONE decoding pass for rows 0..n-1 at once, every row at its own position (slot s of a row holds
      position s of its sequence; the causal mask over slots hides what an earlier, longer row left past it),
      and picks every row's next token in one sampling call (sequence.advance), each row with its own
-     parameters and random generator; its Sequence says what text is final and whether it has finished;
+     parameters and random generator; its Sequence says what text is final and whether it has finished. A row
+     that speculates (speculative.py) feeds the tokens it guessed after its last one, in the same pass; its
+     positions are then taken in order, one sampling call each, for as long as the token drawn is the guess
+     fed after it: such a row may gain several tokens a step;
   2. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
      copied, so the rows decoding stay 0..n-1 (and the prefilling one n);
   3. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
@@ -27,11 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SmolError
 from . import steps
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
 from .sequence import Sequence, Step, advance
-from .steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache
+from .speculative import MAX_PASS_TOKENS, PromptLookup
+from .steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache, verify_step
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Row:
     """A sequence in the engine, and how far its prompt is in its cache row."""
     sequence: Sequence
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
+    guesser: PromptLookup | None = None  # speculates with it, or not
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
     blocks: list[Block] | None = field(default_factory=list)  # the prefix cache's, for its filled chunks; None:
@@ -80,15 +86,20 @@ class Engine:
         self.filling: Row | None = None  # the row whose prompt is being prefilled, in cache row len(decoding)
         self.filling_at = 0  # the cache row it holds (a retired row moves it to len(decoding) again)
         self.queued: collections.deque[Row] = collections.deque()  # admitted, waiting for a cache row
+        self.passes = self.decoded = 0  # decoding passes run, and the tokens they gave (more with speculation)
+        self.guessed = self.kept = 0  # tokens speculating rows guessed, and those the model kept
 
     @property
     def free(self) -> int:
         """Cache rows that neither a row holds nor a queued row will take."""
         return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
 
-    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None) -> Row:
-        """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs."""
-        row = Row(sequence, prompt_logprobs)
+    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative: bool = False) -> Row:
+        """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs.
+        speculative: guess its next tokens by prompt lookup (speculative.py); its tokens are the same."""
+        if speculative and self.whole_cache:
+            raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
+        row = Row(sequence, prompt_logprobs, PromptLookup() if speculative else None)
         self.queued.append(row)
         return row
 
@@ -111,29 +122,60 @@ class Engine:
         new token), or its PromptLogprobs, which come before its first Step."""
         events = []
         if self.decoding:
-            self._take(self.decoding, self._decode(), events)
+            self._decode(events)
         ready, logits = self._prefill(events)
         if ready:
             self._take(ready, torch.cat(logits), events)
         return events
 
-    def _decode(self) -> torch.Tensor:
-        """The next-token logits of the rows decoding, (n, V): each row feeds its last token at its next slot."""
+    def _decode(self, events: list) -> None:
+        """One pass over the rows decoding: each feeds its last token at its next slot, and a row that
+        speculates the tokens it guesses after it; then their positions are taken in order (see above)."""
         rows = self.decoding
-        ids = [[row.sequence.tokens[-1]] for row in rows]
-        slots = [[row.filled] for row in rows]
+        guesses = self._guesses(rows)
+        fed = [[row.sequence.tokens[-1], *guess] for row, guess in zip(rows, guesses)]
+        slots = [list(range(row.filled, row.filled + len(ids))) for row, ids in zip(rows, fed)]
+        width = max(map(len, fed))
+        for ids, at in zip(fed, slots):  # a shorter row's padding goes past its own slots, where nothing reads it
+            at += [min(at[-1] + j, self.cache.max_len - 1) for j in range(1, width - len(ids) + 1)]
+            ids += [0] * (width - len(ids))
         if self.whole_cache:  # the other rows feed a token at the last slot, which no row reads: the cache is
             # sized for the longest prompt and all its new tokens, and the last token is never fed
-            ids += [[0]] * (self.cache_rows - len(rows))
+            fed += [[0]] * (self.cache_rows - len(rows))
             slots += [[self.cache.max_len - 1]] * (self.cache_rows - len(rows))
             cache = self.cache
         else:  # the filled slots only
-            cache = self.cache.view(slice(0, len(rows)), max(s for (s,) in slots) + 1)
-        logits = self.step_fn(self.model, torch.tensor(ids, device=self.device),
-                              torch.tensor(slots, device=self.device), cache, None)
-        for row in rows:
-            row.filled += 1
-        return logits[:len(rows)]
+            cache = self.cache.view(slice(0, len(rows)), max(at[-1] for at in slots) + 1)
+        ids, slots = torch.tensor(fed, device=self.device), torch.tensor(slots, device=self.device)
+        if width == 1:
+            logits = self.step_fn(self.model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
+        else:
+            logits = verify_step(self.model, ids, slots, cache)  # (n, width, V)
+        self.passes += 1
+        before = [row.filled for row in rows]
+        going = range(len(rows))  # the rows whose position i is taken
+        for i in range(width):
+            taken = advance(logits[:, i] if i == 0 else logits[going, i], [rows[b].sequence for b in going])
+            self.decoded += len(taken)
+            events += [(rows[b], step) for b, step in zip(going, taken)]
+            for b in going:
+                rows[b].filled += 1
+            going = [b for b, step in zip(going, taken)
+                     if i < len(guesses[b]) and step.token == guesses[b][i] and not step.finish_reason]
+        for row, guess, filled in zip(rows, guesses, before):
+            if guess:  # kept: the guesses the row's slots now hold, past the last token it fed
+                kept = row.filled - filled - 1
+                row.guesser.record(len(guess), kept)
+                self.guessed, self.kept = self.guessed + len(guess), self.kept + kept
+        self._retire()
+
+    def _guesses(self, rows: list[Row]) -> list[list[int]]:
+        """Each row's guesses for this pass ([] for a row that does not speculate): within what its answer may
+        still take, and the pass within MAX_PASS_TOKENS positions over all rows."""
+        room = MAX_PASS_TOKENS // len(rows) - 1
+        return [row.guesser.guess(row.sequence.prompt + row.sequence.tokens,
+                                  min(room, row.sequence.max_new_tokens - len(row.sequence.tokens) - 1))
+                if row.guesser is not None else [] for row in rows]
 
     def _prefill(self, events: list) -> tuple[list[Row], list[torch.Tensor]]:
         """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the

@@ -21,6 +21,12 @@ def decode_step(model, ids, input_pos, cache, attention_mask) -> torch.Tensor:
     return model.logits(model.hidden_states(ids, input_pos, cache, attention_mask))[:, -1]
 
 
+def verify_step(model, ids, input_pos, cache) -> torch.Tensor:
+    """A few tokens per row at slots input_pos -> every position's next-token logits, (B, T, V): a speculating
+    row's pass (speculative.py)."""
+    return model.logits(model.hidden_states(ids, input_pos, cache))
+
+
 @functools.cache
 def compiled_decode_step(device_type: str):
     # CUDA: CUDA graphs replay the whole step without Python; CPU: inductor fuses the small ops.

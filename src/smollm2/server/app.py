@@ -124,6 +124,7 @@ class Body(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}: see grammar.py
+    speculative: Literal["ngram", "off"] | None = None  # our extension: None is the server's --speculative
 
 
 class ChatBody(Body):
@@ -239,19 +240,20 @@ AppState = Annotated[Served, Depends(app_state)]  # what a route serves: its own
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None,
-               threads: int | None = None) -> FastAPI:
+               threads: int | None = None, speculative: bool = False) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
     model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
     field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
     weight with it. Each model has a scheduler (a thread and a KV cache) of its own, running it with `threads`
-    CPU threads (default: as many as this thread's; see Scheduler)."""
+    CPU threads (default: as many as this thread's; see Scheduler). speculative: whether requests guess tokens
+    by prompt lookup unless they say otherwise (generation.speculative; the same answers either way)."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
                                   on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes,
-                                  threads=threads)
+                                  threads=threads, speculative=speculative)
                   for name, m in models.items()}
     metrics = Metrics(list(schedulers.values()))
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
@@ -398,6 +400,7 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
                                               reply.tokenizer)
         except SmolError as e:
             raise APIError(400, str(e), param="response_format") from None
+    speculative = None if body.speculative is None else body.speculative == "ngram"
     requests = []
     try:
         for prompt in prompts:
@@ -407,7 +410,7 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
                 seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
                 sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
                 requests.append(scheduler.submit(prompt, limit, sampling, body.stop or [], reply.logprobs,
-                                                 echo_logprobs, grammar))
+                                                 echo_logprobs, grammar, speculative))
     except BaseException:
         for request in requests:
             scheduler.cancel(request)

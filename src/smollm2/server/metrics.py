@@ -32,6 +32,7 @@ class Metrics:
         Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
               ).set_function(lambda: sum(scheduler.load()["active"] for scheduler in schedulers))
         registry.register(PrefixCacheCounts([s.prefix_cache for s in schedulers if s.prefix_cache is not None]))
+        registry.register(DecodingCounts([s.engine for s in schedulers]))
         self.time_to_first_token = Histogram("smollm2_time_to_first_token_seconds",
                                              "From a request's arrival to its first token", buckets=TOKEN_BUCKETS,
                                              registry=registry)
@@ -66,6 +67,22 @@ class PrefixCacheCounts(Collector):
                                   "not prefilled again", value=sum(cache.found for cache in self.caches))
         yield GaugeMetricFamily("smollm2_prefix_cache_bytes", "Memory the prefix cache's keys and values take",
                                 value=sum(cache.bytes for cache in self.caches))
+
+
+class DecodingCounts(Collector):
+    """The engines' decoding passes and what they gave: tokens per pass is rate(smollm2_decoded_tokens_total) /
+    rate(smollm2_decoding_passes_total), above 1 with speculation; its acceptance rate is
+    rate(smollm2_speculation_kept_tokens_total) / rate(smollm2_speculation_guessed_tokens_total)."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+
+    def collect(self):
+        for name, text, field in (("decoding_passes", "Decoding passes over the rows decoding", "passes"),
+                                  ("decoded_tokens", "Tokens the decoding passes gave", "decoded"),
+                                  ("speculation_guessed_tokens", "Tokens guessed by speculating rows", "guessed"),
+                                  ("speculation_kept_tokens", "Guessed tokens the model kept", "kept")):
+            yield CounterMetricFamily(f"smollm2_{name}", text, value=sum(getattr(e, field) for e in self.engines))
 
 
 class CountResponses:

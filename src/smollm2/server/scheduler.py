@@ -65,10 +65,11 @@ class Request:
     """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None,
-                 on_end: abc.Callable[[Request], None] | None = None):
+                 on_end: abc.Callable[[Request], None] | None = None, speculative: bool = False):
         self.sequence, self.on_end = sequence, on_end  # on_end(request): told as it ends, however it ends
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
+        self.speculative = speculative  # guess tokens by prompt lookup (generation.speculative)
         self.cancelled = False  # set from the HTTP side; the scheduler drops the request at its next step
         self.done = False  # its last event is sent
         self._loop, self._events = loop, asyncio.Queue()
@@ -115,9 +116,10 @@ class Request:
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
                  max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
-                 prefix_cache_bytes: int = 0, threads: int | None = None):
+                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative: bool = False):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
-        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. threads: the
+        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: whether
+        a request speculates (prompt lookup) unless it says otherwise. threads: the
         CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
 
         Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
@@ -137,6 +139,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.on_end = on_end
         self.threads = threads or torch.get_num_threads()
+        self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
                              prefix_cache=self.prefix_cache, step=decode_step)
@@ -160,17 +163,19 @@ class Scheduler:
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
                stop: abc.Sequence[str] = (), logprobs: int | None = None,
-               prompt_logprobs: int | None = None, grammar: Grammar | None = None) -> Request:
+               prompt_logprobs: int | None = None, grammar: Grammar | None = None,
+               speculative: bool | None = None) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
         logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
         prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
-        grammar: None, or what the answer must fit (response_format)."""
+        grammar: None, or what the answer must fit (response_format); speculative: None for the scheduler's
+        default, or whether this request guesses tokens by prompt lookup (the same tokens either way)."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
                             logprobs, grammar)
         request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
-                          self.on_end)
+                          self.on_end, self.speculative if speculative is None else speculative)
         if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
             request.finish()
             return request
@@ -227,7 +232,7 @@ class Scheduler:
                 del self.requests[row]
                 self._cancelled(request)
         while self.engine.free and (request := self._next_waiting()) is not None:
-            self.requests[self.engine.admit(request.sequence, request.prompt_logprobs)] = request
+            self.requests[self.engine.admit(request.sequence, request.prompt_logprobs, request.speculative)] = request
         events = self.engine.step()
         now = time.perf_counter()
         for row, event in events:
