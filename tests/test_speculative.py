@@ -4,7 +4,6 @@ or batched, with stop strings and grammars, through Python, the CLI and the serv
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import TINY, tiny_model
 from fastapi.testclient import TestClient
 
