@@ -93,6 +93,7 @@ def test_the_server_embeds_on_the_scheduler_thread_as_python_does(tiny, monkeypa
         return hidden_states(ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "hidden_states", seen)
+    assert served_embeddings.BATCH_TOKENS == 512
     monkeypatch.setattr(served_embeddings, "BATCH_TOKENS", 40)  # several calls, one or more rows each
     with running(create_app(model, tokenizer, model_name=NAME)) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -115,8 +116,36 @@ def test_the_server_embeds_on_the_scheduler_thread_as_python_does(tiny, monkeypa
     assert all(rows * length <= 40 or rows == 1 for rows, length in shapes) and max(r for r, _ in shapes) > 1
 
 
+def test_streams_running_meanwhile_go_on_between_the_batches(tiny, monkeypatch):
+    """Each batch is a call between two of the scheduler's steps: a running stream is not held for the whole
+    request."""
+    import httpx
+
+    model, tokenizer = tiny
+    runs = []  # what the scheduler's thread ran, in order: a decoding step (into a cache) or an embedding batch
+    hidden_states = model.hidden_states
+
+    def seen(ids, input_pos=None, cache=None, *args, **kwargs):
+        runs.append("step" if cache is not None else "embed")
+        return hidden_states(ids, input_pos, cache, *args, **kwargs)
+
+    monkeypatch.setattr(model, "hidden_states", seen)
+    monkeypatch.setattr(served_embeddings, "BATCH_TOKENS", 8)
+    body = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)  # decoding has begun
+            answer = client.post("/v1/embeddings", json=dict(model=NAME, input=TEXTS))
+            assert answer.status_code == 200
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ran on, to its end
+    batches = [i for i, run in enumerate(runs) if run == "embed"]
+    assert len(batches) >= 3 and all("step" in runs[a:b] for a, b in zip(batches, batches[1:]))
+
+
 def test_bad_input_gets_400_naming_the_field(tiny, monkeypatch):
     model, tokenizer = tiny
+    assert served_embeddings.MAX_TOKENS == 300_000
     monkeypatch.setattr(served_embeddings, "MAX_TOKENS", 1000)
     with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
         for value, field, message in [

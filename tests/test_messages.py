@@ -93,19 +93,23 @@ def test_a_last_assistant_message_is_continued(tiny):
     assert r.json()["usage"]["input_tokens"] == len(ids)
 
 
-def test_top_k_1_samples_the_greedy_answer(tiny):
+def test_top_k_1_or_a_tiny_top_p_samples_the_greedy_answer(tiny):
     model, tokenizer = tiny
     body = dict(model=TINY, max_tokens=8, messages=[{"role": "user", "content": "Hello"}])
     with running(create_app(model, tokenizer, model_name=TINY)) as url, httpx.Client(base_url=url) as client:
-        greedy = client.post("/v1/messages", json=dict(body, temperature=0)).json()["content"][0]["text"]
-        assert client.post("/v1/messages", json=dict(body, temperature=1, top_k=1)).json()["content"][0]["text"] \
-            == greedy == expected(model, tokenizer, tokenizer.apply_chat_template(body["messages"]), 8)
+        def answer(**sampling):
+            return client.post("/v1/messages", json=dict(body, **sampling)).json()["content"][0]["text"]
+
+        greedy = answer(temperature=0)
+        assert greedy == expected(model, tokenizer, tokenizer.apply_chat_template(body["messages"]), 8)
+        assert answer(temperature=1, top_k=1) == answer(temperature=1, top_p=1e-6) == greedy
 
 
 def test_errors_are_in_anthropics_shape_and_name_the_field(tiny):
     model, tokenizer = tiny
     user = [{"role": "user", "content": "Hi"}]
-    with running(create_app(model, tokenizer, model_name=TINY)) as url, httpx.Client(base_url=url) as client:
+    app = create_app(model, tokenizer, model_name=TINY, max_body_bytes=10_000)
+    with running(app) as url, httpx.Client(base_url=url) as client:
         for body, status, kind, field in [
             (dict(model=TINY, messages=user), 400, "invalid_request_error", "max_tokens"),
             (dict(model=TINY, messages=user, max_tokens=0), 400, "invalid_request_error", "max_tokens"),
@@ -135,7 +139,10 @@ def test_errors_are_in_anthropics_shape_and_name_the_field(tiny):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = client.post("/v1/messages/count_tokens", json=dict(model=TINY, messages="Hi"))
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages")
-        # Other routes keep OpenAI's shape.
+        # Too big a body is refused before any route, in OpenAI's shape; other routes keep OpenAI's shape too.
+        r = client.post("/v1/messages", json=dict(model=TINY, messages=[{"role": "user", "content": "x" * 20_000}],
+                                                  max_tokens=5))
+        assert r.status_code == 413 and r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json=dict(model=TINY, messages=[]))
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert client.get("/health").json()["active"] == 0

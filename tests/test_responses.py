@@ -105,6 +105,16 @@ def test_a_json_schema_format_answers_as_chat_completions_does(client):
     assert answer.output_text == want and set(json.loads(want)) == {"city", "country"}
 
 
+def test_a_tiny_top_p_samples_the_greedy_answer(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        def answer(**sampling):
+            r = client.post("/v1/responses", json=dict(model=TINY, input="Hello", max_output_tokens=8, **sampling))
+            return r.json()["output"][0]["content"][0]["text"]
+
+        assert answer(temperature=1, top_p=1e-6) == answer(temperature=0)
+
+
 def test_a_cut_answer_is_incomplete_whole_or_streamed(tiny):
     model, tokenizer = tiny
     body = dict(model=TINY, input="Hello", max_output_tokens=3, temperature=0)
@@ -143,6 +153,7 @@ def test_instructions_are_not_carried_to_the_next_turn(tiny):
 
 def test_stored_conversations_are_bounded_least_recently_used_first(tiny, monkeypatch):
     model, tokenizer = tiny
+    assert served_responses.MAX_STORED == 256
     monkeypatch.setattr(served_responses, "MAX_STORED", 2)
     with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
         def ask(**extra):

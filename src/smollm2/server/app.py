@@ -3,8 +3,9 @@
 /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
-{"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
-serving. Answers stream as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+{"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
+bug), and the server keeps serving. Answers stream as server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`.
 Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters.
 
 The routes are module-level functions on `router` (and on each other API's own); what they serve (schedulers,
