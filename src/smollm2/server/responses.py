@@ -102,11 +102,11 @@ async def create_response(body: ResponsesBody, connection: Connection, served: A
         response_format = {"type": "json_schema", "json_schema": response_format}
     ask = Ask([prompt], body.max_output_tokens, Sampling(temperature=body.temperature, top_p=body.top_p),
               grammar=await grammar(response_format, served.tokenizer, "text.format"))
+    (request,) = submit(scheduler, ask)
     answer = Answer(body, served, chat, len(prompt))
-    requests = submit(scheduler, ask)
     if body.stream:
-        return EventStream(answer.stream(scheduler, requests[0]))
-    texts, dones, _ = await answers(scheduler, requests, connection)
+        return EventStream(answer.stream(scheduler, request))
+    texts, dones, _ = await answers(scheduler, [request], connection)
     return answer.finished(texts[0], dones[0])
 
 
