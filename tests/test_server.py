@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.generation import generate
 from smollm2.server import create_app, scheduler
-from smollm2.server.app import MAX_STOP_LENGTH
+from smollm2.server.serving import MAX_STOP_LENGTH
 
 NAME = "tiny"
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far far away, there lived",

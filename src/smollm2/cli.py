@@ -221,6 +221,26 @@ def evaluate_tasks(args):
 
 
 @torch.inference_mode()
+def embed(args):
+    """Each text's embedding (generation.embed): one line of numbers per text, or JSON."""
+    from .generation import embed as embed_rows
+
+    for i, text in enumerate(args.texts):
+        utf8(text, f"text {i + 1}")
+    model, tokenizer = load(args)
+    rows = [tokenizer.encode(text) for text in args.texts]
+    empty = next((i for i, row in enumerate(rows) if not row), None)
+    if empty is not None:
+        raise SmolError(f"text {empty + 1} is empty: an embedding needs a token at least")
+    vectors = embed_rows(model, rows).tolist()
+    if args.json:
+        print(json.dumps([dict(text=text, tokens=len(row), embedding=vector)
+                          for text, row, vector in zip(args.texts, rows, vectors)]))
+    else:
+        for vector in vectors:
+            print(" ".join(f"{x:.8g}" for x in vector))
+
+
 def perplexity(args):
     """Sliding-window perplexity (evaluate.perplexity): each window scores only the tokens the previous one did
     not."""
@@ -526,6 +546,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("-p", "--prompt", help="answer this one message and exit")
     c.add_argument("--system", help="a system message (default: the template's own)")
     c.set_defaults(run=chat)
+
+    c = commands.add_parser("embed", parents=[model], help="embeddings: each text's mean final hidden state, "
+                                                           "normalized")
+    c.add_argument("texts", nargs="+", metavar="TEXT")
+    c.add_argument("--json", action="store_true", help="print a JSON list of {text, tokens, embedding}")
+    c.set_defaults(run=embed)
 
     c = commands.add_parser("perplexity", parents=[model], help="perplexity of a text file")
     c.add_argument("file")

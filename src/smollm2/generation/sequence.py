@@ -67,6 +67,7 @@ class StopStrings:
         self.borders = [borders(s) for s in self.stop]
         self.matched = [0] * len(self.stop)  # per string: the longest end of the text that begins it
         self.seen = 0  # characters of the text fed so far
+        self.found: str | None = None  # the stop string that ended the text, once one has
 
     def feed(self, new: str) -> int:
         """Take the text's next characters; returns where the first stop string now complete starts, or -1."""
@@ -79,7 +80,8 @@ class StopStrings:
                 k += stop[k] == c
                 if k == len(stop):
                     start = self.seen + i + 1 - k
-                    cut = start if cut < 0 else min(cut, start)
+                    if cut < 0 or start < cut:
+                        cut, self.found = start, stop
                     break
             self.matched[j] = k
         self.seen += len(new)

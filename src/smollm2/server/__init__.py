@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server with continuous batching: `smollm2 serve`, or create_app() for your own."""
+"""An HTTP server with continuous batching that speaks OpenAI's and Anthropic's APIs: `smollm2 serve`, or
+create_app() for your own."""
 
 from .app import create_app
 from .scheduler import Scheduler

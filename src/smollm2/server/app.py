@@ -1,110 +1,53 @@
-"""The OpenAI-compatible HTTP face of the scheduler: /v1/chat/completions, /v1/completions, /v1/models, /health,
+"""The HTTP face of the scheduler: OpenAI's /v1/chat/completions, /v1/completions and /v1/models here, its
+/v1/responses (responses.py) and /v1/embeddings (embeddings.py), Anthropic's /v1/messages (messages.py); /health,
 /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
-{"error": {"message", "type", "param", "code"}} with a 4xx status (5xx only for a bug), and the server keeps
-serving. Answers stream as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+{"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
+bug), and the server keeps serving. Answers stream as server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`.
 Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters.
 
-The routes are module-level functions on `router`; what they serve (schedulers, tokenizer, metrics, API key) is
-their own app's Served, in app.state, so that several apps can live in one process (tests, benchmarks).
+The routes are module-level functions on `router` (and on each other API's own); what they serve (schedulers,
+tokenizer, metrics, API key) is their own app's Served, in app.state, so that several apps can live in one process
+(tests, benchmarks). What the routes of every API share is in serving.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
-import json
 import secrets
 import time
 import uuid
-from collections import abc
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
-from ..generation.grammar import Grammar
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
+from . import embeddings, messages, responses
 from .metrics import CountResponses, Metrics
-from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
+from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
+from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
+                      content_text, error_response, grammar, merged, sse, submit, text_or_ids)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
-MAX_STOPS = 4  # as OpenAI
-MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
 MAX_N = 8  # choices per prompt: each is a request of its own in the batch
 MAX_PROMPTS = 16  # prompts per /v1/completions request
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse({"error": dict(message=e.message, type=e.type, param=e.param, code=e.code)}, e.status)
-
-
-# Request bodies. Strict: a string is not a number here, nor a number a string. Unknown fields are ignored.
-
-def unicode(text: str) -> str:
-    """Valid JSON can still hold a lone surrogate ("\\ud800"), which is no character: no tokenizer encodes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(unicode)]
-# One stop string or a list of them, as a list: an error then names the string, as stop.2, whichever was sent.
-Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(unicode)]],
-                  Field(max_length=MAX_STOPS), BeforeValidator(lambda stop: [stop] if isinstance(stop, str) else stop)]
 
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "user", "assistant"]
-    content: Any  # a string, or a list of {"type": "text", "text": ...} parts: checked by message_text
-
-
-def message_text(i: int, content) -> str:
-    """A message's content as one string: the string itself, or its text parts joined; APIError naming the
-    field (as messages.0.content.1.type) for anything else."""
-    where = f"messages.{i}.content"
-
-    def text(value, where):
-        if not isinstance(value, str):
-            raise APIError(400, f"{where}: must be a string", param=where)
-        try:
-            return unicode(value)
-        except ValueError as e:
-            raise APIError(400, f"{where}: {e}", param=where) from None
-
-    if isinstance(content, str):
-        return text(content, where)
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: must be a string or a list of text parts", param=where)
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise APIError(400, f"{where}.{j}: must be an object {{'type': 'text', 'text': ...}}", param=f"{where}.{j}")
-        if part.get("type") != "text":
-            raise APIError(400, f"{where}.{j}.type: only 'text' parts are supported, got {part.get('type')!r}",
-                           param=f"{where}.{j}.type")
-        parts.append(text(part.get("text"), f"{where}.{j}.text"))
-    return "".join(parts)
+    content: Any  # a string, or a list of {"type": "text", "text": ...} parts: checked by content_text
 
 
 class StreamOptions(BaseModel):
@@ -134,26 +77,9 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
 
 
-def prompt_list(prompt):
-    """OpenAI's prompt: a string, token ids, or a list of either (a batch: each prompt's choices in turn).
-    Checked whole here, so an error names `prompt` alone; returns a list of prompts."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError("must be text, token ids, or a non-empty list of those")
-    if len(prompt) > MAX_PROMPTS:
-        raise ValueError(f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}")
-    for p in prompt:
-        if isinstance(p, str):
-            unicode(p)
-        elif not (isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)):
-            raise ValueError("must be text, token ids, or a non-empty list of those")
-    return prompt
-
-
 class CompletionBody(Body):
-    prompt: Annotated[list[str | list[int]], BeforeValidator(prompt_list)]  # each text or token ids
+    # Each text or token ids; a list of them is a batch: each prompt's choices in turn.
+    prompt: Annotated[list[str | list[int]], BeforeValidator(lambda prompt: text_or_ids(prompt, MAX_PROMPTS))]
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5; we, as many as chat
     echo: bool = False
@@ -168,19 +94,6 @@ class TokenizeBody(BaseModel):
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(strict=True)
     tokens: list[int]
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events. The generator is closed however the response ends, so a client that leaves
-    cancels its request, and frees its slot, at once rather than whenever the generator is collected."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 class BodyLimit:
@@ -215,28 +128,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-class Served:
-    """What one app serves, kept in its app.state.served: a scheduler per model name (the base model's and its
-    adapters'), the tokenizer they share, the metrics, and the API key (None: no key asked)."""
-
-    def __init__(self, schedulers: dict[str, Scheduler], tokenizer, metrics: Metrics, api_key: str | None):
-        self.schedulers, self.tokenizer, self.metrics, self.api_key = schedulers, tokenizer, metrics, api_key
-
-    def scheduler(self, name: str) -> Scheduler:
-        """The scheduler of the model a request names."""
-        if name not in self.schedulers:
-            raise APIError(404, f"the model {name!r} does not exist; this server has "
-                           f"{', '.join(map(repr, self.schedulers))}", param="model", code="model_not_found")
-        return self.schedulers[name]
-
-
-async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
-    return connection.app.state.served
-
-
-AppState = Annotated[Served, Depends(app_state)]  # what a route serves: its own app's, as several apps may run
-
-
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None,
@@ -259,7 +150,8 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.served = Served(schedulers, tokenizer, metrics, api_key)
-    app.include_router(router)
+    for routes in (router, responses.router, messages.router, embeddings.router):
+        app.include_router(routes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
     return app
@@ -277,45 +169,26 @@ async def lifespan(app: FastAPI):
             scheduler.stop()
 
 
-async def authorize(served: AppState, authorization: Annotated[str, Header()] = ""):
-    # Constant-time comparison: the time taken must not tell how much of a guessed key is right.
-    if served.api_key is not None and not secrets.compare_digest(authorization.encode(),
-                                                              f"Bearer {served.api_key}".encode()):
-        raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer KEY')",
+async def authorize(served: AppState, authorization: Annotated[str, Header()] = "",
+                    x_api_key: Annotated[str, Header()] = ""):
+    """The key as OpenAI's clients send it (Authorization: Bearer KEY) or as Anthropic's may (x-api-key: KEY)."""
+    if served.api_key is None:
+        return
+    # Constant-time comparisons: the time taken must not tell how much of a guessed key is right.
+    bearer = secrets.compare_digest(authorization.encode(), f"Bearer {served.api_key}".encode())
+    keyed = secrets.compare_digest(x_api_key.encode(), served.api_key.encode()) and x_api_key != ""
+    if not (bearer or keyed):
+        raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                        "authentication_error", code="invalid_api_key")
 
 
-async def api_error(request, e: APIError):
-    return error_response(e)
+async def openai_error(request, e: Exception):
+    return error_response(as_api_error(e))
 
 
-async def smol_error(request, e: SmolError):
-    return error_response(APIError(400, str(e)))
-
-
-async def queue_full(request, e: QueueFull):
-    return error_response(APIError(429, str(e), "rate_limit_error", code="queue_full"))
-
-
-async def invalid_body(request, e: RequestValidationError):
-    error = e.errors()[0]
-    if error["type"] == "json_invalid":
-        return error_response(APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error')}"))
-    where = [str(part) for part in error["loc"] if part != "body"]
-    message = f"{'.'.join(where) or 'body'}: {error['msg']}"
-    return error_response(APIError(400, message, param=".".join(where) or None))
-
-
-async def http_error(request, e: HTTPException):  # unknown routes (404), wrong methods (405)
-    return error_response(APIError(e.status_code, str(e.detail)))
-
-
-async def internal_error(request, e: Exception):
-    return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
-
-
-EXCEPTION_HANDLERS = {APIError: api_error, SmolError: smol_error, QueueFull: queue_full,
-                      RequestValidationError: invalid_body, HTTPException: http_error, Exception: internal_error}
+# Each class its handler: FastAPI's own handlers of the last two would otherwise answer in its shape.
+EXCEPTION_HANDLERS = {kind: openai_error for kind in (APIError, SmolError, QueueFull, RequestValidationError,
+                                                       HTTPException, Exception)}
 
 router = APIRouter()
 
@@ -358,7 +231,8 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
     scheduler = served.scheduler(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
-    messages = [dict(role=m.role, content=message_text(i, m.content)) for i, m in enumerate(body.messages)]
+    messages = [dict(role=m.role, content=content_text(m.content, f"messages.{i}.content"))
+                for i, m in enumerate(body.messages)]
     prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
@@ -392,52 +266,16 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
                        f"requests, more than this server queues ({scheduler.max_waiting})", param="n")
     reply.prompts, reply.n = prompts, body.n
-    echo_logprobs = reply.logprobs if reply.echo is not None else None
-    grammar = None
-    if body.response_format is not None:
-        try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
-            grammar = await run_in_threadpool(Grammar.from_response_format, body.response_format,
-                                              reply.tokenizer)
-        except SmolError as e:
-            raise APIError(400, str(e), param="response_format") from None
-    speculative = None if body.speculative is None else body.speculative == "ngram"
-    requests = []
-    try:
-        for prompt in prompts:
-            # No max_tokens: up to the context window; too long a prompt still fails as such.
-            limit = max(scheduler.max_seq_len - len(prompt), 1) if max_tokens is None else max_tokens
-            for i in range(body.n):
-                seed = None if body.seed is None else (body.seed + i) % (MAX_SEED + 1)
-                sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed)
-                requests.append(scheduler.submit(prompt, limit, sampling, body.stop or [], reply.logprobs,
-                                                 echo_logprobs, grammar, speculative))
-    except BaseException:
-        for request in requests:
-            scheduler.cancel(request)
-        raise
+    ask = Ask(prompts, max_tokens, Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed),
+              stop=body.stop or [], n=body.n,
+              grammar=await grammar(body.response_format, reply.tokenizer, "response_format"),
+              logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
+              speculative=None if body.speculative is None else body.speculative == "ngram")
+    requests = submit(scheduler, ask)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(stream(scheduler, requests, reply, usage))
-    # Nothing is sent before the whole answer, so only listening tells that the client went away.
-    watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
-    texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
-    try:
-        async with contextlib.aclosing(merged(requests)) as events:
-            async for i, event in events:
-                if isinstance(event, PromptLogprobs):
-                    logprobs[i] = event.logprobs
-                elif isinstance(event, Delta):
-                    texts[i].append(event.text)
-                    logprobs[i] += event.logprobs
-                elif event.error:
-                    raise APIError(503, event.error, "server_error")
-                else:
-                    dones[i] = event
-        return reply.whole(["".join(text) for text in texts], dones, logprobs)
-    finally:
-        watcher.cancel()
-        for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
-            scheduler.cancel(request)
+    return reply.whole(*await answers(scheduler, requests, connection))
 
 
 class Reply:
@@ -517,43 +355,6 @@ class Reply:
 
     def usage_chunk(self, dones) -> dict:  # stream_options.include_usage: one more chunk, with no choices
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(dones))
-
-
-async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, requests: list[Request]):
-    # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
-    while (await connection.receive())["type"] != "http.disconnect":
-        pass
-    for request in requests:
-        scheduler.cancel(request)
-
-
-async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
-    """The events of several requests (a request's choices) as they come, each with its request's index, until
-    every request has ended."""
-    if len(requests) == 1:
-        async for event in requests[0].events():
-            yield 0, event
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, request: Request):
-        async for event in request.events():
-            queue.put_nowait((i, event))
-
-    pumps = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
-    try:
-        left = len(requests)
-        while left:
-            i, event = await queue.get()
-            left -= isinstance(event, Done)
-            yield i, event
-    finally:
-        for task in pumps:
-            task.cancel()
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, include_usage: bool):

@@ -11,7 +11,9 @@ A finished request frees its row at once, so a waiting one joins at the next ste
 the whole batch to end, as it would with static batching.
 
 The HTTP side runs an asyncio loop in another thread: requests are handed over through a locked deque,
-and each request's events come back through its own asyncio.Queue, fed with loop.call_soon_threadsafe.
+and each request's events come back through its own asyncio.Queue, fed with loop.call_soon_threadsafe. Other
+work on the model (embeddings) is handed over the same way, as a function the thread calls between two steps,
+its result coming back in an asyncio future.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 from collections import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,12 +52,13 @@ class Delta:
 
 @dataclass
 class Done:
-    """The last event of a request. finish_reason: "stop" (EOS or a stop string) or "length";
+    """The last event of a request. finish_reason: "stop" (EOS or a stop string, then stop_string) or "length";
     None with `error` set when the server ended the request (shutting down, or an internal error)."""
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    stop_string: str | None = None
 
 
 class QueueFull(Exception):
@@ -102,7 +106,9 @@ class Request:
 
     def finish(self) -> None:
         self.done = True  # first: /health must not count it once its client has the answer
-        self._last(Done(self.sequence.finish_reason, len(self.sequence.prompt), len(self.sequence.tokens)))
+        sequence = self.sequence
+        self._last(Done(sequence.finish_reason, len(sequence.prompt), len(sequence.tokens),
+                        stop_string=sequence.stops.found))
 
     def fail(self, error: str) -> None:
         self._last(Done(None, len(self.sequence.prompt), len(self.sequence.tokens), error))
@@ -145,7 +151,8 @@ class Scheduler:
                              prefix_cache=self.prefix_cache, step=decode_step)
         self.requests: dict[Row, Request] = {}  # in flight: each holds (or is queued for) a row of the engine
         self.waiting: collections.deque[Request] = collections.deque()
-        self._wake = threading.Condition()  # guards waiting and _stopping
+        self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
+        self._wake = threading.Condition()  # guards waiting, calls and _stopping
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="smollm2-scheduler", daemon=True)
 
@@ -182,11 +189,28 @@ class Scheduler:
         with self._wake:
             if self._stopping:
                 raise SmolError("the server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting; try again later")
+            self._check_room()
             self.waiting.append(request)
             self._wake.notify()
         return request
+
+    def call(self, function: abc.Callable[[], Any]) -> asyncio.Future:
+        """Run function() on the scheduler's thread between two steps; returns a future of its result (or of
+        the exception it raised). For torch work beside generation (embeddings): a thread of the event loop's
+        would run it on an OpenMP pool of its own, which slows the scheduler's steps (see __init__). Raises
+        QueueFull as submit does; the requests in flight go on a step after it returns."""
+        future = asyncio.get_running_loop().create_future()
+        with self._wake:
+            if self._stopping:
+                raise SmolError("the server is shutting down")
+            self._check_room()
+            self.calls.append((function, future))
+            self._wake.notify()
+        return future
+
+    def _check_room(self) -> None:  # under self._wake
+        if len(self.waiting) + len(self.calls) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting) + len(self.calls)} requests are already waiting; try again later")
 
     def cancel(self, request: Request) -> None:
         """Stop generating for this request (no-op once it is done); its slot frees at the next step."""
@@ -201,8 +225,8 @@ class Scheduler:
         holding = [*engine.decoding, engine.filling]
         queued = len(engine.queued)
         active = [self.requests.get(row) for row in holding if row is not None]
-        return dict(active=sum(r is not None and not r.done for r in active), waiting=len(self.waiting) + queued,
-                    slots=self.max_batch_size)
+        return dict(active=sum(r is not None and not r.done for r in active),
+                    waiting=len(self.waiting) + len(self.calls) + queued, slots=self.max_batch_size)
 
     # The scheduler thread.
 
@@ -211,11 +235,12 @@ class Scheduler:
         torch.set_num_threads(self.threads)  # a thread's own setting (OpenMP's), not inherited from its creator
         while True:
             with self._wake:
-                while not self._stopping and not self.waiting and not self.requests:
+                while not self._stopping and not self.waiting and not self.requests and not self.calls:
                     self._wake.wait()
                 if self._stopping:
                     break
             try:
+                self._call()
                 self._step()
             except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
                 log.exception("scheduler step failed")
@@ -223,7 +248,24 @@ class Scheduler:
                 self._end(self._take_in_flight(), f"internal error: {e}")
         with self._wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
+            calls, self.calls = list(self.calls), collections.deque()
         self._end([*waiting, *self._take_in_flight()], "the server is shutting down")
+        for _, future in calls:
+            settle(future, future.set_exception, SmolError("the server is shutting down"))
+
+    def _call(self) -> None:
+        """Run the functions handed over by call(), each to its future."""
+        with self._wake:
+            calls, self.calls = list(self.calls), collections.deque()
+        for function, future in calls:
+            if future.cancelled():  # its client went away
+                continue
+            try:
+                result = function()
+            except Exception as e:
+                settle(future, future.set_exception, e)
+            else:
+                settle(future, future.set_result, result)
 
     def _step(self) -> None:
         for row, request in list(self.requests.items()):
@@ -265,3 +307,15 @@ class Scheduler:
     def _cancelled(request: Request) -> None:
         # Its last event, which nobody may hear: whoever still waits on it (an answer not streamed) stops waiting.
         request.fail("cancelled: the client went away")
+
+
+def settle(future: asyncio.Future, setter: abc.Callable, value) -> None:  # scheduler thread
+    """Hand a result or exception to a future of the event loop's, unless it was cancelled meanwhile."""
+    def set_it():
+        if not future.done():
+            setter(value)
+
+    try:
+        future.get_loop().call_soon_threadsafe(set_it)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,282 @@
+"""What every route of the server shares, whichever API it speaks: errors (any exception as the APIError its client
+gets), the app's state (Served), request bodies' text and stop strings, running requests on a scheduler (submit,
+answers) and server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+from collections import abc
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi import Request as Connection
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import AfterValidator, BeforeValidator, Field
+from starlette.exceptions import HTTPException
+
+from ..errors import SmolError
+from ..generation.grammar import Grammar
+from ..generation.logprobs import TokenLogprob
+from ..generation.sampling import MAX_SEED, Sampling
+from .metrics import Metrics
+from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
+
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def as_api_error(e: Exception) -> APIError:
+    """Whatever a route raised, as what its client is told: an APIError as it is; a SmolError (bad input) a 400;
+    a full queue a 429; FastAPI's body validation a 400 naming the field (as messages.0.content); an unknown
+    route or method a 404 or 405; anything else, a bug, a 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, SmolError):
+        return APIError(400, str(e))
+    if isinstance(e, QueueFull):
+        return APIError(429, str(e), "rate_limit_error", code="queue_full")
+    if isinstance(e, RequestValidationError):
+        error = e.errors()[0]
+        if error["type"] == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error')}")
+        where = ".".join(str(part) for part in error["loc"] if part != "body")
+        return APIError(400, f"{where or 'body'}: {error['msg']}", param=where or None)
+    if isinstance(e, HTTPException):
+        return APIError(e.status_code, str(e.detail))
+    return APIError(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """OpenAI's error body."""
+    return JSONResponse({"error": dict(message=e.message, type=e.type, param=e.param, code=e.code)}, e.status)
+
+
+# Request bodies. Strict: a string is not a number here, nor a number a string. Unknown fields are ignored.
+
+def unicode(text: str) -> str:
+    """Valid JSON can still hold a lone surrogate ("\\ud800"), which is no character: no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode)]
+# One stop string or a list of them, as a list: an error then names the string, as stop.2, whichever was sent.
+Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(unicode)]],
+                  Field(max_length=MAX_STOPS), BeforeValidator(lambda stop: [stop] if isinstance(stop, str) else stop)]
+
+
+def text_of(value, where: str) -> str:
+    """A string of a request's JSON that the body's schema leaves open (a message's content, a part's text), or
+    an APIError naming where it is."""
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}: must be a string", param=where)
+    try:
+        return unicode(value)
+    except ValueError as e:
+        raise APIError(400, f"{where}: {e}", param=where) from None
+
+
+def content_text(content, where: str, kinds: abc.Collection[str] = ("text",)) -> str:
+    """A message's content as one string: the string itself, or its text parts ({"type": "text", "text": ...},
+    or another of `kinds`) joined; an APIError naming the field (as messages.0.content.1.type) for anything else.
+    `where`: the content's field."""
+    if isinstance(content, str):
+        return text_of(content, where)
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}.{j}: must be an object {{'type': {next(iter(kinds))!r}, 'text': ...}}",
+                           param=f"{where}.{j}")
+        if part.get("type") not in kinds:
+            raise APIError(400, f"{where}.{j}.type: only {' and '.join(map(repr, kinds))} parts are supported, got "
+                           f"{part.get('type')!r}", param=f"{where}.{j}.type")
+        parts.append(text_of(part.get("text"), f"{where}.{j}.text"))
+    return "".join(parts)
+
+
+def text_or_ids(value, most: int) -> list[str | list[int]]:
+    """OpenAI's prompt (or embeddings' input): a string, token ids, or a non-empty list of up to `most` of those.
+    A body validator: an error (ValueError) names the field alone. Returns a list, each text or token ids."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be text, token ids, or a non-empty list of those")
+    if len(value) > most:
+        raise ValueError(f"{len(value)} items in one request; at most {most}")
+    for item in value:
+        if isinstance(item, str):
+            unicode(item)
+        elif not (isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in item)):
+            raise ValueError("must be text, token ids, or a non-empty list of those")
+    return value
+
+
+class Served:
+    """What one app serves, kept in its app.state.served: a scheduler per model name (the base model's and its
+    adapters'), the tokenizer they share, the metrics, the API key (None: no key asked), and the conversations of
+    the /v1/responses answers stored for a later previous_response_id (responses.py bounds them)."""
+
+    def __init__(self, schedulers: dict[str, Scheduler], tokenizer, metrics: Metrics, api_key: str | None):
+        self.schedulers, self.tokenizer, self.metrics, self.api_key = schedulers, tokenizer, metrics, api_key
+        self.responses: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+
+    def scheduler(self, name: str) -> Scheduler:
+        """The scheduler of the model a request names."""
+        if name not in self.schedulers:
+            raise APIError(404, f"the model {name!r} does not exist; this server has "
+                           f"{', '.join(map(repr, self.schedulers))}", param="model", code="model_not_found")
+        return self.schedulers[name]
+
+
+async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
+    return connection.app.state.served
+
+
+AppState = Annotated[Served, Depends(app_state)]  # what a route serves: its own app's, as several apps may run
+
+
+# Running requests.
+
+@dataclasses.dataclass
+class Ask:
+    """What one HTTP request asks the model for, whichever API it came by: each prompt answered n times, choice i
+    sampled with the sampling's seed + i (without a seed, each draws a random one)."""
+    prompts: list[list[int]]
+    max_tokens: int | None  # None: up to the context window
+    sampling: Sampling
+    stop: abc.Sequence[str] = ()
+    n: int = 1
+    grammar: Grammar | None = None  # what the answer must fit (structured output)
+    logprobs: int | None = None  # each generated token's log-probability, with this many top tokens
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    speculative: bool | None = None  # guess tokens by prompt lookup; None: as the server does
+
+
+async def grammar(response_format: dict | None, tokenizer, param: str) -> Grammar | None:
+    """A request's response_format compiled; a bad one is a 400 naming `param`, the field it came in."""
+    if response_format is None:
+        return None
+    try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
+        return await run_in_threadpool(Grammar.from_response_format, response_format, tokenizer)
+    except SmolError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+def submit(scheduler: Scheduler, ask: Ask) -> list[Request]:
+    """The requests of every choice of every prompt, in that order, queued on the scheduler; none if one fails."""
+    requests = []
+    try:
+        for prompt in ask.prompts:
+            # No max_tokens: up to the context window; too long a prompt still fails as such.
+            limit = max(scheduler.max_seq_len - len(prompt), 1) if ask.max_tokens is None else ask.max_tokens
+            for i in range(ask.n):
+                seed = None if ask.sampling.seed is None else (ask.sampling.seed + i) % (MAX_SEED + 1)
+                requests.append(scheduler.submit(prompt, limit, dataclasses.replace(ask.sampling, seed=seed),
+                                                 ask.stop, ask.logprobs, ask.prompt_logprobs, ask.grammar,
+                                                 ask.speculative))
+    except BaseException:
+        for request in requests:
+            scheduler.cancel(request)
+        raise
+    return requests
+
+
+async def answers(scheduler: Scheduler, requests: list[Request], connection: Connection) \
+        -> tuple[list[str], list[Done], list[list[TokenLogprob | None]]]:
+    """Each request's whole answer: its text, its end (Done) and its tokens' log-probabilities, the prompt's first
+    when asked. A request the server ended (shutting down, a failed step) is a 503."""
+    # Nothing is sent before the whole answer, so only listening tells that the client went away.
+    watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
+    texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
+    try:
+        async with contextlib.aclosing(merged(requests)) as events:
+            async for i, event in events:
+                if isinstance(event, PromptLogprobs):
+                    logprobs[i] = event.logprobs
+                elif isinstance(event, Delta):
+                    texts[i].append(event.text)
+                    logprobs[i] += event.logprobs
+                elif event.error:
+                    raise APIError(503, event.error, "server_error")
+                else:
+                    dones[i] = event
+        return ["".join(text) for text in texts], dones, logprobs
+    finally:
+        watcher.cancel()
+        for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
+            scheduler.cancel(request)
+
+
+async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, requests: list[Request]):
+    # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
+    while (await connection.receive())["type"] != "http.disconnect":
+        pass
+    for request in requests:
+        scheduler.cancel(request)
+
+
+async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
+    """The events of several requests (a request's choices) as they come, each with its request's index, until
+    every request has ended."""
+    if len(requests) == 1:
+        async for event in requests[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, request: Request):
+        async for event in request.events():
+            queue.put_nowait((i, event))
+
+    pumps = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, event = await queue.get()
+            left -= isinstance(event, Done)
+            yield i, event
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+# Server-sent events.
+
+class EventStream(StreamingResponse):
+    """Server-sent events. The generator is closed however the response ends, so a client that leaves
+    cancels its request, and frees its slot, at once rather than whenever the generator is collected."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(data: dict | str, event: str | None = None) -> str:
+    """One server-sent event: its data (JSON, or a string as it is), named `event` where the API names them."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

@@ -1,0 +1,200 @@
+"""OpenAI's Responses API (/v1/responses) through the official openai client: the same text as chat completions
+for the same conversation, whole or streamed (the client's own stream helpers), across turns with
+previous_response_id; bounded storage, and errors naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from test_server import running
+
+from smollm2 import SmolLM2, Tokenizer
+from smollm2.server import create_app
+from smollm2.server import responses as served_responses
+
+NAME = "SmolLM2-135M-Instruct"
+TINY = "tiny"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    """The official client against the embedded model, served by uvicorn on a free port."""
+    from openai import OpenAI
+
+    with running(create_app(model, Tokenizer.from_pretrained(), model_name=NAME, max_seq_len=1024)) as url:
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+
+
+def chat(client, messages, **extra) -> str:
+    answer = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=40, **extra)
+    assert answer.choices[0].finish_reason == "stop"  # an answer that ended: the same, whole, from each route
+    return answer.choices[0].message.content
+
+
+def test_plain_and_streamed_answers_equal_chat_completions(client):
+    want = chat(client, [{"role": "user", "content": QUESTION}])
+    answer = client.responses.create(model=NAME, input=QUESTION, temperature=0, max_output_tokens=40)
+    assert answer.output_text == want and answer.status == "completed"
+    assert answer.output[0].type == "message" and answer.output[0].role == "assistant"
+    prompt = Tokenizer.from_pretrained().apply_chat_template([{"role": "user", "content": QUESTION}])
+    assert answer.usage.input_tokens == len(prompt)
+    assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+
+    with client.responses.stream(model=NAME, input=QUESTION, temperature=0, max_output_tokens=40) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == want
+    assert final.usage.output_tokens == answer.usage.output_tokens
+
+    events = list(client.responses.create(model=NAME, input=QUESTION, temperature=0, max_output_tokens=40,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert events[-4].text == want and events[-1].response.output_text == want
+
+
+def test_instructions_and_message_items_are_the_chat_they_describe(client):
+    system = "You are a geography teacher. Answer in one sentence."
+    want = chat(client, [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    answer = client.responses.create(model=NAME, instructions=system, input=QUESTION, temperature=0,
+                                     max_output_tokens=40)
+    assert answer.output_text == want and answer.instructions == system
+    items = [{"role": "developer", "content": system},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    assert client.responses.create(model=NAME, input=items, temperature=0, max_output_tokens=40).output_text == want
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first, second = QUESTION, "And of Italy?"
+    one = client.responses.create(model=NAME, input=first, temperature=0, max_output_tokens=40)
+    two = client.responses.create(model=NAME, input=second, previous_response_id=one.id, temperature=0,
+                                  max_output_tokens=40)
+    want = chat(client, [{"role": "user", "content": first}, {"role": "assistant", "content": one.output_text},
+                         {"role": "user", "content": second}])
+    assert two.output_text == want and two.previous_response_id == one.id
+    # The same turn streamed; and the earlier answer sent back as an item, as a client keeping its own history does.
+    with client.responses.stream(model=NAME, input=second, previous_response_id=one.id, temperature=0,
+                                 max_output_tokens=40) as stream:
+        assert stream.get_final_response().output_text == want
+    items = [{"role": "user", "content": first}, *[item.model_dump() for item in one.output],
+             {"role": "user", "content": second}]
+    assert client.responses.create(model=NAME, input=items, temperature=0, max_output_tokens=40).output_text == want
+
+
+def test_a_json_schema_format_answers_as_chat_completions_does(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    question = [{"role": "user", "content": "Name the capital of France as JSON."}]
+    want = chat(client, question, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "place", "schema": schema}})
+    answer = client.responses.create(model=NAME, input=question, temperature=0, max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    assert answer.output_text == want and set(json.loads(want)) == {"city", "country"}
+
+
+def test_a_tiny_top_p_samples_the_greedy_answer(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        def answer(**sampling):
+            r = client.post("/v1/responses", json=dict(model=TINY, input="Hello", max_output_tokens=8, **sampling))
+            return r.json()["output"][0]["content"][0]["text"]
+
+        assert answer(temperature=1, top_p=1e-6) == answer(temperature=0)
+
+
+def test_a_cut_answer_is_incomplete_whole_or_streamed(tiny):
+    model, tokenizer = tiny
+    body = dict(model=TINY, input="Hello", max_output_tokens=3, temperature=0)
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        answer = client.post("/v1/responses", json=body).json()
+        assert answer["status"] == "incomplete" and answer["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert answer["output"][0]["status"] == "incomplete" and answer["usage"]["output_tokens"] == 3
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        last = json.loads(lines[-1][6:])
+        assert last["type"] == "response.incomplete" and last["response"]["status"] == "incomplete"
+        assert last["response"]["output"][0]["content"] == answer["output"][0]["content"]
+
+
+def test_instructions_are_not_carried_to_the_next_turn(tiny):
+    """As OpenAI: a stored conversation keeps the input and the answer, not the instructions."""
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        def respond(**body):
+            return client.post("/v1/responses", json=dict(model=TINY, max_output_tokens=5, temperature=0,
+                                                          **body)).json()
+
+        def chat(messages):
+            return client.post("/v1/chat/completions", json=dict(model=TINY, messages=messages, max_tokens=5,
+                                                                 temperature=0)).json()["choices"][0]["message"]
+
+        one = respond(input="Hello", instructions="Answer in French.")
+        assert one["output"][0]["content"][0]["text"] == chat([{"role": "system", "content": "Answer in French."},
+                                                              {"role": "user", "content": "Hello"}])["content"]
+        two = respond(input="Why?", previous_response_id=one["id"])
+        said = one["output"][0]["content"][0]["text"]
+        assert two["output"][0]["content"][0]["text"] == chat([{"role": "user", "content": "Hello"},
+                                                              {"role": "assistant", "content": said},
+                                                              {"role": "user", "content": "Why?"}])["content"]
+
+
+def test_stored_conversations_are_bounded_least_recently_used_first(tiny, monkeypatch):
+    model, tokenizer = tiny
+    assert served_responses.MAX_STORED == 256
+    monkeypatch.setattr(served_responses, "MAX_STORED", 2)
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        def ask(**extra):
+            r = client.post("/v1/responses", json=dict(model=TINY, input="Hi", max_output_tokens=2, **extra))
+            return r.json()["id"] if r.status_code == 200 else r.json()["error"]
+
+        first, second = ask(), ask()
+        ask(previous_response_id=first, store=False)  # first used again, this answer not stored: second is now
+        # the least recently used
+        third = ask()
+        for gone in (second, "resp_unknown"):
+            error = ask(previous_response_id=gone)
+            assert error["param"] == "previous_response_id" and error["code"] == "previous_response_not_found"
+        for kept in (first, third):
+            assert isinstance(ask(previous_response_id=kept, store=False), str)
+
+
+def test_bad_requests_get_400_naming_the_field(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        for extra, field in [
+            (dict(input=5), "input"),
+            (dict(input=[]), "input"),
+            (dict(input=["Hi"]), "input.0"),
+            (dict(input=[{"role": "tool", "content": "x"}]), "input.0.role"),
+            (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+             "input.0.content.0.type"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {"type": "function_call_output", "output": "1"}]),
+             "input.1.type"),
+            (dict(input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+            (dict(input="Hi", text={"format": {"type": "json_schema"}}), "text.format"),
+            (dict(input="Hi", max_output_tokens=0), "max_output_tokens"),
+            (dict(input="Hi", temperature="hot"), "temperature"),
+            (dict(input="\ud800"), "input"),
+            (dict(input="word " * 600), None),  # beyond the context window of 512
+        ]:
+            r = client.post("/v1/responses", content=json.dumps(dict(model=TINY, **extra)),
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and error["message"], (extra, error)
+        r = client.post("/v1/responses", json=dict(model="gpt-5", input="Hi"))
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert client.get("/health").json()["active"] == 0
