@@ -47,7 +47,8 @@ MODES = [("one at a time", False), ("one at a time", True), ("concurrent", False
 
 @contextlib.contextmanager
 def process(command: list[str], url: str, log_path: Path, env: dict | None = None, timeout: float = 300):
-    """A server process, until it answers GET /health with 200; stopped (SIGTERM, then SIGKILL) on leaving."""
+    """A server process (the Popen), once it answers GET /health with 200; stopped (SIGTERM, then SIGKILL) on
+    leaving."""
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -61,7 +62,7 @@ def process(command: list[str], url: str, log_path: Path, env: dict | None = Non
             if time.monotonic() > deadline:
                 raise SystemExit(f"{command[0]} did not start in {timeout:g} s; its log: {log_path}")
             time.sleep(0.2)
-        yield url
+        yield server
     finally:
         server.terminate()
         try:
@@ -225,12 +226,12 @@ def main() -> int:
     env = {**os.environ, **dict(setting.split("=", 1) for setting in args.smollm2_env)}
     with contextlib.ExitStack() as stack:
         ours, theirs = free_port(), free_port()
-        urls = {"smollm2": stack.enter_context(process(smollm2_command(args, ours), f"http://127.0.0.1:{ours}",
-                                                       logs / "smollm2.log", env))}
+        urls = {"smollm2": f"http://127.0.0.1:{ours}"}
+        stack.enter_context(process(smollm2_command(args, ours), urls["smollm2"], logs / "smollm2.log", env))
         if not args.no_llama_server:
-            urls["llama-server"] = stack.enter_context(process(
-                llama_server_command(args, args.llama_server, model, theirs), f"http://127.0.0.1:{theirs}",
-                logs / "llama-server.log"))
+            urls["llama-server"] = f"http://127.0.0.1:{theirs}"
+            stack.enter_context(process(llama_server_command(args, args.llama_server, model, theirs),
+                                        urls["llama-server"], logs / "llama-server.log"))
         return asyncio.run(measure(args, urls))
 
 

@@ -303,3 +303,22 @@ def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatc
     want, _ = evaluate.loglikelihood(tiny, ids[:1], ids[1:])
     assert sum(s.logprob for s in scored[1:]) == pytest.approx(want, abs=1e-4)
     assert logprobs.prompt_logprobs(tiny, ids[:1]) == [None]
+
+
+def test_the_slots_rows_no_longer_hold_go_back_to_the_os():
+    """A server's memory follows its load: once a row retires, its cache row's slots are handed back (they read as
+    zeros again), and a row that moves into a freed row leaves nothing of the one before past its own slots."""
+    from smollm2.generation.engine import Engine
+
+    model = tiny_model(TINY["gqa"])
+    engine = Engine(model, 2, 64, prefill_budget=None)
+    long_, short = (Sequence(list(range(3, 3 + n)), new, Sampling(), ()) for n, new in ((20, 12), (5, 3)))
+    rows = [engine.admit(long_), engine.admit(short)]
+    with torch.inference_mode():
+        while not short.finish_reason:
+            engine.step()
+        held = engine.cache.k[:, 0, :, :rows[0].filled].clone()
+        assert engine.decoding == [rows[0]] and not engine.cache.k[:, 1].any()  # the short row's memory is back
+        while not long_.finish_reason:
+            engine.step()
+    assert held.any() and not engine.cache.k.any() and not engine.cache.v.any()

@@ -36,7 +36,7 @@ from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
 from .sequence import Sequence, Step, advance
 from .speculative import MAX_PASS_TOKENS, PromptLookup
-from .steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache, verify_step
+from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
 
 
 @dataclass
@@ -110,12 +110,15 @@ class Engine:
             self.queued.remove(row)
         elif row is self.filling:
             self.filling = None
+            self._release(self.filling_at)
         self._retire()
 
     def reset(self) -> None:
         """Drop every row (after a step that failed: it may have left them half moved)."""
         self.decoding, self.filling = [], None
         self.queued.clear()
+        for at in range(self.cache_rows):
+            self._release(at)
 
     def step(self) -> list[tuple[Row, Step | PromptLogprobs]]:
         """One step (see the module's docstring); returns what it did to each row, in order: a row's Step (its
@@ -247,20 +250,31 @@ class Engine:
         self._retire()
 
     def _retire(self) -> None:
-        """Drop the rows that have ended, moving the last row decoding into each row freed."""
-        rows, b = self.decoding, 0
+        """Drop the rows that have ended, moving the last row decoding into each row freed; the memory of the
+        slots no row holds any more goes back to the OS."""
+        rows, b, touched = self.decoding, 0, set()
         while b < len(rows):
             if not rows[b].ended:
                 b += 1
                 continue
             last = rows.pop()
+            touched |= {b, len(rows)}
             if b < len(rows):  # the last row takes row b; one that has ended too is dropped next
                 if not last.ended:
                     self._move(len(rows), b, last.filled)
                 rows[b] = last
         if self.filling is not None and self.filling_at != len(rows):  # the prefilling row stays right after
             self._move(self.filling_at, len(rows), self.filling.filled)
+            touched |= {self.filling_at, len(rows)}
             self.filling_at = len(rows)
+        for at in touched:
+            self._release(at)
+
+    def _release(self, at: int) -> None:
+        """Cache row `at`'s slots past those its row holds (all of them if none holds it): back to the OS."""
+        holder = self.decoding[at] if at < len(self.decoding) else (
+            self.filling if self.filling is not None and at == self.filling_at else None)
+        release_slots(self.cache, at, holder.filled if holder is not None else 0)
 
     def _move(self, source: int, target: int, filled: int) -> None:
         # Only the filled slots; what the target row holds past them is hidden by the causal mask.

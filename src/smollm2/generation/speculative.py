@@ -21,7 +21,8 @@ import numpy as np
 
 MAX_PASS_TOKENS = 16  # positions in one pass, over every row: the most the CPU decoding kernel takes at once
 # (kernels.ops.MAX_ROWS), so a pass is summed as a decoding step is; past it the pass would run on other code
-MAX_NGRAM = 3  # the longest run of recent tokens looked up; shorter ones are tried after it, down to one
+MAX_NGRAM = 3  # the longest run of recent tokens looked up; shorter ones are tried after it, down to MIN_NGRAM
+MIN_NGRAM = 2  # a single token recurs too often in any text: its continuations are mostly wrong guesses
 MAX_GUESS = 8  # tokens guessed at once: a pass of 9 positions costs about 1.5 decoding steps on the CPU
 MAX_PAUSE = 32  # steps a row waits, at most, before guessing again after its guesses kept missing
 
@@ -30,7 +31,7 @@ class PromptLookup:
     """One row's guesses by prompt lookup, their length adapted to how many the model has kept lately."""
 
     def __init__(self):
-        self.length = 4  # tokens to guess next
+        self.length = 3  # tokens to guess next
         self.pause = 0  # steps still to wait before guessing again
         self.misses = 0  # passes in a row whose first guess missed
         self.guessed = self.kept = 0  # over the row's life: tokens guessed, and kept
@@ -53,10 +54,10 @@ class PromptLookup:
 
 
 def lookup(tokens: list[int], length: int) -> list[int]:
-    """The `length` tokens after the latest earlier occurrence of the last n tokens (n = MAX_NGRAM, then shorter);
-    [] where none occurs."""
+    """The `length` tokens after the latest earlier occurrence of the last n tokens (n = MAX_NGRAM, then shorter,
+    down to MIN_NGRAM); [] where none occurs."""
     seen = np.asarray(tokens)
-    for n in range(min(MAX_NGRAM, len(seen) - 1), 0, -1):
+    for n in range(min(MAX_NGRAM, len(seen) - 1), MIN_NGRAM - 1, -1):
         tail = seen[-n:]
         starts = np.flatnonzero(seen[:len(seen) - n] == tail[0])  # each with a token after its n-gram
         for j in range(1, n):

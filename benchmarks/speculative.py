@@ -1,0 +1,126 @@
+"""Speculative decoding by prompt lookup, beside plain decoding: batch 1, greedy, the embedded model.
+
+    .venv/bin/python benchmarks/speculative.py [--new-tokens 128] [--rounds 3] [--threads 2]
+
+Two sets of chat prompts: input-grounded ones (rewrite, extract, summarise, edit code in a given text), where an
+answer repeats long runs of its input, and open-ended ones, where it rarely does. Each prompt is answered
+without speculation and with it, in turns (a noisy stretch of the machine falls on both), and the best round of
+each counts. Prints each prompt's decode tok/s both ways, tokens per decoding pass and how many guesses stood,
+and checks that the tokens are identical; exits 1 if they differ anywhere, or if a set's speed-up (total decode
+time without over total with) is under its bar: --grounded-at-least 2.0 and --open-at-least 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from smollm2 import Tokenizer, load_model
+from smollm2.generation import stream
+from smollm2.generation.engine import Engine
+
+PARAGRAPH = ("The city council met on Tuesday evening to discuss the new budget. After a long debate, the members "
+             "agreed to increase spending on public libraries by ten percent and to keep the parks budget at last "
+             "year's level. The mayor said the decision reflected what residents had asked for at the spring "
+             "meetings, and the council will vote on the final plan next month.")
+CODE = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        total = total + item["price"] * item["quantity"]
+    total = total + total * tax_rate
+    return total
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+'''
+GROUNDED = [
+    f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
+    f"Rewrite this text, replacing 'council' with 'committee' and changing nothing else:\n\n{PARAGRAPH}",
+    f"Copy this text and put each sentence on its own line:\n\n{PARAGRAPH}",
+    f"Quote the sentence about the mayor from this text, exactly:\n\n{PARAGRAPH}",
+    f"Rename the function total_price to compute_total in this code and give the whole code back:\n\n{CODE}",
+    f"Add a docstring to each function of this code and give the whole code back:\n\n{CODE}",
+    f"Rewrite this code to use the name 'products' instead of 'items', giving the whole code:\n\n{CODE}",
+    f"Summarise this text in two sentences, reusing its own words:\n\n{PARAGRAPH}",
+]
+OPEN = [
+    "Write a short poem about the sea.",
+    "Tell me a story about a dragon who learns to cook.",
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue to a ten-year-old.",
+]
+
+
+def answer(model, ids: list[int], new_tokens: int, speculative: str | None) -> tuple[list[int], float, float, tuple]:
+    """Its tokens, seconds to the first token, seconds for the rest, and (passes, tokens, guessed, kept)."""
+    engines = []
+    original = Engine.__init__
+
+    def kept_engine(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engines.append(self)
+
+    Engine.__init__ = kept_engine
+    try:
+        tokens, start, first = [], time.perf_counter(), None
+        for (step,) in stream(model, [ids], new_tokens, speculative=speculative):
+            first = first or time.perf_counter()
+            tokens.append(step.token)
+        end = time.perf_counter()
+    finally:
+        Engine.__init__ = original
+    e = engines[-1]
+    return tokens, first - start, end - first, (e.passes, e.decoded, e.guessed, e.kept)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--grounded-at-least", type=float, default=2.0)
+    p.add_argument("--open-at-least", type=float, default=0.95)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(None), Tokenizer.from_pretrained(None)
+    answer(model, tokenizer.encode("Hello"), 8, "ngram")  # warm-up: the kernels' choices
+    failures = []
+    print(f"batch 1, greedy, up to {args.new_tokens} new tokens, {args.threads} threads; decode tok/s, best of "
+          f"{args.rounds} rounds taken in turns")
+    print(f"{'prompt':<44}{'tokens':>7}{'plain':>9}{'ngram':>9}{'ratio':>8}{'tok/pass':>10}{'kept':>10}")
+    for name, prompts, bar in (("grounded", GROUNDED, args.grounded_at_least), ("open", OPEN, args.open_at_least)):
+        totals = {None: 0.0, "ngram": 0.0}
+        for text in prompts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            best, runs = {None: float("inf"), "ngram": float("inf")}, {}
+            for round_ in range(args.rounds):
+                for mode in (None, "ngram") if round_ % 2 == 0 else ("ngram", None):
+                    tokens, _, decode_s, counts = answer(model, ids, args.new_tokens, mode)
+                    best[mode] = min(best[mode], decode_s)
+                    runs[mode] = tokens, counts
+            (plain, _), (fast, (passes, decoded, guessed, kept)) = runs[None], runs["ngram"]
+            if fast != plain:
+                failures.append(f"{name}: {text[:40]!r}: tokens differ with speculation")
+            n = len(plain) - 1  # after the first token
+            totals[None], totals["ngram"] = totals[None] + best[None], totals["ngram"] + best["ngram"]
+            print(f"{text[:42].replace(chr(10), ' '):<44}{len(plain):>7}{n / best[None]:>9.1f}{n / best['ngram']:>9.1f}"
+                  f"{best[None] / best['ngram']:>7.2f}x{decoded / max(passes, 1):>10.2f}{f'{kept}/{guessed}':>10}")
+        ratio = totals[None] / totals["ngram"]
+        print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x)")
+        if ratio < bar:
+            failures.append(f"{name}: {ratio:.2f}x is under {bar:.2f}x")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
