@@ -48,6 +48,15 @@ def whole_number(low: int, high: int):
     return parse
 
 
+def logit_bias(text: str) -> tuple[int, float]:
+    """An argparse type: ID=BIAS, a token id and the bias added to its logit (its range is Sampling's to check)."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be ID=BIAS, a token id and a number, got {text!r}") from None
+
+
 def directory(text: str) -> Path:
     """An argparse type: a directory to create or reuse; an existing file on its way is not one."""
     path = Path(text)
@@ -103,7 +112,9 @@ def load(args):
 
 def sampling(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, seed=args.seed)
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
+                min_new_tokens=args.min_new_tokens, seed=args.seed)
 
 
 def response_format(args) -> dict | None:
@@ -127,8 +138,9 @@ def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> s
     from .generation import stream
 
     text, logprobs = [], []
-    for (step,) in stream(model, [ids], args.max_new_tokens, stop=args.stop, tokenizer=tokenizer,
-                          compile=args.compile, prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
+    stop = args.stop + args.stop_token_id  # strings and token ids
+    for (step,) in stream(model, [ids], args.max_new_tokens, stop=stop, tokenizer=tokenizer, compile=args.compile,
+                          prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
                           response_format=args.response_format, speculative=args.speculative, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
@@ -521,14 +533,24 @@ def parser() -> argparse.ArgumentParser:
 
     sample = argparse.ArgumentParser(add_help=False)
     sample.add_argument("--max-new-tokens", type=int, default=256)
+    sample.add_argument("--min-new-tokens", type=int, default=0,
+                        help="no EOS, stop token or stop text before this many tokens (default: 0)")
     sample.add_argument("--temperature", type=float, default=0.2, help="0 is greedy (default: 0.2)")
     sample.add_argument("--top-k", type=int)
     sample.add_argument("--top-p", type=float, default=0.9)
     sample.add_argument("--min-p", type=float)
     sample.add_argument("--repetition-penalty", type=float, default=1.0)
+    sample.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from the logit of each token already generated")
+    sample.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from a token's logit once per time it was generated")
+    sample.add_argument("--logit-bias", type=logit_bias, action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS, in [-100, 100], to token ID's logit (repeatable; -100 bans it)")
     sample.add_argument("--seed", type=whole_number(0, MAX_SEED))
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the answer before this text (repeatable); it is never printed")
+    sample.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
+                        help="end the answer at this token, as at EOS (repeatable); it is never printed")
     sample.add_argument("--speculative", choices=("ngram",),
                         help="ngram: guess tokens by prompt lookup and check them in one pass (same answer, faster "
                              "where it repeats its input)")

@@ -33,17 +33,19 @@ def eos_ids(eos_token_id, config) -> set[int]:
 
 @torch.inference_mode()
 def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
-           stop: abc.Sequence[str] = (), tokenizer=None, compile: bool | None = None,
+           stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
            speculative: str | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
     tokens than another in a speculating step): its new token, the text that became final with it (decoded when
     a tokenizer is given), and on its last step why it finished.
 
-    sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed; see Sampling.
-    A row finishes after its EOS token (eos_token_id: the checkpoint's by default, None to never stop), or
-    once its text contains one of the `stop` strings (which needs `tokenizer`; its text then ends before the
-    stop string), or after max_new_tokens.
+    sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, logit_bias ({token id: bias}), min_new_tokens, seed; see Sampling.
+    A row finishes after its EOS token (eos_token_id: the checkpoint's by default, None to never stop) or a token
+    id in `stop`, or once its text contains one of the strings in `stop` (which needs `tokenizer`; its text then
+    ends before the stop string), or after max_new_tokens; not before min_new_tokens: until then its EOS and stop
+    ids are banned and stop strings let pass.
     compile: run each decoding step through torch.compile. None (the default) chooses: on CUDA, yes (the
     step becomes a CUDA graph, replayed without Python); on the CPU, no: compiling takes about a minute, and
     the compiled step runs on torch's kernels instead of smollm2.kernels, slower than the eager step.
@@ -52,15 +54,16 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     logprobs: None (the default) or 0..20: each Step's `logprob` is then a TokenLogprob, the token's
     log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
     likely tokens at its position with theirs.
-    response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
-    (needs `tokenizer` and the `structured` extra): each row may only write JSON that fits it, then its EOS.
+    response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}},
+    or {"type": "choice", "choices": [...]} or {"type": "regex", "pattern": ...} (needs `tokenizer` and the
+    `structured` extra): each row may only write text that fits it, then its EOS.
     speculative: None, or "ngram": each row guesses its next tokens by prompt lookup and the model checks them
     in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
     """
-    config = model.config
-    prompts = check_request(input_ids, max_new_tokens, stop, config.vocab_size, config.max_position_embeddings)
+    config, params = model.config, Sampling(**sampling)
+    prompts = check_request(input_ids, max_new_tokens, stop, params, config.vocab_size, config.max_position_embeddings)
     device = model.model.embed_tokens.weight.device
-    params, eos = Sampling(**sampling), eos_ids(eos_token_id, config)
+    eos = eos_ids(eos_token_id, config)
     if response_format is not None and tokenizer is None:
         raise SmolError("response_format needs a tokenizer: pass tokenizer=")
     grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)

@@ -1,4 +1,7 @@
-"""Structured output: OpenAI's `response_format` as a grammar that masks each step's logits.
+"""Structured output: OpenAI's `response_format` as a grammar that masks each step's logits; beside its
+json_object and json_schema, guided choice and regex as vLLM offers them, as two more types:
+{"type": "choice", "choices": ["yes", "no"]} (the answer is one of the strings) and
+{"type": "regex", "pattern": "[0-9]{3}-[0-9]{4}"} (the answer matches the pattern, whole).
 
     grammar = Grammar.from_response_format({"type": "json_schema", "json_schema": {"schema": {...}}}, tokenizer)
     matcher = grammar.matcher()            # one per sequence: it holds where in the JSON the sequence is
@@ -8,7 +11,11 @@
     if matcher.finished: ...               # EOS was accepted: the answer is complete
 
 Once the JSON value is complete the grammar allows EOS alone, so a sequence under a grammar ends with EOS
-(or runs out of tokens first, and its JSON is cut short, as any answer cut by max_tokens is).
+(or runs out of tokens first, and its JSON is cut short, as any answer cut by max_tokens is). A JSON answer is
+compact (", " and ": ", no other whitespace) and its numbers are bounded as llama.cpp's schema converter bounds
+them: at most 16 digits before the point, after it, and in the exponent. Free whitespace or digits would let a
+small model go on writing them, valid all along, until max_tokens: a greedy {name, age} answer about Hamlet ran
+`"age": 10000000...` to the end.
 
 The grammar engine is xgrammar, chosen over llguidance by measurement (benchmarks/constrained.py: 2 shared CPU
 cores, SmolLM2's tokenizer, replaying valid answers to five JSON grammars): computing the allowed-token bitmask
@@ -34,8 +41,20 @@ import torch
 
 from ..errors import SmolError
 
-MAX_SCHEMA_CHARS = 32_768  # a schema is a request's input: bounded before it reaches a compiler
+MAX_SCHEMA_CHARS = 32_768  # a schema (or a list of choices) is a request's input: bounded before it reaches a compiler
 MAX_SCHEMA_DEPTH = 32
+MAX_PATTERN_CHARS = 256  # a regex's compiled grammar grows with it: each counted repetition of a broad class,
+# [^a]{0,40} say, costs xgrammar up to ~0.6 s of one CPU thread to compile
+MAX_CHOICES = 1024
+DIGITS = 16  # the most digits a JSON number has before its point, after it, and in its exponent (as llama.cpp)
+LARGEST = 10**DIGITS - 1
+# xgrammar's built-in rules for numbers without a range, as it prints them, with their digits bounded. (A range
+# with both ends gives bounded digits already; a range open at one end is closed at +-LARGEST, see _bounded.)
+BOUNDED_NUMBERS = {
+    "basic_integer": f'"0" | "-"? [1-9] [0-9]{{0,{DIGITS - 1}}}',
+    "basic_number": f'"-"? ("0" | [1-9] [0-9]{{0,{DIGITS - 1}}}) ("." [0-9]{{1,{DIGITS}}})? '
+                    f'([eE] [+\\-]? [0-9]{{1,{DIGITS}}})?',
+}
 CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
@@ -54,25 +73,42 @@ class Grammar:
     @classmethod
     def from_response_format(cls, response_format, tokenizer) -> Grammar | None:
         """{"type": "text"} -> None (no constraint); {"type": "json_object"} -> any JSON object;
-        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} -> JSON valid under that schema."""
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} -> JSON valid under that schema;
+        {"type": "choice", "choices": [...]} -> one of the strings; {"type": "regex", "pattern": ...} -> text that
+        matches the pattern."""
         if not isinstance(response_format, dict):
             raise SmolError(f"response_format must be an object, not {type(response_format).__name__}")
         kind = response_format.get("type")
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls._get(tokenizer, "json_object", None)
+            return cls._get(tokenizer, "json_object", lambda compiler: _compile_json(compiler, None))
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise SmolError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
             schema = spec["schema"]
             _check_schema(schema)
-            return cls._get(tokenizer, json.dumps(schema, sort_keys=True), schema)
-        raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+            return cls._get(tokenizer, json.dumps(schema, sort_keys=True),
+                            lambda compiler: _compile_json(compiler, schema))
+        if kind == "choice":
+            choices = response_format.get("choices")
+            _check_choices(choices)
+            # An EBNF string literal escapes as JSON does; a character beyond ASCII stays itself.
+            ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            return cls._get(tokenizer, "choice " + json.dumps(choices), lambda compiler: compiler.compile_grammar(ebnf))
+        if kind == "regex":
+            pattern = response_format.get("pattern")
+            if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
+                raise SmolError(f'response_format regex needs "pattern": a regular expression of 1 to '
+                                f"{MAX_PATTERN_CHARS} characters")
+            return cls._get(tokenizer, "regex " + pattern, lambda compiler: _compile_regex(compiler, pattern))
+        raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema', "
+                        f"'choice', 'regex'")
 
     @classmethod
-    def _get(cls, tokenizer, key: str, schema) -> Grammar:
+    def _get(cls, tokenizer, key: str, compile) -> Grammar:
+        """The grammar cached under key for this tokenizer, or compile(compiler)'s, cached."""
         if tokenizer.eos_token_id is None:
             raise SmolError(f"{tokenizer.source}: the tokenizer has no EOS token to end a structured answer")
         with _lock:
@@ -82,7 +118,7 @@ class Grammar:
             if compiled is not None:
                 _compiled.move_to_end(cache_key)
             else:
-                compiled = _compile(compiler, schema)
+                compiled = compile(compiler)
                 _compiled[cache_key] = compiled
                 while len(_compiled) > CACHE_SIZE:
                     _compiled.popitem(last=False)
@@ -177,18 +213,77 @@ def _compiler(tokenizer):
     return entry
 
 
-def _compile(compiler, schema):
+def _compile_json(compiler, schema):
+    """Any JSON object (schema None) or JSON valid under the schema; compact, numbers bounded (see above)."""
     # Compact JSON (", " and ": ", no free whitespace): a small model left free to write whitespace can write
     # nothing else until max_tokens, and runs of it are wasted tokens anyway.
-    if schema is None:
-        # Any object, any properties: strict_mode=False, else {"type": "object"} would allow only {}.
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    import xgrammar as xgr
     try:
-        # strict_mode: no properties beyond those the schema names (the answers stay valid, and shorter).
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        if schema is None:
+            # Any object, any properties: strict_mode=False, else {"type": "object"} would allow only {}.
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        else:
+            # strict_mode: no properties beyond those the schema names (the answers stay valid, and shorter).
+            grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded(schema)), any_whitespace=False,
+                                                   strict_mode=True)
     except RuntimeError as e:  # xgrammar's message names the unsupported or broken part of the schema
-        reason = str(e).strip().splitlines()[0].split(": ", 1)[-1]
-        raise SmolError(f"response_format json_schema: {reason}") from None
+        raise SmolError(f"response_format json_schema: {_reason(e)}") from None
+    rules = []
+    for rule in str(grammar).splitlines():
+        name = rule.split(" ::= ", 1)[0]
+        rules.append(f"{name} ::= {BOUNDED_NUMBERS[name]}" if name in BOUNDED_NUMBERS else rule)
+    return compiler.compile_grammar("\n".join(rules))
+
+
+def _bounded(schema):
+    """The schema with every integer or number range that is open at one end closed at +-LARGEST (where that
+    leaves it some numbers): xgrammar writes an open end's digits without bound."""
+    if isinstance(schema, list):
+        return [_bounded(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("enum", "const", "default", "examples") else _bounded(v) for k, v in schema.items()}
+    kind = schema.get("type")  # a dict here is a property named "type": `properties` holds schemas by name
+    kinds = kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []
+    if "integer" in kinds or "number" in kinds:
+        low = [schema[k] for k in ("minimum", "exclusiveMinimum") if _is_number(schema.get(k))]
+        high = [schema[k] for k in ("maximum", "exclusiveMaximum") if _is_number(schema.get(k))]
+        if low and not high and max(low) < LARGEST:
+            out["maximum"] = LARGEST
+        if high and not low and min(high) > -LARGEST:
+            out["minimum"] = -LARGEST
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _compile_regex(compiler, pattern: str):
+    try:
+        return compiler.compile_regex(pattern)
+    except RuntimeError as e:  # xgrammar's message says what is wrong, and where
+        raise SmolError(f"response_format regex: {_reason(e)}") from None
+
+
+def _reason(error: RuntimeError) -> str:
+    """xgrammar's message, without the source file and line it starts with."""
+    return str(error).strip().splitlines()[0].split(": ", 1)[-1]
+
+
+def _check_choices(choices) -> None:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise SmolError('response_format choice needs "choices": a list of non-empty strings')
+    if len(choices) > MAX_CHOICES:
+        raise SmolError(f"response_format choice: {len(choices)} choices, more than {MAX_CHOICES}")
+    characters = sum(map(len, choices))
+    if characters > MAX_SCHEMA_CHARS:
+        raise SmolError(f"response_format choice: {characters} characters, more than {MAX_SCHEMA_CHARS}")
+    for c in choices:
+        try:
+            c.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SmolError(f"response_format choice {c[:40]!r}: not valid Unicode text") from None
 
 
 def _check_schema(schema) -> None:

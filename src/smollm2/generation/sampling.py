@@ -1,6 +1,8 @@
 """Choosing the next token of many rows at once: greedy, or seeded sampling after transformers' logits warpers.
 
-Order as in transformers' generate: repetition penalty, temperature, top-k, top-p, min-p. Every row brings its
+Order: OpenAI's logit bias and presence and frequency penalties, added to the raw logits (their order among
+themselves does not matter: all three add); then, as in transformers' generate, repetition penalty, temperature,
+top-k, top-p, min-p. Every row brings its
 own parameters and its own random generator, and each warper works on a row alone (its parameters are
 per-row columns, and a row whose parameter means "none" passes through unchanged), so a row draws the same
 token in any batch as alone. The draw is an exponential race (argmax of p / Exp(1) noise), which picks token i
@@ -10,6 +12,7 @@ with probability p_i and needs no host sync.
 from __future__ import annotations
 
 import math
+from collections import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ from ..errors import SmolError
 # (then NaN, and token 0), and already at this one the softmax is one-hot for any logit gap above 1e-3.
 GREEDY_BELOW = 1e-5
 MAX_SEED = 2**64 - 1  # seeds are 0..MAX_SEED: what torch.Generator.manual_seed takes, less the negative aliases
+MAX_BIAS = 100  # logit_bias values are in [-MAX_BIAS, MAX_BIAS], as OpenAI's
+MAX_PENALTY = 2  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class Sampling:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once per time
+    logit_bias: abc.Mapping[int, float] | None = None  # token id -> added to its logit (-100 bans it in practice)
+    min_new_tokens: int = 0  # the row's EOS and stop token ids are banned until it has generated this many
     seed: int | None = None
 
     def __post_init__(self):
@@ -43,12 +52,29 @@ class Sampling:
         number("top_p", lambda p: 0 < p <= 1, "in (0, 1]")
         number("min_p", lambda p: 0 <= p <= 1, "in [0, 1]")
         number("repetition_penalty", lambda r: r > 0, "a number > 0 (1 means none)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 0):
+        for name in ("presence_penalty", "frequency_penalty"):
+            number(name, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+        if self.top_k is not None and not whole(self.top_k):
             raise SmolError(f"top_k must be a whole number >= 0 (0 means none), got {self.top_k!r}")
+        if not whole(self.min_new_tokens):
+            raise SmolError(f"min_new_tokens must be a whole number >= 0, got {self.min_new_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, abc.Mapping):
+                raise SmolError(f"logit_bias must map token ids to biases, not {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                if not whole(token):
+                    raise SmolError(f"logit_bias: {token!r} is not a token id")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
+                    raise SmolError(f"logit_bias of token {token}: {bias!r} is not a number in "
+                                    f"[-{MAX_BIAS}, {MAX_BIAS}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise SmolError(f"seed must be a whole number from 0 to 2**64-1, got {self.seed!r}")
+
+    @property
+    def additive(self) -> bool:
+        """Whether this row adds to its raw logits: a logit bias, or a presence or frequency penalty."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -62,21 +88,50 @@ class Sampling:
         return torch.Generator(device).manual_seed(seed)
 
 
+def whole(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 0
+
+
 def column(values, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """One parameter per row, (B, 1): broadcast along the vocabulary."""
     return torch.tensor(values, dtype=dtype, device=like.device)[:, None]
 
 
-def penalized(logits: torch.Tensor, samplings: Sequence[Sampling], history: torch.Tensor | None) -> torch.Tensor:
-    """float32 logits, each row's repetition penalty applied to the ids in its row of history, (B, S) with -1
-    for none. Greedy rows take the argmax of these."""
+def counts(ids: torch.Tensor, V: int) -> torch.Tensor:
+    """(B, V) float32: how many times each token is in each row of ids, (B, S) with -1 for none."""
+    # -1 (no token) goes to a spare column that is then dropped.
+    out = torch.zeros(ids.shape[0], V + 1, device=ids.device)
+    return out.scatter_add_(1, torch.where(ids < 0, V, ids), torch.ones(ids.shape, device=ids.device))[:, :V]
+
+
+def added(logits: torch.Tensor, samplings: Sequence[Sampling], generated: torch.Tensor | None) -> torch.Tensor:
+    """What OpenAI's logit bias and presence and frequency penalties add to each row's logits, (B, V):
+    bias[j] - presence * (count[j] > 0) - frequency * count[j], count[j] the times token j is in the row of
+    `generated` (as for penalized). Zero in the rows that ask for none."""
+    out = torch.zeros_like(logits)
+    for row, s in zip(out, samplings):
+        if s.logit_bias:
+            row[torch.tensor(list(s.logit_bias), device=out.device)] = torch.tensor(
+                [float(b) for b in s.logit_bias.values()], device=out.device)
+    if generated is not None:
+        count = counts(generated, logits.shape[-1])
+        out -= column([s.presence_penalty for s in samplings], logits) * (count > 0)
+        out -= column([s.frequency_penalty for s in samplings], logits) * count
+    return out
+
+
+def penalized(logits: torch.Tensor, samplings: Sequence[Sampling], history: torch.Tensor | None = None,
+              generated: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits with each row's own additions (its logit bias, and its presence and frequency penalties on
+    the ids in its row of `generated`, the tokens generated so far), then its repetition penalty on the ids in its
+    row of `history` (its prompt's and generated tokens); both (B, S) with -1 for none, None where no row needs
+    them. Greedy rows take the argmax of these."""
     logits = logits.float()
+    if any(s.additive for s in samplings):
+        logits = logits + added(logits, samplings, generated)
     if history is None or all(s.repetition_penalty == 1.0 for s in samplings):
         return logits
-    # Mark every token seen; -1 (no token) goes to a spare column that is then dropped.
-    V = logits.shape[-1]
-    seen = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device)
-    seen = seen.scatter_(1, torch.where(history < 0, V, history), True)[:, :V]
+    seen = counts(history, logits.shape[-1]) > 0
     penalty = column([s.repetition_penalty for s in samplings], logits)
     return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
@@ -106,10 +161,10 @@ def warped(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, samplings: Sequence[Sampling], generators: Sequence[torch.Generator | None],
-           history: torch.Tensor | None = None) -> torch.Tensor:
+           history: torch.Tensor | None = None, generated: torch.Tensor | None = None) -> torch.Tensor:
     """One next token per row, (B,): logits (B, V); per row its Sampling and its generator (None when greedy);
-    history as for penalized. Each sampling row draws once from its own generator."""
-    logits = penalized(logits, samplings, history)
+    history and generated as for penalized. Each sampling row draws once from its own generator."""
+    logits = penalized(logits, samplings, history, generated)
     greedy = logits.argmax(-1)
     if all(g is None for g in generators):
         return greedy

@@ -2,9 +2,10 @@
 generator; its tokens and text; and when and why it ends.
 
 Fed one token at a time, a sequence returns a Step: the token, the text that is now final, and the finish
-reason once it has one. It ends at an EOS token or once its text holds a stop string ("stop"), or at its
-max_new_tokens ("length"). The text ends before the first stop string, and an end of the text that may yet grow
-into one is held back until it cannot: no stop string is ever shown, streamed or not.
+reason once it has one. It ends at an EOS token or a stop token id, or once its text holds a stop string ("stop"),
+or at its max_new_tokens ("length"); not before its sampling's min_new_tokens, until which EOS and the stop token
+ids are banned and stop strings let pass. The text ends before the first stop string, and an end of the text that
+may yet grow into one is held back until it cannot: no stop string is ever shown, streamed or not.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def prompt_rows(input_ids, vocab_size: int) -> list[list[int]]:
         if not row:
             raise SmolError(f"{where} is empty: give at least one token")
         for t in row:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            if not token_id(t, vocab_size):
                 raise SmolError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
     return rows
 
 
-def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str], vocab_size: int,
-                  context: int) -> list[list[int]]:
+def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str | int], sampling: Sampling,
+                  vocab_size: int, context: int) -> list[list[int]]:
     """The prompts, one list of ids per row, once the request is known to be one that can run: valid ids, a
-    whole number of new tokens that fits in the context window after the longest prompt, non-empty stop strings."""
+    whole number of new tokens, at least the sampling's min_new_tokens, that fits in the context window after the
+    longest prompt, stops that are non-empty strings or token ids, logit biases on token ids."""
     rows = prompt_rows(input_ids, vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise SmolError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
@@ -52,9 +54,18 @@ def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str], vocab
     if longest + max_new_tokens > context:
         raise SmolError(f"the prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
                         f"context window of {context} tokens")
-    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-        raise SmolError("stop must be a list of non-empty strings")
+    if sampling.min_new_tokens > max_new_tokens:
+        raise SmolError(f"min_new_tokens ({sampling.min_new_tokens}) exceeds max_new_tokens ({max_new_tokens})")
+    if isinstance(stop, str) or not all((isinstance(s, str) and s) or token_id(s, vocab_size) for s in stop):
+        raise SmolError(f"stop must be a list of non-empty strings and token ids in [0, {vocab_size})")
+    bad = [t for t in sampling.logit_bias or () if not token_id(t, vocab_size)]
+    if bad:
+        raise SmolError(f"logit_bias: {bad[0]!r} is not a token id in [0, {vocab_size})")
     return rows
+
+
+def token_id(t, vocab_size: int) -> bool:
+    return not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab_size
 
 
 class StopStrings:
@@ -69,8 +80,9 @@ class StopStrings:
         self.seen = 0  # characters of the text fed so far
         self.found: str | None = None  # the stop string that ended the text, once one has
 
-    def feed(self, new: str) -> int:
-        """Take the text's next characters; returns where the first stop string now complete starts, or -1."""
+    def feed(self, new: str, ending: bool = True) -> int:
+        """Take the text's next characters; returns where the first stop string completed in them starts, or -1.
+        ending=False: a stop string completed now does not end the text (min_new_tokens): matching goes past it."""
         cut = -1
         for j, (stop, border) in enumerate(zip(self.stop, self.borders)):
             k = self.matched[j]
@@ -80,9 +92,9 @@ class StopStrings:
                 k += stop[k] == c
                 if k == len(stop):
                     start = self.seen + i + 1 - k
-                    if cut < 0 or start < cut:
+                    if ending and (cut < 0 or start < cut):
                         cut, self.found = start, stop
-                    break
+                    k = border[k - 1]
             self.matched[j] = k
         self.seen += len(new)
         return cut
@@ -120,17 +132,23 @@ class Sequence:
     """A prompt and everything generated after it, for one row of a batch."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos: abc.Collection[int],
-                 stop: abc.Sequence[str] = (), tokenizer=None, device="cpu", logprobs: int | None = None,
+                 stop: abc.Sequence[str | int] = (), tokenizer=None, device="cpu", logprobs: int | None = None,
                  grammar: Grammar | None = None):
-        if stop and tokenizer is None:
+        """stop: strings (which need the tokenizer) and token ids; a stop token ends the sequence as EOS does."""
+        strings = [s for s in stop if isinstance(s, str)]
+        if strings and tokenizer is None:
             raise SmolError("stop strings need a tokenizer: pass tokenizer=")
+        if grammar is not None and sampling.min_new_tokens:
+            raise SmolError("min_new_tokens cannot be combined with response_format: the grammar decides where "
+                            "the answer ends")
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         # A grammar's answer ends with its EOS, which ends the sequence even where the caller's EOS set lacks it.
-        self.eos = frozenset(eos) | ({grammar.eos_token_id} if grammar else set())
+        self.eos = frozenset(eos) | {s for s in stop if not isinstance(s, str)} | (
+            {grammar.eos_token_id} if grammar else set())
         self.matcher = grammar.matcher() if grammar else None  # where the answer stands in the grammar
         self.sampling, self.generator = sampling, sampling.generator(device)
         self.logprobs = check_top(logprobs)  # None: none; n: each token's logprob and its position's top n
-        self.stops = StopStrings(stop)
+        self.stops = StopStrings(strings)
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
         self.tokens: list[int] = []  # generated so far, EOS included
         self.text = ""  # the answer so far, cut before the first stop string
@@ -147,7 +165,7 @@ class Sequence:
         else:
             new = self.decoder.step(token) if self.decoder else ""
             self.text += new
-            cut = self.stops.feed(new)
+            cut = self.stops.feed(new, ending=len(self.tokens) >= self.sampling.min_new_tokens)
             if cut >= 0:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"  # what the decoder still holds comes after the stop string: dropped
@@ -164,24 +182,39 @@ class Sequence:
             self.text += self.decoder.finish()
         self.finish_reason = reason
 
+    @property
+    def banned(self) -> abc.Collection[int]:
+        """The token ids this sequence may not take next: its EOS and stop ids, before its min_new_tokens."""
+        return self.eos if len(self.tokens) < self.sampling.min_new_tokens else ()
+
 
 def next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """One token for each sequence, (B,), from its row of logits (B, V): one sampling call for the batch, after
-    each row under a grammar has lost the tokens its grammar forbids next."""
-    constrained = [s.matcher if s.matcher is not None and not s.finish_reason else None for s in sequences]
-    if any(constrained):
+    each row under a grammar has lost the tokens its grammar forbids next, and each row short of its
+    min_new_tokens its EOS and stop ids."""
+    going = [not s.finish_reason for s in sequences]
+    constrained = [s.matcher if s.matcher is not None and go else None for s, go in zip(sequences, going)]
+    banned = [list(s.banned) if go else [] for s, go in zip(sequences, going)]
+    if any(constrained) or any(banned):
         logits = logits.float().clone()  # the caller's logits stay raw: log-probabilities come from them
-        for row, matcher in zip(logits, constrained):
+        for row, matcher, ids in zip(logits, constrained, banned):
             if matcher is not None:
                 matcher.allowed(row)
-    history = None
-    if any(s.sampling.repetition_penalty != 1.0 for s in sequences):  # the ids the penalty applies to
-        ids = [s.prompt + s.tokens for s in sequences]
-        history = torch.full((len(ids), max(map(len, ids))), -1, dtype=torch.long)
-        for row, seen in zip(history, ids):
-            row[:len(seen)] = torch.tensor(seen)
-        history = history.to(logits.device)
-    return sample(logits, [s.sampling for s in sequences], [s.generator for s in sequences], history)
+            row[ids] = float("-inf")
+    history = generated = None
+    if any(s.sampling.repetition_penalty != 1.0 for s in sequences):  # the ids the repetition penalty applies to
+        history = id_rows([s.prompt + s.tokens for s in sequences], logits.device)
+    if any(s.sampling.presence_penalty or s.sampling.frequency_penalty for s in sequences):  # OpenAI's count these
+        generated = id_rows([s.tokens for s in sequences], logits.device)
+    return sample(logits, [s.sampling for s in sequences], [s.generator for s in sequences], history, generated)
+
+
+def id_rows(ids: list[list[int]], device) -> torch.Tensor:
+    """Lists of ids of any lengths as one (B, S) tensor, -1 after each row's ids."""
+    out = torch.full((len(ids), max(map(len, ids), default=0)), -1, dtype=torch.long)
+    for row, seen in zip(out, ids):
+        row[:len(seen)] = torch.tensor(seen, dtype=torch.long)
+    return out.to(device)
 
 
 def advance(logits: torch.Tensor, sequences: list[Sequence]) -> list[Step | None]:

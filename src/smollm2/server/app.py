@@ -6,7 +6,8 @@ Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as Op
 {"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
 bug), and the server keeps serving. Answers stream as server-sent events in OpenAI's chunk format, ending with
 `data: [DONE]`.
-Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters.
+Beyond OpenAI's own limits, a stop string has at most MAX_STOP_LENGTH characters. Beyond OpenAI's own fields,
+vLLM's `stop_token_ids` and `min_tokens`, and response_format types "choice" and "regex" (see grammar.py).
 
 The routes are module-level functions on `router` (and on each other API's own); what they serve (schedulers,
 tokenizer, metrics, API key) is their own app's Served, in app.state, so that several apps can live in one process
@@ -26,22 +27,27 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from ..generation.sampling import MAX_SEED, Sampling
+from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
 from . import embeddings, messages, responses
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
-                      content_text, error_response, grammar, merged, sse, submit, text_or_ids)
+                      check_token_ids, content_text, error_response, grammar, merged, sse, submit, text_or_ids)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_N = 8  # choices per prompt: each is a request of its own in the batch
 MAX_PROMPTS = 16  # prompts per /v1/completions request
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries: each is applied to its row's logits at every step
+
+# A token id as a JSON object's key, which is a string: "1234" is token 1234 (and "1234.0" or " 1234" none).
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$"), AfterValidator(int)]
 
 
 class Message(BaseModel):
@@ -66,8 +72,15 @@ class Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
-    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}: see grammar.py
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema" | "choice" | "regex",
+    # ...}: see grammar.py
     speculative: Literal["ngram", "off"] | None = None  # our extension: None is the server's --speculative
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = \
+        Field(None, max_length=MAX_LOGIT_BIAS)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int = Field(0, ge=0)
 
 
 class ChatBody(Body):
@@ -218,11 +231,7 @@ async def tokenize(body: TokenizeBody, served: AppState):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, served: AppState):
-    vocab_size = served.tokenizer.vocab_size
-    bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"tokens.{bad}: {body.tokens[bad]} is not a token id in [0, {vocab_size})",
-                       param=f"tokens.{bad}")
+    check_token_ids({f"tokens.{j}": t for j, t in enumerate(body.tokens)}, served.tokenizer.vocab_size)
     return {"content": served.tokenizer.decode(body.tokens)}
 
 
@@ -265,9 +274,20 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
     if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
                        f"requests, more than this server queues ({scheduler.max_waiting})", param="n")
+    vocab_size = scheduler.model.config.vocab_size
+    check_token_ids({f"stop_token_ids.{j}": t for j, t in enumerate(body.stop_token_ids)}, vocab_size)
+    check_token_ids({f"logit_bias.{t}": t for t in body.logit_bias or {}}, vocab_size)
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
+                       param="min_tokens")
+    if body.min_tokens and body.response_format is not None and body.response_format.get("type") != "text":
+        raise APIError(400, "min_tokens: cannot be combined with response_format, whose grammar decides where "
+                       "the answer ends", param="min_tokens")
     reply.prompts, reply.n = prompts, body.n
-    ask = Ask(prompts, max_tokens, Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed),
-              stop=body.stop or [], n=body.n,
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                        logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
+    ask = Ask(prompts, max_tokens, sampling, stop=[*(body.stop or []), *body.stop_token_ids], n=body.n,
               grammar=await grammar(body.response_format, reply.tokenizer, "response_format"),
               logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
               speculative=None if body.speculative is None else body.speculative == "ngram")

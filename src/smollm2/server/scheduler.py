@@ -169,16 +169,17 @@ class Scheduler:
         self._thread.join()
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
-               stop: abc.Sequence[str] = (), logprobs: int | None = None,
+               stop: abc.Sequence[str | int] = (), logprobs: int | None = None,
                prompt_logprobs: int | None = None, grammar: Grammar | None = None,
                speculative: bool | None = None) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
+        stop: strings and token ids that end the answer (see Sequence);
         logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
         prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
         grammar: None, or what the answer must fit (response_format); speculative: None for the scheduler's
         default, or whether this request guesses tokens by prompt lookup (the same tokens either way)."""
         config = self.model.config
-        (prompt,) = check_request([prompt], max_tokens, stop, config.vocab_size, self.max_seq_len)
+        (prompt,) = check_request([prompt], max_tokens, stop, sampling, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
                             logprobs, grammar)
         request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
