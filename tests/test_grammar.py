@@ -1,4 +1,5 @@
-"""Structured output: every answer the embedded model writes under a grammar parses and fits its schema."""
+"""Structured output: every answer the embedded model writes under a grammar parses and fits its schema (checked
+by jsonschema), and numbers are bounded, so that no answer runs on inside one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -15,35 +17,34 @@ from smollm2 import Tokenizer
 from smollm2.errors import SmolError
 from smollm2.generation import grammar as grammar_module
 from smollm2.generation.grammar import Grammar
-from smollm2.generation import generate
+from smollm2.generation import generate, stream
 from smollm2.server import create_app
 from test_server import running
 
 MAX_NEW_TOKENS = 64
 SERVED = "smollm2"  # the model name the test servers answer to
 
+# Integers and numbers mostly without a range, or with one end open: the grammar bounds their digits.
 NAME = {"type": "string", "maxLength": 24}
-PERSON = {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+PERSON = {"type": "object", "properties": {"name": NAME, "age": {"type": "integer"},
                                            "student": {"type": "boolean"}},
           "required": ["name", "age", "student"]}
-COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue", "yellow"]}},
-         "required": ["color"]}
+AUTHOR = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}  # as a user sent it, and a greedy answer about Hamlet once ran "age": 10000...
 CITY = {"type": "object", "properties": {"city": NAME, "country": NAME,
-                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+                                         "population": {"type": "integer", "minimum": 0}},
         "required": ["city", "country", "population"]}
 TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
                                                   "minItems": 1, "maxItems": 3}},
         "required": ["tags"]}
-ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                                           "sure": {"type": "boolean"}},
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
           "required": ["answer", "sure"]}
 NESTED = {"type": "object", "properties": {
-    "book": {"type": "object", "properties": {"title": NAME, "year": {"type": "integer", "minimum": 0,
-                                                                      "maximum": 2100}},
+    "book": {"type": "object", "properties": {"title": NAME, "year": {"type": "integer", "maximum": 2100}},
              "required": ["title", "year"]},
     "rating": {"enum": [1, 2, 3, 4, 5]}},
     "required": ["book", "rating"]}
-PRICE = {"type": "object", "properties": {"item": NAME, "price": {"type": "number", "minimum": 0, "maximum": 1000},
+PRICE = {"type": "object", "properties": {"item": NAME, "price": {"type": "number"},
                                           "currency": {"enum": ["USD", "EUR", "GBP"]}},
          "required": ["item", "price", "currency"]}
 MOOD = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "neutral"]},
@@ -51,14 +52,14 @@ MOOD = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "neut
                                                    "maxItems": 2}},
         "required": ["mood", "words"]}
 
-SCHEMAS = {"person": PERSON, "color": COLOR, "city": CITY, "tags": TAGS, "answer": ANSWER, "nested": NESTED,
+SCHEMAS = {"person": PERSON, "author": AUTHOR, "city": CITY, "tags": TAGS, "answer": ANSWER, "nested": NESTED,
            "price": PRICE, "mood": MOOD}
 PROMPTS = {
     "person": ["Describe a student named Ana as JSON.", "Give me a fictional person as JSON.",
                "Return JSON about your favourite teacher.", "Invent a character for a story, as JSON.",
                "Who is Tom, 30, not a student? JSON please."],
-    "color": ["What colour is the sky? Answer in JSON.", "Pick a colour for a banana, as JSON.",
-              "What colour is grass? JSON.", "Favourite colour, JSON only.", "Colour of a tomato, in JSON."],
+    "author": ["Who wrote Hamlet?", "Who painted the Mona Lisa?", "Who discovered penicillin? JSON.",
+               "Who was the first man on the Moon? Answer in JSON.", "Who composed the Ninth Symphony?"],
     "city": ["Tell me about Paris as JSON.", "Describe Tokyo in JSON.", "A city in Brazil, as JSON.",
              "Where do kangaroos live? Give a city as JSON.", "The capital of Italy, as JSON."],
     "tags": ["Tag this text as JSON: 'The cat sat on the mat.'", "Give tags for a cooking blog, JSON.",
@@ -93,33 +94,6 @@ CASES = ([("json_schema", key, prompt) for key, prompts in PROMPTS.items() for p
 assert len(CASES) == 50
 
 
-def validate(value, schema: dict, path: str = "$") -> None:
-    """The schema features the cases use: type, enum, properties, required, items, bounds and lengths."""
-    if "enum" in schema:
-        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
-    kind = schema.get("type")
-    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if kind is not None:
-        assert checks[kind](value), f"{path}: {value!r} is not {kind}"
-    if kind == "object":
-        for key in schema.get("required", []):
-            assert key in value, f"{path}: required {key!r} missing"
-        for key, v in value.items():
-            assert key in schema.get("properties", {}), f"{path}: unexpected property {key!r}"
-            validate(v, schema["properties"][key], f"{path}.{key}")
-    if kind == "array":
-        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)), f"{path}: length"
-        for i, v in enumerate(value):
-            validate(v, schema["items"], f"{path}[{i}]")
-    if kind == "string":
-        assert schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)), f"{path}: length"
-    if kind in ("integer", "number"):
-        assert schema.get("minimum", value) <= value <= schema.get("maximum", value), f"{path}: {value} out of range"
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_pretrained()
@@ -139,7 +113,7 @@ def check_answer(i: int, text: str, finish_reason: str) -> None:
     if kind == "json_object":
         assert isinstance(value, dict), text
     else:
-        validate(value, SCHEMAS[key])
+        jsonschema.validate(value, SCHEMAS[key])
 
 
 def sampling(i: int) -> dict:
@@ -296,3 +270,61 @@ def test_response_format_needs_a_tokenizer(tiny_dir):
 
     with pytest.raises(SmolError, match="needs a tokenizer"):
         generate(SmolLM2.from_pretrained(tiny_dir), [[1, 2]], 4, response_format={"type": "json_object"})
+
+
+def accepts(grammar: Grammar, tokenizer: Tokenizer, text: str) -> bool:
+    """Whether the grammar allows text as (the start of) an answer."""
+    matcher = grammar.matcher()
+    try:
+        for t in tokenizer.encode(text):
+            matcher.accept(t)
+    except SmolError:
+        return False
+    return True
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+
+
+@pytest.mark.parametrize("response_format, prefix", [
+    ({"type": "json_object"}, '{"a": '), ({"type": "json_object"}, '{"a": [1, {"b": -'),
+    (schema_format({"type": "integer"}), ""), (schema_format({"type": "number"}), "-"),
+    (schema_format({"type": ["integer", "null"]}), ""), (schema_format({"type": "integer", "minimum": 5}), ""),
+    (schema_format({"type": "number", "exclusiveMaximum": 0}), "-"),
+    (schema_format({"type": "object", "additionalProperties": {"type": "number"}}), '{"x": '),
+    (schema_format({"type": "array", "items": {}}), "[true, "),
+])
+def test_numbers_have_at_most_16_digits_before_and_after_the_point_and_in_the_exponent(tokenizer, response_format,
+                                                                                     prefix):
+    """As llama.cpp's schema converter bounds them: a small model cannot go on writing one digit after another."""
+    grammar = Grammar.from_response_format(response_format, tokenizer)
+    assert accepts(grammar, tokenizer, prefix + "9" * 16) and not accepts(grammar, tokenizer, prefix + "9" * 17)
+    if "integer" not in json.dumps(response_format) and "minimum" not in json.dumps(response_format) \
+            and "Maximum" not in json.dumps(response_format):  # a number without a range: fraction and exponent
+        assert accepts(grammar, tokenizer, prefix + "1." + "5" * 16)
+        assert not accepts(grammar, tokenizer, prefix + "1." + "5" * 17)
+        assert accepts(grammar, tokenizer, prefix + "1.5e-" + "5" * 16)
+        assert not accepts(grammar, tokenizer, prefix + "1.5e-" + "5" * 17)
+
+
+def test_a_range_given_whole_is_the_schema_s_own(tokenizer):
+    huge = Grammar.from_response_format(schema_format({"type": "integer", "minimum": 0, "maximum": 10**18}), tokenizer)
+    assert accepts(huge, tokenizer, "9" * 18) and not accepts(huge, tokenizer, "9" * 19)
+    beyond = Grammar.from_response_format(schema_format({"type": "integer", "minimum": 10**17}), tokenizer)
+    assert accepts(beyond, tokenizer, "1" + "0" * 17)  # no bound closes a range that starts past it
+
+
+def test_an_answer_pushed_to_write_digits_still_ends_as_valid_json(tiny_dir):
+    """A model that would write digits for ever (logit_bias pushes them here) ends its number after 16, then its
+    JSON: without the bound it ran to max_tokens inside the number, as the embedded model once did."""
+    from smollm2 import SmolLM2
+
+    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    digits = {tokenizer.encode(d)[0]: 30.0 for d in "123456789"}  # not "0", after which an integer ends
+    age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    steps = [s for (s,) in stream(model, [tokenizer.encode("How old?")], 64, tokenizer=tokenizer,
+                                  response_format=schema_format(age), logit_bias=digits)]
+    text = "".join(s.text for s in steps)
+    assert steps[-1].finish_reason == "stop", text
+    assert len(str(json.loads(text)["age"])) == 16

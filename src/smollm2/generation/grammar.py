@@ -14,8 +14,7 @@ Once the JSON value is complete the grammar allows EOS alone, so a sequence unde
 (or runs out of tokens first, and its JSON is cut short, as any answer cut by max_tokens is). A JSON answer is
 compact (", " and ": ", no other whitespace) and its numbers are bounded as llama.cpp's schema converter bounds
 them: at most 16 digits before the point, after it, and in the exponent. Free whitespace or digits would let a
-small model go on writing them, valid all along, until max_tokens: a greedy {name, age} answer about Hamlet ran
-`"age": 10000000...` to the end.
+small model go on writing them, valid all along, until max_tokens (the embedded model did, in an "age").
 
 The grammar engine is xgrammar, chosen over llguidance by measurement (benchmarks/constrained.py: 2 shared CPU
 cores, SmolLM2's tokenizer, replaying valid answers to five JSON grammars): computing the allowed-token bitmask
