@@ -229,7 +229,8 @@ def test_concurrent_requests_with_different_controls_each_equal_the_request_alon
     model, tokenizer = served
     greedy = dict(temperature=0)
     controls = [greedy, dict(greedy, presence_penalty=1.0), dict(frequency_penalty=1.5, temperature=0.9, seed=2),
-                dict(greedy, logit_bias={"300": 4.0, "301": -100}), dict(presence_penalty=-0.5, temperature=1.0, seed=9),
+                dict(greedy, logit_bias={"300": 4.0, "301": -100}),
+                dict(presence_penalty=-0.5, temperature=1.0, seed=9),
                 dict(greedy, frequency_penalty=0.8, logit_bias={"42": 2.0})]
     prompts = ["Hello", "The capital of France is", "1 2 3", "Why?", "Once upon a time", "Dear Sir,"]
     with running(create_app(model, tokenizer, model_name=NAME, max_batch_size=4)) as url, \

@@ -38,7 +38,7 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once
     frequency_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once per time
     logit_bias: abc.Mapping[int, float] | None = None  # token id -> added to its logit (-100 bans it in practice)
-    min_new_tokens: int = 0  # the row's EOS and stop token ids are banned until it has generated this many
+    min_new_tokens: int = 0  # until the row has generated this many, its EOS and stop ids are banned (stop strings pass)
     seed: int | None = None
 
     def __post_init__(self):
@@ -67,8 +67,7 @@ class Sampling:
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
                     raise SmolError(f"logit_bias of token {token}: {bias!r} is not a number in "
                                     f"[-{MAX_BIAS}, {MAX_BIAS}]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and not (whole(self.seed) and self.seed <= MAX_SEED):
             raise SmolError(f"seed must be a whole number from 0 to 2**64-1, got {self.seed!r}")
 
     @property
@@ -89,6 +88,7 @@ class Sampling:
 
 
 def whole(value) -> bool:
+    """A whole number >= 0 (not a bool, which Python counts as an int)."""
     return not isinstance(value, bool) and isinstance(value, int) and value >= 0
 
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import SmolError
 from .grammar import Grammar
 from .logprobs import TokenLogprob, check_top, token_logprobs
-from .sampling import Sampling, sample
+from .sampling import Sampling, sample, whole
 
 
 def prompt_rows(input_ids, vocab_size: int) -> list[list[int]]:
@@ -65,7 +65,7 @@ def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str | int],
 
 
 def token_id(t, vocab_size: int) -> bool:
-    return not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab_size
+    return whole(t) and t < vocab_size
 
 
 class StopStrings:
