@@ -114,6 +114,17 @@ def test_batch_rows_with_penalties_equal_rows_alone(tiny):
         assert batch[b, -15:].tolist() == tiny.generate([prompt], 15, eos_token_id=None, **params)[0, -15:].tolist()
 
 
+def test_speculation_keeps_the_tokens_of_each_control(tiny):
+    """A speculating row takes its guessed positions one sampling call each, with its counts, bans and bias as
+    they stand there: the tokens of decoding without it."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 9, 10, 9]]
+    for params in (dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 2.0}),
+                   dict(frequency_penalty=-1.0, temperature=0.9, seed=1),
+                   dict(logit_bias={8: 5.0}, stop=[8], min_new_tokens=6)):
+        plain = tiny.generate(prompts, 24, eos_token_id=None, **params)
+        assert tiny.generate(prompts, 24, eos_token_id=None, speculative="ngram", **params).tolist() == plain.tolist()
+
+
 def test_stop_token_ids_end_a_row_as_eos_does(served):
     model, tokenizer = served
     ids = tokenizer.encode("Once upon a time")
