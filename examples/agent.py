@@ -6,8 +6,8 @@
 The task needs two tools, implemented here in Python: get_weather (a city's temperature in degrees Celsius) and
 convert_temperature (Celsius to Fahrenheit). Each round asks the model for calls with tool_choice="required",
 runs them, and sends their results back as "tool" messages; once both tools have answered, the model is asked
-what they found. A model of 135M parameters tends to repeat a call it has made rather than move on, so each round
-offers only the tools not called yet.
+what they found. Each round offers only the tools not called yet, so that every round moves the task on (a
+small model may otherwise make the same call again).
 """
 
 from __future__ import annotations
