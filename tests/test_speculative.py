@@ -25,16 +25,17 @@ OPEN = "Write a short poem about the sea."
 def test_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # "2 3" last seen before 7 8
     assert lookup([5, 1, 2, 3, 4, 6, 2, 3, 8, 1, 2, 3], 3) == [4, 6, 2]  # "1 2 3" beats the later "2 3"
-    assert lookup([4, 5, 6], 3) == [] and lookup([7], 3) == [] and lookup([1, 2, 1], 5) == [2, 1]
+    assert lookup([4, 5, 6], 3) == [] and lookup([7], 3) == [] and lookup([1, 2, 1, 2], 5) == [1, 2]
+    assert lookup([1, 2, 3, 1], 2) == []  # one token alone is no match (MIN_NGRAM)
 
 
 def test_the_guess_length_follows_what_was_kept_and_misses_pause_it():
     guesser = PromptLookup()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
-    assert guesser.guess(tokens, 20) == [3, 4, 5, 6]
-    guesser.record(4, 4)
-    assert len(guesser.guess(tokens, 20)) == 6 and guesser.guess(tokens, 2) == [3, 4]
-    guesser.record(6, 1)
+    assert guesser.guess(tokens, 20) == [3, 4, 5]
+    guesser.record(3, 3)
+    assert len(guesser.guess(tokens, 20)) == 5 and guesser.guess(tokens, 2) == [3, 4]
+    guesser.record(5, 1)
     assert guesser.length == 2
     guesser.record(2, 0)
     guesser.record(1, 0)  # two first guesses missed running: a pause

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import jinja2.compiler
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
 from tokenizers.decoders import DecodeStream
@@ -32,6 +33,7 @@ from tokenizers.decoders import DecodeStream
 from .checkpoints import resolve
 from .checkpoints.gguf import open_gguf
 from .errors import SmolError
+from .tools import Tools, check_tool_messages, template_format, trained_format
 
 if TYPE_CHECKING:
     from gguf import GGUFWriter
@@ -287,21 +289,35 @@ class Tokenizer:
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: Tools | None = None) -> str:
+        """The chat as its template writes it. Messages are {"role", "content"}, with OpenAI's tool parts where
+        there are some: an assistant's "tool_calls" (its content then may be None), and role "tool" messages with
+        the "tool_call_id" they answer. tools: the tools the model may call (smollm2.tools.Tools). A template
+        that writes tools itself (one that reads a `tools` variable) gets them, and the calls, as transformers
+        gives them; any other, the chat in SmolLM2's trained format (smollm2.tools.trained_format)."""
         if self.chat_template is None:
             raise SmolError(f"{self.source}: this checkpoint has no chat template")
         _check_messages(messages)
+        check_tool_messages(messages)
         try:
             env, template = _compiled_template(self.chat_template)
-            return env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
+            if _reads_tools(self.chat_template):
+                offered = tools.openai() if tools is not None and tools.offered else None
+                chat = dict(messages=template_format(messages), tools=offered)
+            else:
+                chat = dict(messages=trained_format(messages, tools))
+            return env.render(template, **chat, add_generation_prompt=add_generation_prompt,
                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except Exception as e:  # the template is untrusted code: whatever it raises is its failure
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SmolError(f"{self.template_source}: chat template failed: {reason}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Tools | None = None) -> list[int]:
+        """render_chat's text as token ids."""
         # The template writes its own special tokens, so none are added around it.
-        return self.backend.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+        return self.backend.encode(self.render_chat(messages, add_generation_prompt, tools),
+                                   add_special_tokens=False).ids
 
 
 @functools.cache
@@ -324,6 +340,13 @@ def _compiled_template(source: str) -> tuple[BoundedSandbox, jinja2.Template]:
     of one, and a server renders one per request. A template that fails to compile is not kept."""
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     return env, env.from_string(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(source: str) -> bool:
+    """Whether a chat template writes tools itself: it reads a `tools` variable (as transformers tells)."""
+    env, _ = _compiled_template(source)
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
 
 class TemplateLimit(jinja2.TemplateError):
@@ -454,6 +477,6 @@ def _check_messages(messages) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise SmolError(f"messages[{i}] must be a dict with 'role' and 'content', not {type(m).__name__}")
-        for key in ("role", "content"):
+        for key in ("role", "content") if m.get("tool_calls") is None else ("role",):  # see check_tool_messages
             if not isinstance(m.get(key), str):
                 raise SmolError(f"messages[{i}]: {key!r} must be a string, got {m.get(key)!r}")

@@ -7,6 +7,7 @@ every row still going its next token, each row at its own positions, as it would
 from __future__ import annotations
 
 from collections import abc
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from .prefix_cache import PrefixCache
 from .sampling import Sampling
 from .sequence import Sequence, Step, check_request, prompt_rows
 from .steps import compiled_decode_step, decode_step
+
+if TYPE_CHECKING:
+    from ..tools import Tools
 
 MAX_NEW_TOKENS = 128
 CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
@@ -35,7 +39,8 @@ def eos_ids(eos_token_id, config) -> set[int]:
 def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
-           speculative: str | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
+           speculative: str | None = None, tools: Tools | None = None,
+           **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
     tokens than another in a speculating step): its new token, the text that became final with it (decoded when
     a tokenizer is given), and on its last step why it finished.
@@ -59,14 +64,17 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     `structured` extra): each row may only write text that fits it, then its EOS.
     speculative: None, or "ngram": each row guesses its next tokens by prompt lookup and the model checks them
     in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
+    tools: a smollm2.tools.Tools (needs `tokenizer` and the `structured` extra): each row's tool calls, where its
+    tool_choice lets it make them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
     """
     config, params = model.config, Sampling(**sampling)
     prompts = check_request(input_ids, max_new_tokens, stop, params, config.vocab_size, config.max_position_embeddings)
     device = model.model.embed_tokens.weight.device
     eos = eos_ids(eos_token_id, config)
-    if response_format is not None and tokenizer is None:
-        raise SmolError("response_format needs a tokenizer: pass tokenizer=")
-    grammar = None if response_format is None else Grammar.from_response_format(response_format, tokenizer)
+    for name, given in (("response_format", response_format), ("tools", tools)):
+        if given is not None and tokenizer is None:
+            raise SmolError(f"{name} needs a tokenizer: pass tokenizer=")
+    grammar = Grammar.for_answer(tokenizer, response_format, tools)
     sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
                  for prompt in prompts]
     if speculative not in (None, "ngram"):

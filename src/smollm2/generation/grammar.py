@@ -34,11 +34,15 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..errors import SmolError
+from ..errors import FieldError, SmolError
+
+if TYPE_CHECKING:
+    from ..tools import Tools
 
 MAX_SCHEMA_CHARS = 32_768  # a schema (or a list of choices) is a request's input: bounded before it reaches a compiler
 MAX_SCHEMA_DEPTH = 32
@@ -87,7 +91,7 @@ class Grammar:
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise SmolError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
             schema = spec["schema"]
-            _check_schema(schema)
+            check_schema(schema)
             return cls._get(tokenizer, json.dumps(schema, sort_keys=True),
                             lambda compiler: _compile_json(compiler, schema))
         if kind == "choice":
@@ -104,6 +108,26 @@ class Grammar:
             return cls._get(tokenizer, "regex " + pattern, lambda compiler: _compile_regex(compiler, pattern))
         raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema', "
                         f"'choice', 'regex'")
+
+    @classmethod
+    def for_answer(cls, tokenizer, response_format=None, tools: Tools | None = None) -> Grammar | None:
+        """What an answer must fit: the calls of the tools it may call, or response_format's JSON; not both (a
+        FieldError naming response_format)."""
+        if tools is not None and tools.offered:
+            if response_format is not None:
+                raise FieldError("response_format", "cannot constrain an answer that may call tools "
+                                 "(tool_choice 'none' lets it)")
+            return tools.grammar(tokenizer)
+        return None if response_format is None else cls.from_response_format(response_format, tokenizer)
+
+    @classmethod
+    def from_tagged_json(cls, schema: dict, tokenizer, begin: str, end: str, anywhere: bool) -> Grammar:
+        """JSON valid under `schema` between the strings `begin` and `end`, then EOS: tool calls, as
+        <tool_call>[...]</tool_call>. anywhere: free text may come first, and the tagged JSON only where the text
+        writes `begin` (or the text ends without it); else the answer is the tagged JSON from its first token.
+        The schema is the caller's to check first (check_schema), with the name of the field it came in."""
+        key = json.dumps({"begin": begin, "end": end, "anywhere": anywhere, "schema": schema}, sort_keys=True)
+        return cls._get(tokenizer, key, lambda compiler: _compile_tagged(compiler, schema, begin, end, anywhere))
 
     @classmethod
     def _get(cls, tokenizer, key: str, compile) -> Grammar:
@@ -192,7 +216,7 @@ def _compiler(tokenizer):
         try:
             import xgrammar as xgr
         except ImportError:
-            raise SmolError("response_format needs xgrammar: pip install 'smollm2[structured]'") from None
+            raise SmolError("response_format and tools need xgrammar: pip install 'smollm2[structured]'") from None
         backend = tokenizer.backend
         # The vocabulary as stored (byte-level BPE: bytes as GPT-2's printable characters); xgrammar decodes it
         # the way the tokenizer.json's decoder does, which it detects from the serialized tokenizer.
@@ -214,6 +238,12 @@ def _compiler(tokenizer):
 
 def _compile_json(compiler, schema):
     """Any JSON object (schema None) or JSON valid under the schema; compact, numbers bounded (see above)."""
+    return compiler.compile_grammar(_json_grammar(schema, "response_format json_schema"))
+
+
+def _json_grammar(schema, what: str) -> str:
+    """The EBNF of any JSON object (schema None) or of JSON valid under the schema: compact, numbers bounded (see
+    above). what: where the schema came from, for its errors."""
     # Compact JSON (", " and ": ", no free whitespace): a small model left free to write whitespace can write
     # nothing else until max_tokens, and runs of it are wasted tokens anyway.
     import xgrammar as xgr
@@ -226,12 +256,12 @@ def _compile_json(compiler, schema):
             grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded(schema)), any_whitespace=False,
                                                    strict_mode=True)
     except RuntimeError as e:  # xgrammar's message names the unsupported or broken part of the schema
-        raise SmolError(f"response_format json_schema: {_reason(e)}") from None
+        raise SmolError(f"{what}: {_reason(e)}") from None
     rules = []
     for rule in str(grammar).splitlines():
         name = rule.split(" ::= ", 1)[0]
         rules.append(f"{name} ::= {BOUNDED_NUMBERS[name]}" if name in BOUNDED_NUMBERS else rule)
-    return compiler.compile_grammar("\n".join(rules))
+    return "\n".join(rules)
 
 
 def _bounded(schema):
@@ -285,25 +315,35 @@ def _check_choices(choices) -> None:
             raise SmolError(f"response_format choice {c[:40]!r}: not valid Unicode text") from None
 
 
-def _check_schema(schema) -> None:
-    """Bounds and names what a compiler would otherwise meet first: size, depth, and the `type` keywords."""
+def _compile_tagged(compiler, schema, begin: str, end: str, anywhere: bool):
+    # The JSON as response_format's (compact, numbers bounded, no properties beyond the schema's), inside the tag.
+    json_grammar = _json_grammar(schema, f"{begin}...{end} JSON schema")
+    tag = {"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": json_grammar}, "end": end}
+    if anywhere:  # free text, then at most one tag, then the end
+        tag = {"type": "triggered_tags", "triggers": [begin], "tags": [tag], "stop_after_first": True}
+    return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
+
+
+def check_schema(schema, where: str = "response_format") -> None:
+    """Bounds and names what a compiler would otherwise meet first: size, depth, and the `type` keywords.
+    where: the field the schema came in, which the errors (FieldError) name."""
     if not isinstance(schema, (dict, bool)):
-        raise SmolError(f"response_format json_schema: the schema must be an object, not {type(schema).__name__}")
+        raise FieldError(where, f"the schema must be an object, not {type(schema).__name__}")
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError, RecursionError) as e:
-        raise SmolError(f"response_format json_schema: not JSON ({e})") from None
+        raise FieldError(where, f"not JSON ({e})") from None
     if len(text) > MAX_SCHEMA_CHARS:
-        raise SmolError(f"response_format json_schema: {len(text)} characters, more than {MAX_SCHEMA_CHARS}")
+        raise FieldError(where, f"{len(text)} characters, more than {MAX_SCHEMA_CHARS}")
 
     def walk(node, path: str, depth: int) -> None:
         if depth > MAX_SCHEMA_DEPTH:
-            raise SmolError(f"response_format json_schema: nested deeper than {MAX_SCHEMA_DEPTH} at {path}")
+            raise FieldError(where, f"nested deeper than {MAX_SCHEMA_DEPTH} at {path}")
         if isinstance(node, dict):
             kind = node.get("type")  # a dict here is a property named "type", walked below
             for t in kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []:
                 if t not in JSON_TYPES:
-                    raise SmolError(f"response_format json_schema: unknown type {t!r} at {path}")
+                    raise FieldError(where, f"unknown type {t!r} at {path}")
             for k, v in node.items():
                 if k not in ("enum", "const", "default", "examples"):  # values there are data, not schemas
                     walk(v, f"{path}/{k}", depth + 1)

@@ -34,6 +34,7 @@ from ..errors import SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
+from ..tools import ToolCall, ToolCallParser, Tools, parse_tool_calls
 from . import embeddings, messages, responses
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
@@ -52,8 +53,19 @@ TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$"), AfterValidator(int)]
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: Any  # a string, or a list of {"type": "text", "text": ...} parts: checked by content_text
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts: checked by content_text
+    tool_calls: Any = None  # an assistant's: checked with the chat (smollm2.tools.check_tool_messages)
+    tool_call_id: Text | None = None  # a tool's: the call it answers
+
+    def chat(self, i: int) -> dict:
+        """The message as the tokenizer takes it; content None only for an assistant's that makes tool calls."""
+        message = dict(role=self.role, content=None if self.content is None and self.tool_calls
+                       else content_text(self.content, f"messages.{i}.content"))
+        for key in ("tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +100,9 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs
+    tools: list | None = None  # OpenAI's function tools, checked by smollm2.tools.Tools
+    tool_choice: str | dict | None = None  # "auto" (the default with tools), "none", "required", or a function
+    parallel_tool_calls: bool = True
 
 
 class CompletionBody(Body):
@@ -240,12 +255,14 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
     scheduler = served.scheduler(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs")
-    messages = [dict(role=m.role, content=content_text(m.content, f"messages.{i}.content"))
-                for i, m in enumerate(body.messages)]
-    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    tools = None
+    if body.tools is not None or body.tool_choice is not None:
+        tools = Tools(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+    messages = [m.chat(i) for i, m in enumerate(body.messages)]
+    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
-                          Reply(True, body.model, served.tokenizer, logprobs))
+                          Reply(True, body.model, served.tokenizer, logprobs, tools=tools))
 
 
 @router.post("/v1/completions")
@@ -288,7 +305,7 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                         logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
     ask = Ask(prompts, max_tokens, sampling, stop=[*(body.stop or []), *body.stop_token_ids], n=body.n,
-              grammar=await grammar(body.response_format, reply.tokenizer, "response_format"),
+              grammar=await grammar(body.response_format, reply.tokenizer, "response_format", reply.tools),
               logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
               speculative=None if body.speculative is None else body.speculative == "ngram")
     requests = submit(scheduler, ask)
@@ -301,11 +318,14 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
 class Reply:
     """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion").
     logprobs: None, or the number of top tokens each token's log-probabilities list; echo: the prompt's text,
-    which a completion's text then starts with (and its tokens, its logprobs)."""
+    which a completion's text then starts with (and its tokens, its logprobs); tools: a chat's, whose answers
+    are read for tool calls where the model may make them."""
 
     def __init__(self, chat: bool, model_name: str, tokenizer, logprobs: int | None = None,
-                 echo: list[str] | None = None):
+                 echo: list[str] | None = None, tools: Tools | None = None):
         self.chat, self.model, self.tokenizer, self.logprobs, self.echo = chat, model_name, tokenizer, logprobs, echo
+        self.tools = tools if tools is not None and tools.offered else None
+        self.parsers = collections.defaultdict(ToolCallParser)  # each choice's, as its calls stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts: list[list[int]] = []  # each prompt's ids, once known; choice c answers prompt c // n
@@ -355,26 +375,59 @@ class Reply:
         choices = []
         for i, (text, done, items) in enumerate(zip(texts, dones, logprobs)):
             if self.chat:
-                choices.append(dict(index=i, message=dict(role="assistant", content=text),
-                                    logprobs=self.format_logprobs(items, i), finish_reason=done.finish_reason))
+                message, calls = dict(role="assistant", content=text), []
+                if self.tools is not None:
+                    message["content"], calls = parse_tool_calls(text)
+                    if calls:
+                        message["tool_calls"] = [call.openai() for call in calls]
+                choices.append(dict(index=i, message=message, logprobs=self.format_logprobs(items, i),
+                                    finish_reason=tool_finish(done.finish_reason, calls)))
             else:
                 choices.append(dict(index=i, text=self.echoed(i) + text, logprobs=self.format_logprobs(items, i),
                                     finish_reason=done.finish_reason))
         return self._object("chat.completion" if self.chat else "text_completion", choices, usage=self.usage(dones))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
-              logprobs: list[TokenLogprob | None] = ()) -> dict:
-        """A streamed piece of choice `index`; text None: its last piece, which carries the finish_reason."""
+              logprobs: list[TokenLogprob | None] = ()) -> dict | None:
+        """A streamed piece of choice `index`; text None: its last piece, which carries the finish_reason.
+        None where there is nothing to send: text held back while it may be the start of a tool call."""
         formatted = self.format_logprobs(logprobs, index) if logprobs else None
         if self.chat:
-            delta = {} if text is None else dict(role="assistant", content=text) if role else dict(content=text)
+            if role:
+                delta = dict(role="assistant", content=text)
+            elif self.tools is not None:
+                delta = self.tool_delta(index, text)
+                if text is None:
+                    finish_reason = tool_finish(finish_reason, self.parsers[index].calls)
+                elif not delta and not formatted:
+                    return None
+            else:
+                delta = {} if text is None else dict(content=text)
             return self._object("chat.completion.chunk", [dict(index=index, delta=delta, logprobs=formatted,
                                                                 finish_reason=finish_reason)])
         return self._object("text_completion", [dict(index=index, text=text or "", logprobs=formatted,
                                                      finish_reason=finish_reason)])
 
+    def tool_delta(self, index: int, text: str | None) -> dict:
+        """Choice `index`'s new text as OpenAI streams it: its own text as content, and each call's first piece
+        (its index, id and name) then pieces of its arguments as tool_calls (text None: the choice has ended)."""
+        parser = self.parsers[index]
+        content, pieces = (parser.finish(), []) if text is None else parser.feed(text)
+        delta = dict(content=content) if content else {}
+        if pieces:
+            delta["tool_calls"] = [
+                dict(index=p.index, id=p.call.id, type="function", function=dict(name=p.call.name,
+                                                                                   arguments=p.arguments))
+                if p.first else dict(index=p.index, function=dict(arguments=p.arguments)) for p in pieces]
+        return delta
+
     def usage_chunk(self, dones) -> dict:  # stream_options.include_usage: one more chunk, with no choices
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(dones))
+
+
+def tool_finish(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended (not cut short) with calls."""
+    return "tool_calls" if reason == "stop" and calls else reason
 
 
 async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, include_usage: bool):
@@ -390,8 +443,9 @@ async def stream(scheduler: Scheduler, requests: list[Request], reply: Reply, in
                 if isinstance(event, PromptLogprobs):
                     yield sse(reply.chunk(i, reply.echoed(i), logprobs=event.logprobs))
                 elif isinstance(event, Delta):
-                    if event.text or event.logprobs:
-                        yield sse(reply.chunk(i, event.text, logprobs=event.logprobs))
+                    if (event.text or event.logprobs) and \
+                            (chunk := reply.chunk(i, event.text, logprobs=event.logprobs)) is not None:
+                        yield sse(chunk)
                 elif event.error:  # the status is already sent: the error can only travel in the stream
                     yield sse({"error": dict(message=event.error, type="server_error", param=None, code=None)})
                     failed = True

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BeforeValidator, Field
 from starlette.exceptions import HTTPException
 
-from ..errors import SmolError
+from ..errors import FieldError, SmolError
 from ..generation.grammar import Grammar
 from ..generation.logprobs import TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
+from ..tools import Tools
 from .metrics import Metrics
 from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
 
@@ -46,7 +47,7 @@ def as_api_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, SmolError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=e.field if isinstance(e, FieldError) else None)
     if isinstance(e, QueueFull):
         return APIError(429, str(e), "rate_limit_error", code="queue_full")
     if isinstance(e, RequestValidationError):
@@ -180,14 +181,17 @@ class Ask:
     speculative: bool | None = None  # guess tokens by prompt lookup; None: as the server does
 
 
-async def grammar(response_format: dict | None, tokenizer, param: str) -> Grammar | None:
-    """A request's response_format compiled; a bad one is a 400 naming `param`, the field it came in."""
-    if response_format is None:
+async def grammar(response_format: dict | None, tokenizer, param: str, tools: Tools | None = None) \
+        -> Grammar | None:
+    """What a request's answer must fit (Grammar.for_answer), compiled: its response_format (a bad one is a 400
+    naming `param`, the field it came in), or the calls of the tools it may call (a 400 naming tools)."""
+    calls = tools is not None and tools.offered
+    if response_format is None and not calls:
         return None
     try:  # in a thread: a new schema compiles in milliseconds, the tokenizer's tables in about a second
-        return await run_in_threadpool(Grammar.from_response_format, response_format, tokenizer)
+        return await run_in_threadpool(Grammar.for_answer, tokenizer, response_format, tools)
     except SmolError as e:
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param="tools" if calls and response_format is None else param) from None
 
 
 def submit(scheduler: Scheduler, ask: Ask) -> list[Request]:

@@ -422,7 +422,9 @@ def _tokenize_chat(messages: list[dict], tokenizer: Tokenizer,
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     for k in turns[-1:] if last_turn_only else turns:
         # The turn's text is what rendering the chat up to it adds after the generation prompt.
-        prompt, content = tokenizer.render_chat(messages[:k], add_generation_prompt=True), messages[k]["content"]
+        prompt, content = tokenizer.render_chat(messages[:k], add_generation_prompt=True), messages[k].get("content")
+        if not isinstance(content, str):  # an assistant's tool calls alone: render_chat takes them, with no text
+            raise SmolError(f"messages[{k}]: an assistant turn to learn needs its content as text")
         end = len(prompt) + len(content)
         if not (text.startswith(prompt) and text.startswith(content, len(prompt))
                 and text.startswith(tokenizer.eos_token, end)):
