@@ -7,7 +7,8 @@ PROMPT ?= What is the capital of France?
 
 # What running needs, and no more: torch, this package, and the embedded model's weights.
 install: $(VENV)/.installed
-# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with).
+# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with), and
+# a browser for the page's tests: Debian's chromium, installed where missing (they are skipped where it cannot be).
 install-test: $(VENV)/.installed-test
 
 # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
@@ -22,6 +23,10 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
+	@command -v chromium >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; } || \
+		echo "chromium could not be installed: the page's browser tests will be skipped"
 	touch $@
 
 run: install

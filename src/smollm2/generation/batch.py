@@ -14,6 +14,7 @@ import torch
 from ..errors import SmolError
 from .engine import Engine
 from .grammar import Grammar
+from .hooks import Hooks
 from .logprobs import check_top
 from .prefix_cache import PrefixCache
 from .sampling import Sampling
@@ -39,7 +40,7 @@ def eos_ids(eos_token_id, config) -> set[int]:
 def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
-           speculative: str | None = None, tools: Tools | None = None,
+           speculative: str | None = None, tools: Tools | None = None, hooks=None,
            **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
     tokens than another in a speculating step): its new token, the text that became final with it (decoded when
@@ -66,6 +67,8 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
     tools: a smollm2.tools.Tools (needs `tokenizer` and the `structured` extra): each row's tool calls, where its
     tool_choice lets it make them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
+    hooks: (hook point name, function) pairs (smollm2.generation.hooks, as TransformerLens's fwd_hooks; steering()
+    makes a steering vector's): every row's passes run op by op through them, reading or changing activations.
     """
     config, params = model.config, Sampling(**sampling)
     prompts = check_request(input_ids, max_new_tokens, stop, params, config.vocab_size, config.max_position_embeddings)
@@ -75,6 +78,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
         if given is not None and tokenizer is None:
             raise SmolError(f"{name} needs a tokenizer: pass tokenizer=")
     grammar = Grammar.for_answer(tokenizer, response_format, tools)
+    hooks = None if hooks is None else Hooks(config.num_hidden_layers, hooks)
     sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
                  for prompt in prompts]
     if speculative not in (None, "ngram"):
@@ -86,7 +90,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
                     prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
                     whole_cache=compile)
-    rows = [engine.admit(sequence, speculative=speculative == "ngram") for sequence in sequences]
+    rows = [engine.admit(sequence, speculative=speculative == "ngram", hooks=hooks) for sequence in sequences]
     while not all(sequence.finish_reason for sequence in sequences):
         # Every prompt is prefilled at the first step, so each step gives each row going a Step at least, and a
         # speculating row maybe more: its i-th goes in the i-th list.

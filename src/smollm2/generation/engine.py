@@ -20,6 +20,10 @@ holds row n, the next. Each step
      (same tokens, same place) are copied instead of computed, and those computed are kept. A row that scores
      its prompt (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first
      token (one sampling call), and decode from the next step on.
+A row with hooks (hooks.py: steering, or any function at a hook point) runs its own passes through them: its
+prompt's chunks, never taken from or kept in the prefix cache, and after each decoding pass, which it takes
+part in as any row, its positions again, alone, overwriting its keys and values and its logits. The other
+rows' passes are what they would be without it, to the bit.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from ..errors import SmolError
 from . import steps
+from .hooks import Hooks
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
 from .sequence import Sequence, Step, advance
@@ -52,6 +57,7 @@ class Row:
     sequence: Sequence
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
     guesser: PromptLookup | None = None  # speculates with it, or not
+    hooks: Hooks | None = None  # its passes run through these, alone (see above)
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
     blocks: list[Block] | None = field(default_factory=list)  # the prefix cache's, for its filled chunks; None:
@@ -94,12 +100,15 @@ class Engine:
         """Cache rows that neither a row holds nor a queued row will take."""
         return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
 
-    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative: bool = False) -> Row:
+    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative: bool = False,
+              hooks: Hooks | None = None) -> Row:
         """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs.
-        speculative: guess its next tokens by prompt lookup (speculative.py); its tokens are the same."""
+        speculative: guess its next tokens by prompt lookup (speculative.py); its tokens are the same. hooks: run
+        its passes through these (see above)."""
         if speculative and self.whole_cache:
             raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
-        row = Row(sequence, prompt_logprobs, PromptLookup() if speculative else None)
+        row = Row(sequence, prompt_logprobs, PromptLookup() if speculative else None, hooks,
+                  blocks=None if hooks is not None else [])
         self.queued.append(row)
         return row
 
@@ -154,6 +163,10 @@ class Engine:
             logits = self.step_fn(self.model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
         else:
             logits = verify_step(self.model, ids, slots, cache)  # (n, width, V)
+        for b, row in enumerate(rows):
+            if row.hooks is not None:
+                logits[b] = self.model.logits(row.hooks.hidden_states(self.model, ids[b:b + 1], slots[b:b + 1],
+                                                                      cache.view(slice(b, b + 1))))[0]
         self.passes += 1
         before = [row.filled for row in rows]
         going = range(len(rows))  # the rows whose position i is taken
@@ -215,7 +228,7 @@ class Engine:
             return None
         row = self.filling = self.queued.popleft()
         at = self.filling_at = len(self.decoding)
-        if self.prefix_cache is not None and row.prompt_logprobs is None:
+        if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None:
             row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
             for block in row.blocks:
                 begin, end = row.filled, row.filled + block.k.shape[-2]
@@ -231,11 +244,11 @@ class Engine:
         cache = self.cache.view(slice(at, at + 1))
         ids = torch.tensor([prompt[begin:end]], device=self.device)
         if row.prompt_logprobs is not None:  # echo: every position's state, each chunk scored
-            h = prefill_chunk(self.model, ids, cache, begin, last_only=False)
+            h = prefill_chunk(self.model, ids, cache, begin, last_only=False, hooks=row.hooks)
             row.scored += chunk_logprobs(self.model, prompt, begin, h[0], row.prompt_logprobs)
         ends = end == len(prompt)
         if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
-            h = prefill_chunk(self.model, ids, cache, begin)
+            h = prefill_chunk(self.model, ids, cache, begin, hooks=row.hooks)
         row.filled = end
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
             block = self.prefix_cache.store(row.blocks, prompt[begin:end], self.cache.k[:, at, :, begin:end],

@@ -44,14 +44,17 @@ def chunks(start: int, end: int) -> abc.Iterator[tuple[int, int]]:
         start = stop
 
 
-def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True) -> torch.Tensor:
+def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True, hooks=None) -> torch.Tensor:
     """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the final hidden states, (B, n, C), or with
     last_only the last position's alone, (B, 1, C); the keys and values it writes are the same either way.
     Attention reads only the slots filled so far: a prompt's first chunk is plain causal, which the CPU kernel
-    computes half of."""
+    computes half of. hooks: a Hooks (hooks.py) whose pass computes it instead, op by op."""
     end = begin + ids.shape[1]
-    return model.hidden_states(ids, torch.arange(begin, end, device=ids.device), cache.view(length=end),
-                               last_only=last_only)
+    slots, cache = torch.arange(begin, end, device=ids.device), cache.view(length=end)
+    if hooks is not None:
+        h = hooks.hidden_states(model, ids, slots, cache)
+        return h[:, -1:] if last_only else h
+    return model.hidden_states(ids, slots, cache, last_only=last_only)
 
 
 def untouched_cache(model, rows: int, length: int):

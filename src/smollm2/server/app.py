@@ -35,7 +35,7 @@ from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
 from ..tools import ToolCall, ToolCallParser, Tools, parse_tool_calls
-from . import embeddings, messages, responses
+from . import embeddings, inspect, messages, page, responses
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
@@ -93,6 +93,7 @@ class Body(BaseModel):
         Field(None, max_length=MAX_LOGIT_BIAS)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = Field(0, ge=0)
+    steering: inspect.Steering | None = None  # our extension: a vector added to this request's residual stream
 
 
 class ChatBody(Body):
@@ -178,8 +179,9 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.served = Served(schedulers, tokenizer, metrics, api_key)
-    for routes in (router, responses.router, messages.router, embeddings.router):
+    for routes in (router, responses.router, messages.router, embeddings.router, inspect.router):
         app.include_router(routes)
+    page.serve(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
     return app
@@ -234,8 +236,16 @@ async def prometheus(served: AppState):
 
 @router.get("/v1/models")
 async def models(served: AppState):
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2"}
-                                       for name in served.schedulers]}
+    # meta, as llama.cpp's: what a client (the page) may want to know of the model's shape
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2",
+                                        "meta": meta(scheduler.model.config)}
+                                       for name, scheduler in served.schedulers.items()]}
+
+
+def meta(config) -> dict:
+    return dict(n_vocab=config.vocab_size, n_ctx_train=config.max_position_embeddings, n_embd=config.hidden_size,
+                n_layer=config.num_hidden_layers, n_head=config.num_attention_heads,
+                n_head_kv=config.num_key_value_heads)
 
 
 @router.post("/tokenize")
@@ -307,7 +317,8 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
     ask = Ask(prompts, max_tokens, sampling, stop=[*(body.stop or []), *body.stop_token_ids], n=body.n,
               grammar=await grammar(body.response_format, reply.tokenizer, "response_format", reply.tools),
               logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
-              speculative=None if body.speculative is None else body.speculative == "ngram")
+              speculative=None if body.speculative is None else body.speculative == "ngram",
+              hooks=await inspect.steering_hooks(body.steering, scheduler, reply.tokenizer))
     requests = submit(scheduler, ask)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage

@@ -33,6 +33,7 @@ from ..errors import SmolError
 from ..generation import steps
 from ..generation.engine import Engine, PromptLogprobs, Row
 from ..generation.grammar import Grammar
+from ..generation.hooks import Hooks
 from ..generation.logprobs import TokenLogprob, check_top
 from ..generation.prefix_cache import PrefixCache
 from ..generation.sampling import Sampling
@@ -69,11 +70,13 @@ class Request:
     """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None,
-                 on_end: abc.Callable[[Request], None] | None = None, speculative: bool = False):
+                 on_end: abc.Callable[[Request], None] | None = None, speculative: bool = False,
+                 hooks: Hooks | None = None):
         self.sequence, self.on_end = sequence, on_end  # on_end(request): told as it ends, however it ends
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
         self.speculative = speculative  # guess tokens by prompt lookup (generation.speculative)
+        self.hooks = hooks  # its passes run through these, alone (generation.hooks: steering)
         self.cancelled = False  # set from the HTTP side; the scheduler drops the request at its next step
         self.done = False  # its last event is sent
         self._loop, self._events = loop, asyncio.Queue()
@@ -171,19 +174,20 @@ class Scheduler:
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
                stop: abc.Sequence[str | int] = (), logprobs: int | None = None,
                prompt_logprobs: int | None = None, grammar: Grammar | None = None,
-               speculative: bool | None = None) -> Request:
+               speculative: bool | None = None, hooks: Hooks | None = None) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
         stop: strings and token ids that end the answer (see Sequence);
         logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
         prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
         grammar: None, or what the answer must fit (response_format); speculative: None for the scheduler's
-        default, or whether this request guesses tokens by prompt lookup (the same tokens either way)."""
+        default, or whether this request guesses tokens by prompt lookup (the same tokens either way); hooks: None,
+        or the hooks its passes run through (steering), alone: the other requests' tokens are what they would be."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, sampling, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
                             logprobs, grammar)
         request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
-                          self.on_end, self.speculative if speculative is None else speculative)
+                          self.on_end, self.speculative if speculative is None else speculative, hooks)
         if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
             request.finish()
             return request
@@ -275,7 +279,8 @@ class Scheduler:
                 del self.requests[row]
                 self._cancelled(request)
         while self.engine.free and (request := self._next_waiting()) is not None:
-            self.requests[self.engine.admit(request.sequence, request.prompt_logprobs, request.speculative)] = request
+            row = self.engine.admit(request.sequence, request.prompt_logprobs, request.speculative, request.hooks)
+            self.requests[row] = request
         events = self.engine.step()
         now = time.perf_counter()
         for row, event in events:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FieldError, SmolError
 from ..generation.grammar import Grammar
+from ..generation.hooks import Hooks
 from ..generation.logprobs import TokenLogprob
 from ..generation.sampling import MAX_SEED, Sampling
 from ..tools import Tools
@@ -179,6 +180,7 @@ class Ask:
     logprobs: int | None = None  # each generated token's log-probability, with this many top tokens
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
     speculative: bool | None = None  # guess tokens by prompt lookup; None: as the server does
+    hooks: Hooks | None = None  # what its passes run through (steering), each choice's alone
 
 
 async def grammar(response_format: dict | None, tokenizer, param: str, tools: Tools | None = None) \
@@ -205,7 +207,7 @@ def submit(scheduler: Scheduler, ask: Ask) -> list[Request]:
                 seed = None if ask.sampling.seed is None else (ask.sampling.seed + i) % (MAX_SEED + 1)
                 requests.append(scheduler.submit(prompt, limit, dataclasses.replace(ask.sampling, seed=seed),
                                                  ask.stop, ask.logprobs, ask.prompt_logprobs, ask.grammar,
-                                                 ask.speculative))
+                                                 ask.speculative, ask.hooks))
     except BaseException:
         for request in requests:
             scheduler.cancel(request)

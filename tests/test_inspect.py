@@ -1,0 +1,219 @@
+"""POST /inspect and the `steering` request extension: what Python's smollm2.lens computes, over HTTP, on the
+scheduler's thread; a steered request changes its own answer alone."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from smollm2 import SmolLM2, Tokenizer, lens
+from smollm2.generation.hooks import Hooks
+from smollm2.generation.logprobs import prompt_logprobs
+from smollm2.server import create_app
+from smollm2.server import inspect as served_inspect
+from test_server import NAME, running
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(autouse=True)
+def machine_in_tmp(tmp_path, monkeypatch):
+    """Measured once per test at most, kept under tmp_path, never in the user's cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(lens, "measure", lambda device: lens.Machine(2e10, 1e11))
+
+
+def test_inspect_returns_what_python_computes_on_the_scheduler_thread(tiny, monkeypatch):
+    model, tokenizer = tiny
+    ids = tokenizer.encode(PROMPT)
+    threads = []
+    hidden_states, logits = Hooks.hidden_states, model.logits
+
+    def seen_pass(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return hidden_states(*args, **kwargs)
+
+    def seen_logits(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return logits(*args, **kwargs)
+
+    monkeypatch.setattr(Hooks, "hidden_states", seen_pass)
+    monkeypatch.setattr(model, "logits", seen_logits)
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        r = client.post("/inspect", json=dict(model=NAME, prompt=PROMPT, top_k=3, attention=[1, 0], profile=True))
+        assert r.status_code == 200, r.text
+        answer = r.json()
+    assert threads and set(threads) == {"smollm2-scheduler"}
+    monkeypatch.undo()
+
+    assert answer["object"] == "inspection" and [t["id"] for t in answer["tokens"]] == ids
+    assert [t["text"] for t in answer["tokens"]] == [tokenizer.token_text(i) for i in ids]
+    assert answer["tokens"][0]["logprob"] is None
+    scored = prompt_logprobs(model, ids, 3)
+    for token, want in zip(answer["tokens"][1:], scored[1:]):
+        assert token["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+        assert [t["id"] for t in token["top"]] == [t for t, _ in want.top]
+
+    _, cache = lens.run_with_cache(model, [ids])
+    probs, top = lens.logit_lens(model, lens.residual_stream(cache), 3)
+    layers = model.config.num_hidden_layers
+    assert len(answer["logit_lens"]) == layers + 1
+    for layer, positions in enumerate(answer["logit_lens"]):
+        assert [[t["id"] for t in position] for position in positions] == top[layer, 0].tolist()
+        assert torch.allclose(torch.tensor([[t["prob"] for t in position] for position in positions]),
+                              probs[layer, 0], atol=1e-6)
+        assert positions[0][0]["text"] == tokenizer.token_text(positions[0][0]["id"])
+
+    assert [a["layer"] for a in answer["attention"]] == [0, 1]  # sorted
+    for item in answer["attention"]:
+        pattern = cache[f"blocks.{item['layer']}.attn.hook_pattern"][0]
+        assert len(item["heads"]) == model.config.num_attention_heads
+        for head, rows in zip(pattern, item["heads"]):
+            assert [len(row) for row in rows] == list(range(1, len(ids) + 1))  # causal: keys up to the query
+            for q, row in enumerate(rows):
+                assert row == pytest.approx(head[q, :q + 1].tolist(), abs=1e-6)
+
+    profile = answer["profile"]
+    assert profile["machine"] == dict(bandwidth=2e10, flops=1e11) and profile["tokens"] == len(ids)
+    for phase in ("prefill", "decode"):
+        ops = profile[phase]["ops"]
+        assert {op["layer"] for op in ops} == {None, *range(layers)}
+        assert {op["kind"] for op in ops} == {"embedding", "residual", "norm", "product", "attention", "activation",
+                                              "sampling"}
+        assert all(op["seconds"] > 0 and op["bytes"] > 0 for op in ops) and profile[phase]["served_seconds"] > 0
+
+
+def test_inspect_a_chat_and_parts_on_demand(tiny):
+    model, tokenizer = tiny
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        answer = client.post("/inspect", json=dict(model=NAME, messages=chat)).json()
+        # a last assistant message is a finished turn; a last user message gets the assistant's header after it
+        assert [t["id"] for t in answer["tokens"]] == tokenizer.apply_chat_template(chat, add_generation_prompt=False)
+        asking = client.post("/inspect", json=dict(model=NAME, messages=chat[:1])).json()
+        assert [t["id"] for t in asking["tokens"]] == tokenizer.apply_chat_template(chat[:1])
+        assert len(answer["logit_lens"][0][0]) == 5 and answer["attention"] == [] and "profile" not in answer
+        lean = client.post("/inspect", json=dict(model=NAME, prompt=PROMPT, logit_lens=False, attention=[1])).json()
+        assert lean["logit_lens"] is None and [a["layer"] for a in lean["attention"]] == [1]
+
+
+def test_bad_inspections_get_400_naming_the_field(tiny, monkeypatch):
+    model, tokenizer = tiny
+    assert served_inspect.MAX_INSPECT_TOKENS == 256
+    monkeypatch.setattr(served_inspect, "MAX_INSPECT_TOKENS", 20)
+    layers = model.config.num_hidden_layers
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        for body, field, message in [
+            ({}, "prompt", "either prompt or messages"),
+            (dict(prompt="Hi", messages=[{"role": "user", "content": "Hi"}]), "prompt", "either prompt or messages"),
+            (dict(prompt=""), "prompt", "1 to 20 tokens"),
+            (dict(prompt="word " * 30), "prompt", "1 to 20 tokens"),
+            (dict(messages=[{"role": "user", "content": "word " * 30}]), "messages", "1 to 20 tokens"),
+            (dict(messages=[]), "messages", "at least 1"),
+            (dict(messages=[{"role": "user", "content": 5}]), "messages.0.content", "string"),
+            (dict(prompt="Hi", attention=[layers]), "attention.0", "not a block"),
+            (dict(prompt="Hi", attention=[0, -1]), "attention.1", "not a block"),
+            (dict(prompt="Hi", top_k=0), "top_k", "greater than or equal to 1"),
+            (dict(prompt="Hi", top_k=21), "top_k", "less than or equal to 20"),
+            (dict(prompt="Hi", profile="yes"), "profile", "boolean"),
+        ]:
+            r = client.post("/inspect", json=dict(model=NAME, **body))
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and message in error["message"], (body, error)
+        r = client.post("/inspect", json=dict(model="other", prompt="Hi"))
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert client.get("/health").json()["waiting"] == 0
+
+
+def chat(client, content: str, **extra) -> dict:
+    r = client.post("/v1/chat/completions", json=dict(model=NAME, messages=[{"role": "user", "content": content}],
+                                                      max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                                      **extra))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_a_steered_request_changes_its_answer_and_no_other(tiny):
+    """Concurrent requests on one server, one of them steered toward a token: the others get exactly what they get
+    alone, tokens and log-probabilities; the steered one, what it gets steered alone."""
+    model, tokenizer = tiny
+    steer = dict(steering=dict(layer=1, vector=(1000 * model.output_weight[7]).tolist()))
+    questions = ["What is 2 + 2?", "Name a colour.", "Say hi.", "Count to three."]
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url, timeout=120) as client:
+        alone = [chat(client, q) for q in questions]
+        steered_alone = chat(client, questions[1], **steer)
+        with ThreadPoolExecutor(len(questions)) as pool:
+            together = list(pool.map(lambda i: chat(client, questions[i], **(steer if i == 1 else {})),
+                                     range(len(questions))))
+        texts = client.post("/v1/chat/completions", json=dict(
+            model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+            steering=dict(layer=0, toward=" love", away=" hate", scale=4)))
+        assert texts.status_code == 200, texts.text
+    assert [together[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
+    assert together[1] == steered_alone
+    tokens = [t["token"] for t in steered_alone["logprobs"]["content"]]
+    assert tokens == [tokenizer.token_text(7)] * 8 != [t["token"] for t in alone[1]["logprobs"]["content"]]
+
+
+def test_bad_steering_gets_400_naming_the_field(tiny):
+    model, tokenizer = tiny
+    C, layers = model.config.hidden_size, model.config.num_hidden_layers
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        for steering, field, message in [
+            (dict(layer=layers, vector=[0.0] * C), "steering.layer", "must be a block"),
+            (dict(layer=-1, vector=[0.0] * C), "steering.layer", "must be a block"),
+            (dict(layer=0, vector=[0.0] * (C - 1)), "steering.vector", f"must have {C} numbers"),
+            (dict(layer=0), "steering", "either vector or both toward and away"),
+            (dict(layer=0, toward="a"), "steering", "either vector or both toward and away"),
+            (dict(layer=0, vector=[0.0] * C, toward="a", away="b"), "steering", "either vector or both"),
+            (dict(layer=0, toward="", away="b"), "steering.toward", "1 to 64 tokens"),
+            (dict(layer=0, toward="a", away="word " * 70), "steering.away", "1 to 64 tokens"),
+            (dict(layer=0, vector=[0.0] * C, scale=1000), "steering.scale", "less than or equal to 100"),
+            (dict(layer=0, vector=["x"] * C), "steering.vector.0", "valid number"),
+            (dict(layer="0", vector=[0.0] * C), "steering.layer", "valid integer"),
+        ]:
+            r = client.post("/v1/chat/completions", json=dict(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                              steering=steering))
+            assert r.status_code == 400, (steering, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and message in error["message"], (steering, error)
+        # JSON's NaN, which Python's parser reads: no number
+        r = client.post("/v1/chat/completions", content=f'{{"model": "{NAME}", "messages": [{{"role": "user", '
+                        f'"content": "Hi"}}], "steering": {{"layer": 0, "vector": [NaN{", 0" * (C - 1)}]}}}}',
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "steering.vector.0", r.text
+
+
+def test_models_tell_the_page_the_models_shape(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
+        (entry,) = client.get("/v1/models").json()["data"]
+    config = model.config
+    assert entry["meta"] == dict(n_vocab=config.vocab_size, n_ctx_train=config.max_position_embeddings,
+                                 n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
+                                 n_head=config.num_attention_heads, n_head_kv=config.num_key_value_heads)
+
+
+def test_the_page_and_its_files_are_served_without_the_key(tiny):
+    model, tokenizer = tiny
+    with TestClient(create_app(model, tokenizer, model_name=NAME, api_key="secret")) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "/static/app.js" in page.text and "http" not in page.text.replace("http-equiv", "")  # nothing fetched elsewhere
+        for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+            r = client.get(f"/static/{name}")
+            assert r.status_code == 200 and kind in r.headers["content-type"]
+            assert "http://" not in r.text and "https://" not in r.text
+        assert client.post("/inspect", json=dict(model=NAME, prompt="Hi")).status_code == 401
+        assert client.get("/static/missing.js").status_code == 404
