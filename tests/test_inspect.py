@@ -158,7 +158,7 @@ def test_a_steered_request_changes_its_answer_and_no_other(tiny):
                                      range(len(questions))))
         texts = client.post("/v1/chat/completions", json=dict(
             model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-            steering=dict(layer=0, toward=" love", away=" hate", scale=4)))
+            steering=dict(layer=0, toward="I love", away="I hate", scale=4)))
         assert texts.status_code == 200, texts.text
     assert [together[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
     assert together[1] == steered_alone
@@ -177,8 +177,8 @@ def test_bad_steering_gets_400_naming_the_field(tiny):
             (dict(layer=0), "steering", "either vector or both toward and away"),
             (dict(layer=0, toward="a"), "steering", "either vector or both toward and away"),
             (dict(layer=0, vector=[0.0] * C, toward="a", away="b"), "steering", "either vector or both"),
-            (dict(layer=0, toward="", away="b"), "steering.toward", "1 to 64 tokens"),
-            (dict(layer=0, toward="a", away="word " * 70), "steering.away", "1 to 64 tokens"),
+            (dict(layer=0, toward="a", away="b c"), "steering.toward", "2 to 64 tokens"),
+            (dict(layer=0, toward="a b", away="word " * 70), "steering.away", "2 to 64 tokens"),
             (dict(layer=0, vector=[0.0] * C, scale=1000), "steering.scale", "less than or equal to 100"),
             (dict(layer=0, vector=["x"] * C), "steering.vector.0", "valid number"),
             (dict(layer="0", vector=[0.0] * C), "steering.layer", "valid integer"),
@@ -217,3 +217,32 @@ def test_the_page_and_its_files_are_served_without_the_key(tiny):
             assert "http://" not in r.text and "https://" not in r.text
         assert client.post("/inspect", json=dict(model=NAME, prompt="Hi")).status_code == 401
         assert client.get("/static/missing.js").status_code == 404
+
+
+def test_streams_running_meanwhile_go_on_between_the_pieces(tiny, monkeypatch):
+    """The inspection is calls between the scheduler's steps: a running stream is not held for all of it."""
+    model, tokenizer = tiny
+    runs = []  # what the scheduler's thread ran, in order: a step of the engine, or a piece of the logit lens
+    hidden_states, logit_lens = model.hidden_states, lens.logit_lens
+
+    def step(*args, **kwargs):
+        runs.append("step")
+        return hidden_states(*args, **kwargs)
+
+    def piece(*args, **kwargs):
+        runs.append("lens")
+        return logit_lens(*args, **kwargs)
+
+    monkeypatch.setattr(model, "hidden_states", step)
+    monkeypatch.setattr(lens, "logit_lens", piece)
+    monkeypatch.setattr(served_inspect, "LENS_LAYERS_A_CALL", 1)
+    body = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)  # decoding has begun
+            assert client.post("/inspect", json=dict(model=NAME, prompt=PROMPT)).status_code == 200
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ran on, to its end
+    pieces = [i for i, run in enumerate(runs) if run == "lens"]
+    assert len(pieces) == model.config.num_hidden_layers + 1
+    assert all("step" in runs[a:b] for a, b in zip(pieces, pieces[1:]))

@@ -140,6 +140,8 @@ def test_bad_hooks_and_steering_are_smol_errors():
         steering(config, 0, torch.zeros(config.hidden_size + 1))
     with pytest.raises(SmolError, match="finite"):
         steering(config, 0, torch.full((config.hidden_size,), float("nan")))
+    with pytest.raises(SmolError, match="away: a steering text needs 2 tokens at least, got 1"):
+        lens.steering_vector(tiny_model(config), [1, 2], [3], 0)
     with pytest.raises(SmolError, match="equally long"):
         lens.run_with_cache(tiny_model(config), [[1, 2], [3]])
     assert len(point_names(2)) == 1 + 2 * len(BLOCK_POINTS) + 2
@@ -216,3 +218,40 @@ def test_the_profile_times_every_operation_and_keeps_the_machine(tmp_path, monke
 def test_measure_reports_plausible_limits():
     machine = lens.measure(torch.device("cpu"))
     assert 1e8 < machine.bandwidth < 1e13 and 1e8 < machine.flops < 1e15
+
+
+def test_the_readmes_tour_of_the_logit_lens(model):
+    """What the README says the logit lens shows on "The capital of France is"."""
+    from smollm2 import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained()
+    ids = tokenizer.encode("The capital of France is")
+    _, cache = lens.run_with_cache(model, [ids])
+    probs, top = lens.logit_lens(model, lens.residual_stream(cache), top_k=model.config.vocab_size)
+    probs, top, output = probs[:, 0], top[:, 0], model.config.num_hidden_layers
+    paris, of, capital, the = (tokenizer.encode(word)[0] for word in (" Paris", " of", " capital", " the"))
+    ranks = [top[layer, 4].tolist().index(paris) + 1 for layer in range(output + 1)]  # of " Paris", under " is"
+
+    assert [tokenizer.token_text(t) for t in top[0, :, 0].tolist()] == ["The", " capital", " of", "<filename>", " is"]
+    assert all(tokenizer.token_text(t) in {",", ".", "-", " ", " the", " a", " ("} for t in top[1:10, :, 0].flatten())
+    assert [top[layer, 1, 0] == of for layer in range(18, output + 1)] == [False] + [True] * (output - 18)
+    assert round(100 * probs[19, 1, 0].item()) == 77 and (probs[20:29, 1, 0] > 0.9).all()
+    assert round(100 * probs[output, 1, 0].item()) == 71
+    assert all(2000 <= rank <= 5100 for rank in ranks[1:24])  # (layer 0 is sure of " is": the rest all round to 0)
+    assert [ranks[layer] for layer in (24, 25, 28, 29, output)] == [396, 92, 7, 3, 1]
+    assert top[29, 4, :2].tolist() == [capital, the] and [round(100 * p) for p in probs[29, 4, :3].tolist()] == [20, 20, 7]
+    assert [tokenizer.token_text(t) for t in top[output, 4, :3].tolist()] == [" Paris", " the", " London"]
+    assert [round(100 * p) for p in probs[output, 4, :3].tolist()] == [77, 6, 1]
+
+
+def test_the_readmes_steering_example(model):
+    from smollm2 import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained()
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about your weekend."}])
+    vector = lens.steering_vector(model, tokenizer.encode("I went to a wedding"), tokenizer.encode("I went to a funeral"),
+                                  layer=6)
+    steered = model.generate([chat], 24, hooks=steering(model.config, 6, 0.5 * vector))[0, len(chat):]
+    plain = model.generate([chat], 24)[0, len(chat):]
+    assert tokenizer.decode(steered).startswith("I'm a happy couple with a wonderful adventure to the beach.")
+    assert tokenizer.decode(plain).startswith("My weekend is a mix of adventure and relaxation.")

@@ -29,6 +29,8 @@ from .generation.sampling import Sampling, sample
 from .generation.sequence import prompt_rows
 from .kernels.build import cache_dir, cpu_signature
 
+MIN_STEERING_TOKENS = 2  # a steering text's: its last token past position 0, the attention sink, whose stream is
+# unlike any other's (in SmolLM2-135M ~10x the norm): a difference taken there is no direction of meaning
 LENS_ROWS = 256  # positions whose logits one step of the logit lens holds at once: 256 x 49152 floats, 50 MB
 
 
@@ -95,7 +97,12 @@ def logit_lens(model, residual: torch.Tensor, top_k: int = 5) -> tuple[torch.Ten
 @torch.inference_mode()
 def steering_vector(model, toward: list[int], away: list[int], layer: int) -> torch.Tensor:
     """The residual stream entering block `layer` at the last token of `toward` less that at the last token of
-    `away` (say, the ids of " love" and of " hate"): a direction to add to the stream there (hooks.steering)."""
+    `away` (say, the ids of "I went to a wedding" and of "I went to a funeral"): a direction to add to the stream
+    there (hooks.steering). Each needs MIN_STEERING_TOKENS tokens at least."""
+    for what, ids in (("toward", toward), ("away", away)):
+        if len(ids) < MIN_STEERING_TOKENS:
+            raise SmolError(f"{what}: a steering text needs {MIN_STEERING_TOKENS} tokens at least, got {len(ids)}: "
+                            f"the first position's stream is the attention sink's, unlike any other's")
     name = f"blocks.{layer}.hook_resid_pre"
     states = [run_with_cache(model, [ids], [name])[1][name][0, -1] for ids in (toward, away)]
     return states[0] - states[1]
@@ -107,17 +114,17 @@ def steering_vector(model, toward: list[int], away: list[int], layer: int) -> to
 class Machine:
     """What this machine's memory and matrix products reach, measured once (measure()) and kept: the limits a
     roofline holds each operation against."""
-    bandwidth: float  # bytes per second read from memory: a sum over a large tensor's
+    bandwidth: float  # bytes per second read from memory: a matrix-vector product's, over a large matrix
     flops: float  # float32 operations per second: a large matrix product's
 
 
-READ_BYTES = 256 << 20  # far past any cache
+STREAMED_SIZE = 8192  # a square float32 matrix of 256 MiB, far past any cache, multiplied by a vector
 PRODUCT_SIZE = 2048  # a square float32 matrix product: 17 GFLOP
 
 
 def measure(device: torch.device) -> Machine:
-    """The best of a few runs of a sum over a large tensor (its bytes are read once, as a weight is in a
-    product) and of a large matrix product, with this thread's torch threads."""
+    """The best of a few runs of a large matrix times a vector (the matrix read once, as a decoding step reads each
+    weight) and of a large matrix product, with this thread's torch threads."""
     def best(run: abc.Callable, times: int) -> float:
         seconds = []
         for _ in range(times + 1):  # the first warms up
@@ -127,11 +134,11 @@ def measure(device: torch.device) -> Machine:
             seconds.append(time.perf_counter() - begin)
         return min(seconds[1:])
 
-    tensor = torch.ones(READ_BYTES // 4, device=device)
-    read_s = best(tensor.sum, 5)
+    streamed, vector = torch.ones(STREAMED_SIZE, STREAMED_SIZE, device=device), torch.ones(STREAMED_SIZE, device=device)
+    read_s = best(lambda: streamed @ vector, 5)
     a = torch.randn(PRODUCT_SIZE, PRODUCT_SIZE, device=device)
     product_s = best(lambda: a @ a, 3)
-    return Machine(bandwidth=READ_BYTES / read_s, flops=2 * PRODUCT_SIZE ** 3 / product_s)
+    return Machine(bandwidth=4 * STREAMED_SIZE ** 2 / read_s, flops=2 * PRODUCT_SIZE ** 3 / product_s)
 
 
 def synchronize(device: torch.device) -> None:

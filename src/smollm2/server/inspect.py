@@ -79,8 +79,9 @@ async def steering_hooks(body: Steering | None, scheduler: Scheduler, tokenizer)
     prompts = {}
     for field, text in zip(("toward", "away"), texts):
         prompts[field] = ids = [] if text is None else tokenizer.encode(text)
-        if text is not None and not 1 <= len(ids) <= MAX_STEERING_TOKENS:
-            raise APIError(400, f"steering.{field}: must be 1 to {MAX_STEERING_TOKENS} tokens, got {len(ids)}",
+        if text is not None and not lens.MIN_STEERING_TOKENS <= len(ids) <= MAX_STEERING_TOKENS:
+            raise APIError(400, f"steering.{field}: must be {lens.MIN_STEERING_TOKENS} to {MAX_STEERING_TOKENS} "
+                           f"tokens (the first position is the attention sink's), got {len(ids)}",
                            param=f"steering.{field}")
 
     def hooks() -> Hooks:  # scheduler thread

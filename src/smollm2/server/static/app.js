@@ -431,7 +431,7 @@ function renderProfile(profile) {
     el("span", {className: "big", textContent: value}), el("span", {className: "hint", textContent: note}));
   const phases = [["prefill", `The prompt's pass, ${profile.tokens} tokens`], ["decode", "One decoding step after it"]];
   const view = [el("div", {className: "time-summary"},
-    card("memory bandwidth, measured", `${(machine.bandwidth / 1e9).toFixed(1)} GB/s`, "reading a 256 MiB tensor"),
+    card("memory bandwidth, measured", `${(machine.bandwidth / 1e9).toFixed(1)} GB/s`, "a 256 MiB matrix times a vector"),
     card("matrix products, measured", `${(machine.flops / 1e9).toFixed(0)} GFLOP/s`, "a 2048² float32 product"),
     ...phases.map(([phase, title]) => card(title, ms(profile[phase].ops.reduce((s, op) => s + op.seconds, 0)),
       `op by op; as served (fused kernels): ${ms(profile[phase].served_seconds)}`)))];
