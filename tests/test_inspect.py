@@ -235,6 +235,7 @@ def test_streams_running_meanwhile_go_on_between_the_pieces(tiny, monkeypatch):
 
     monkeypatch.setattr(model, "hidden_states", step)
     monkeypatch.setattr(lens, "logit_lens", piece)
+    assert served_inspect.LENS_LAYERS_A_CALL == 4
     monkeypatch.setattr(served_inspect, "LENS_LAYERS_A_CALL", 1)
     body = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
     with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:

@@ -255,3 +255,7 @@ def test_the_readmes_steering_example(model):
     plain = model.generate([chat], 24)[0, len(chat):]
     assert tokenizer.decode(steered).startswith("I'm a happy couple with a wonderful adventure to the beach.")
     assert tokenizer.decode(plain).startswith("My weekend is a mix of adventure and relaxation.")
+    # Why a steering text needs two tokens: the first position's stream, the attention sink's, is unlike the others'.
+    _, cache = lens.run_with_cache(model, [tokenizer.encode("I went to a wedding")])
+    norms = lens.residual_stream(cache)[:, 0].norm(dim=-1)
+    assert (norms[:, 0] > 5 * norms[:, 1:].median(dim=-1).values).sum() >= 20  # of the 31 streams

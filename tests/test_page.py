@@ -1,7 +1,7 @@
 """The page at /, in a real browser: headless Chromium from Debian's `chromium` package (`make install-test`
 installs it where missing), driven by playwright (its Python package only: no browser download). With the
-embedded model: a chat message, its answer streamed, then the view inside it: the logit lens grid, an attention
-map, the time. Screenshots go to the test's tmp dir, or to SMOLLM2_SCREENSHOTS (the README's: docs/)."""
+embedded model, behind an API key: the key asked for, a chat message, its answer streamed, then the view inside
+it: the logit lens grid, an attention map, the time. Screenshots go to the test's tmp dir, or to SMOLLM2_SCREENSHOTS (the README's: docs/)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,11 @@ def test_the_page_chats_and_shows_inside_the_model(model, browser_page, tmp_path
     shots = Path(os.environ.get("SMOLLM2_SCREENSHOTS", tmp_path))
     page, layers = browser_page, model.config.num_hidden_layers
     tokenizer = Tokenizer.from_pretrained()
-    with running(create_app(model, tokenizer)) as url:
-        page.goto(url)
+    with running(create_app(model, tokenizer, api_key="secret")) as url:
+        page.goto(url)  # the page itself needs no key; it asks for the key its API calls need
+        page.wait_for_selector("#key-dialog[open]")
+        page.fill("#key", "secret")
+        page.click("#key-dialog button")
         page.wait_for_selector("#model option", state="attached")
         assert page.inner_text("#status").startswith(f"{layers} layers")
         # Every change of the answer's text, as it streams.

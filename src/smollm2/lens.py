@@ -30,7 +30,7 @@ from .generation.sequence import prompt_rows
 from .kernels.build import cache_dir, cpu_signature
 
 MIN_STEERING_TOKENS = 2  # a steering text's: its last token past position 0, the attention sink, whose stream is
-# unlike any other's (in SmolLM2-135M ~10x the norm): a difference taken there is no direction of meaning
+# unlike any other's (in SmolLM2-135M, many times their norm in most blocks): a difference there means nothing
 LENS_ROWS = 256  # positions whose logits one step of the logit lens holds at once: 256 x 49152 floats, 50 MB
 
 
