@@ -119,7 +119,7 @@ def test_hooks_read_and_change_activations_while_generating(variant):
     plain = model.generate([prompt], 6, eos_token_id=None)
     seen = []
     read = model.generate([prompt], 6, eos_token_id=None,
-                          hooks=[("blocks.1.hook_mlp_out", lambda x, name: seen.append((name, x.shape)))])
+                          hooks={"blocks.1.hook_mlp_out": lambda x, name: seen.append((name, x.shape))})
     assert torch.equal(read, plain)  # a hook that returns None changes nothing
     assert seen == [("blocks.1.hook_mlp_out", (1, 9, config.hidden_size))] + \
         [("blocks.1.hook_mlp_out", (1, 1, config.hidden_size))] * 5  # the prompt, then each token it feeds
@@ -133,7 +133,9 @@ def test_bad_hooks_and_steering_are_smol_errors():
     with pytest.raises(SmolError, match="no hook point 'blocks.9.hook_resid_pre'"):
         Hooks(config.num_hidden_layers, [("blocks.9.hook_resid_pre", print)])
     with pytest.raises(SmolError, match="not a function"):
-        Hooks(config.num_hidden_layers, [("hook_embed", 3)])
+        Hooks(config.num_hidden_layers, {"hook_embed": 3})
+    with pytest.raises(SmolError, match="pairs or a dict of them, got 'hook_embed'"):
+        Hooks(config.num_hidden_layers, ["hook_embed"])
     with pytest.raises(SmolError, match="steering layer"):
         steering(config, config.num_hidden_layers, torch.zeros(config.hidden_size))
     with pytest.raises(SmolError, match=f"{config.hidden_size} finite numbers"):

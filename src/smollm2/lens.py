@@ -271,20 +271,17 @@ def costs(model, layer: int | None, name: str, tokens: int, slots: int) -> tuple
 
 
 @torch.inference_mode()
-def profile(model, ids: list[int], repeats: int = 5, hooks: abc.Iterable = (),
-            file: abc.Callable[[], Path] = machine_file) -> Profile:
+def profile(model, ids: list[int], repeats: int = 5, file: abc.Callable[[], Path] = machine_file) -> Profile:
     """Time a prompt's pass and one decoding step after it, op by op on the reference math (each op's time is
     the time between the hook points around it; the decoding step's, the fastest of `repeats`), then the
     output projection of the last position and a sampling draw (temperature 1), as each pass ends in serving.
-    hooks: more (name, function) pairs to run in the prompt's pass (run_with_cache's kind), after the clock's;
     file: where the Machine is kept (machine())."""
     (prompt,) = prompt_rows([ids], model.config.vocab_size)
     T, device = len(prompt), model.model.embed_tokens.weight.device
     if T + 1 > model.config.max_position_embeddings:
         raise SmolError(f"{T} tokens and one more exceed the context window of {model.config.max_position_embeddings}")
     clock, draw = Clock(model), Sampling(temperature=1.0, seed=0)
-    layers = model.config.num_hidden_layers
-    timed, probed = Hooks(layers, clock.hooks), Hooks(layers, [*clock.hooks, *hooks])
+    timed = Hooks(model.config.num_hidden_layers, clock.hooks)
     cache = model.new_cache(1, T + 1)
     prompt_ids, next_id = torch.tensor([prompt], device=device), torch.tensor([[prompt[-1]]], device=device)
 
@@ -302,7 +299,7 @@ def profile(model, ids: list[int], repeats: int = 5, hooks: abc.Iterable = (),
                                                                     time.perf_counter() - middle)]
 
     with reference_math(model):
-        prefill = run(probed, prompt_ids, torch.arange(T, device=device))
+        prefill = run(timed, prompt_ids, torch.arange(T, device=device))
         decodes = [run(timed, next_id, torch.tensor([T], device=device)) for _ in range(repeats)]
     decode = [(*op[:3], min(d[i][3] for d in decodes)) for i, op in enumerate(decodes[0])]
 

@@ -51,12 +51,15 @@ def point_names(layers: int) -> list[str]:
 class Hooks:
     """Functions at hook points, and the forward pass that calls them (see the module's docstring)."""
 
-    def __init__(self, layers: int, hooks: abc.Iterable[tuple[str, HookFunction]]):
-        """layers: the model's blocks; hooks: (point name, function) pairs, TransformerLens's fwd_hooks; several
-        functions at one point run in the order given, each on what the one before returned."""
+    def __init__(self, layers: int, hooks: abc.Iterable[tuple[str, HookFunction]] | abc.Mapping[str, HookFunction]):
+        """layers: the model's blocks; hooks: (point name, function) pairs, TransformerLens's fwd_hooks, or a dict
+        of them; several functions at one point run in the order given, each on what the one before returned."""
         known = set(point_names(layers))
         self.functions: dict[str, list[HookFunction]] = collections.defaultdict(list)
-        for name, function in hooks:
+        for pair in hooks.items() if isinstance(hooks, abc.Mapping) else hooks:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise SmolError(f"hooks must be (point name, function) pairs or a dict of them, got {pair!r}")
+            name, function = pair
             if name not in known:
                 raise SmolError(f"no hook point {name!r} in a model of {layers} blocks: they are hook_embed, "
                                 f"blocks.{{0..{layers - 1}}}.{{{', '.join(BLOCK_POINTS)}}}, ln_final.hook_scale and "
