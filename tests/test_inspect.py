@@ -150,7 +150,8 @@ def test_a_steered_request_changes_its_answer_and_no_other(tiny):
     model, tokenizer = tiny
     steer = dict(steering=dict(layer=1, vector=(1000 * model.output_weight[7]).tolist()))
     questions = ["What is 2 + 2?", "Name a colour.", "Say hi.", "Count to three."]
-    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with running(create_app(model, tokenizer, model_name=NAME)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
         alone = [chat(client, q) for q in questions]
         steered_alone = chat(client, questions[1], **steer)
         with ThreadPoolExecutor(len(questions)) as pool:
@@ -210,7 +211,7 @@ def test_the_page_and_its_files_are_served_without_the_key(tiny):
     with TestClient(create_app(model, tokenizer, model_name=NAME, api_key="secret")) as client:
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert "/static/app.js" in page.text and "http" not in page.text.replace("http-equiv", "")  # nothing fetched elsewhere
+        assert "/static/app.js" in page.text and "http" not in page.text  # nothing fetched from elsewhere
         for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
             r = client.get(f"/static/{name}")
             assert r.status_code == 200 and kind in r.headers["content-type"]

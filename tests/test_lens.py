@@ -241,7 +241,8 @@ def test_the_readmes_tour_of_the_logit_lens(model):
     assert round(100 * probs[output, 1, 0].item()) == 71
     assert all(2000 <= rank <= 5100 for rank in ranks[1:24])  # (layer 0 is sure of " is": the rest all round to 0)
     assert [ranks[layer] for layer in (24, 25, 28, 29, output)] == [396, 92, 7, 3, 1]
-    assert top[29, 4, :2].tolist() == [capital, the] and [round(100 * p) for p in probs[29, 4, :3].tolist()] == [20, 20, 7]
+    assert top[29, 4, :2].tolist() == [capital, the]
+    assert [round(100 * p) for p in probs[29, 4, :3].tolist()] == [20, 20, 7]
     assert [tokenizer.token_text(t) for t in top[output, 4, :3].tolist()] == [" Paris", " the", " London"]
     assert [round(100 * p) for p in probs[output, 4, :3].tolist()] == [77, 6, 1]
 
@@ -251,8 +252,8 @@ def test_the_readmes_steering_example(model):
 
     tokenizer = Tokenizer.from_pretrained()
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about your weekend."}])
-    vector = lens.steering_vector(model, tokenizer.encode("I went to a wedding"), tokenizer.encode("I went to a funeral"),
-                                  layer=6)
+    toward, away = tokenizer.encode("I went to a wedding"), tokenizer.encode("I went to a funeral")
+    vector = lens.steering_vector(model, toward, away, layer=6)
     steered = model.generate([chat], 24, hooks=steering(model.config, 6, 0.5 * vector))[0, len(chat):]
     plain = model.generate([chat], 24)[0, len(chat):]
     assert tokenizer.decode(steered).startswith("I'm a happy couple with a wonderful adventure to the beach.")

@@ -1,7 +1,8 @@
 """The page at /, in a real browser: headless Chromium from Debian's `chromium` package (`make install-test`
 installs it where missing), driven by playwright (its Python package only: no browser download). With the
 embedded model, behind an API key: the key asked for, a chat message, its answer streamed, then the view inside
-it: the logit lens grid, an attention map, the time. Screenshots go to the test's tmp dir, or to SMOLLM2_SCREENSHOTS (the README's: docs/)."""
+it: the logit lens grid, an attention map, the time. Screenshots go to the test's tmp dir, or to
+SMOLLM2_SCREENSHOTS (the README's: docs/)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def test_the_page_chats_and_shows_inside_the_model(model, browser_page, tmp_path
         page.wait_for_selector("#model option", state="attached")
         assert page.inner_text("#status").startswith(f"{layers} layers")
         # Every change of the answer's text, as it streams.
-        page.evaluate("""window.updates = 0; new MutationObserver(() => window.updates++).observe(
-            document.getElementById('messages'), {subtree: true, childList: true, characterData: true})""")
+        page.evaluate("""window.updates = 0;
+            new MutationObserver((changes) => window.updates += changes.length).observe(
+                document.getElementById('messages'), {subtree: true, childList: true, characterData: true})""")
         page.fill("#input", "What is the capital of France?")
         page.press("#input", "Enter")
         page.wait_for_selector(".message.assistant:not(.streaming) .actions button", timeout=120_000)

@@ -81,7 +81,9 @@ function shown(text) {
   if (/^ +$/.test(text)) return "␣".repeat(text.length);
   return text.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
 }
-function percent(p) { return p >= 0.995 ? "100%" : p >= 0.01 ? `${(100 * p).toFixed(1)}%` : `${(100 * p).toPrecision(2)}%`; }
+function percent(p) {
+  return p >= 0.995 ? "100%" : p >= 0.01 ? `${(100 * p).toFixed(1)}%` : `${(100 * p).toPrecision(2)}%`;
+}
 function el(tag, attributes = {}, ...children) {
   const node = document.createElement(tag);
   for (const [name, value] of Object.entries(attributes)) {
@@ -99,7 +101,8 @@ function tip(event, content) {
   box.replaceChildren(content);
   box.hidden = false;
   const x = Math.min(event.clientX + 14, innerWidth - box.offsetWidth - 8);
-  const y = event.clientY + 18 + box.offsetHeight > innerHeight ? event.clientY - box.offsetHeight - 10 : event.clientY + 18;
+  const below = event.clientY + 18 + box.offsetHeight <= innerHeight;
+  const y = below ? event.clientY + 18 : event.clientY - box.offsetHeight - 10;
   box.style.left = `${x}px`;
   box.style.top = `${y}px`;
 }
@@ -178,7 +181,8 @@ function renderMessage(message) {
     body.replaceChildren(...spans, rest);
   }
   const scroller = $("messages");
-  if (scroller.scrollHeight - scroller.scrollTop - scroller.clientHeight < 120) scroller.scrollTop = scroller.scrollHeight;
+  const atBottom = scroller.scrollHeight - scroller.scrollTop - scroller.clientHeight < 120;
+  if (atBottom) scroller.scrollTop = scroller.scrollHeight;
 }
 
 async function send(text) {
@@ -211,7 +215,8 @@ async function send(text) {
     answer.element.classList.remove("streaming");
     const probability = answer.tokens.length
       ? Math.exp(answer.tokens.reduce((sum, t) => sum + t.logprob, 0) / answer.tokens.length) : null;
-    answer.actions.append(`${answer.tokens.length} tokens` + (probability ? ` · mean probability ${percent(probability)}` : "")
+    answer.actions.append(`${answer.tokens.length} tokens`
+      + (probability ? ` · mean probability ${percent(probability)}` : "")
       + (note ? ` · ${note}` : "") + (request.steering ? " · steered" : ""));
     state.controller = null;
     setBusy(false);
@@ -230,7 +235,9 @@ async function inspect(request, label) {
   $("inspector").hidden = false;
   $("inspect-what").textContent = label;
   $("inspect-error").hidden = true;
-  for (const id of ["token-strip", "token-detail", "lens-grid", "attention-strip", "time-view"]) $(id).replaceChildren();
+  for (const id of ["token-strip", "token-detail", "lens-grid", "attention-strip", "time-view"]) {
+    $(id).replaceChildren();
+  }
   $("token-strip").append(el("div", {className: "loading", textContent: "Running the model, layer by layer…"}));
   const inspection = state.inspection;
   try {
@@ -254,7 +261,9 @@ function showInspectError(error) {
 }
 
 function showTab(name) {
-  for (const button of document.querySelectorAll("#tabs button")) button.classList.toggle("active", button.dataset.tab === name);
+  for (const button of document.querySelectorAll("#tabs button")) {
+    button.classList.toggle("active", button.dataset.tab === name);
+  }
   for (const tab of ["tokens", "lens", "attention", "time"]) $(`tab-${tab}`).hidden = tab !== name;
   const inspection = state.inspection;
   if (!inspection || !inspection.data) return;
@@ -274,7 +283,8 @@ function renderTokens() {
         event.target.classList.add("selected");
         showToken(i);
       },
-      onmousemove: (event) => tip(event, el("div", {}, `${shown(token.text)}  ${p === null ? "(first: nothing predicts it)" : percent(p)}`)),
+      onmousemove: (event) => tip(event, el("div", {},
+        `${shown(token.text)}  ${p === null ? "(first: nothing predicts it)" : percent(p)}`)),
       onmouseleave: untip,
     });
   }));
@@ -283,7 +293,8 @@ function renderTokens() {
 function showToken(i) {
   const token = state.inspection.data.tokens[i];
   if (token.logprob === null) {
-    $("token-detail").replaceChildren(el("p", {className: "hint", textContent: "The first token: nothing before it predicts it."}));
+    $("token-detail").replaceChildren(el("p", {className: "hint",
+      textContent: "The first token: nothing before it predicts it."}));
     return;
   }
   const rows = token.top.map((t) => el("tr", {className: t.id === token.id ? "chosen" : ""},
@@ -325,7 +336,8 @@ async function loadAttention() {
   const inspection = state.inspection;
   const layer = Number($("attention-layer").value);
   if (!inspection.attention[layer]) {
-    $("attention-strip").replaceChildren(el("div", {className: "loading", textContent: `Reading layer ${layer}'s attention…`}));
+    $("attention-strip").replaceChildren(el("div", {className: "loading",
+      textContent: `Reading layer ${layer}'s attention…`}));
     try {
       const data = await (await api("/inspect", {model: model(), ...inspection.request, top_k: 1, logit_lens: false,
         attention: [layer]})).json();
@@ -371,22 +383,21 @@ function drawAttention() {
     const q = Math.floor((event.clientY - box.top) / box.height * n);
     const k = Math.floor((event.clientX - box.left) / box.width * n);
     if (q < 0 || q >= n || k < 0 || k >= n) return;
-    attentionStrip(q);
+    attentionStrip(rows, q);
     tip(event, el("div", {}, el("div", {className: "title"}, `${shown(tokens[q].text)} → ${shown(tokens[k].text)}`),
       k <= q ? `${percent(rows[q][k])} of its attention` : "later: not visible to it"));
   };
   canvas.onmouseleave = untip;
-  attentionStrip(n - 1);
+  attentionStrip(rows, n - 1);
 }
 
-function attentionStrip(q) {
-  const rows = attentionRows();
+function attentionStrip(rows, q) {  // the tokens, each shaded by the attention query q pays it
   const {tokens} = state.inspection.data;
   $("attention-hover").textContent = `where ${shown(tokens[q].text)} (position ${q}) looks`;
   $("attention-strip").replaceChildren(...tokens.map((token, k) => el("span", {
     className: `tok${k === q ? " selected" : ""}`, textContent: token.text,
     style: {background: k <= q ? heatShade(Math.sqrt(rows[q][k])) : "transparent", opacity: k <= q ? 1 : 0.35},
-    onclick: () => attentionStrip(k),
+    onclick: () => attentionStrip(rows, k),
   })));
 }
 
@@ -405,7 +416,9 @@ async function loadProfile() {
   if (state.inspection === inspection) renderProfile(inspection.profile);
 }
 
-function ms(seconds) { return seconds >= 0.1 ? `${(1000 * seconds).toFixed(0)} ms` : `${(1000 * seconds).toPrecision(3)} ms`; }
+function ms(seconds) {
+  return seconds >= 0.1 ? `${(1000 * seconds).toFixed(0)} ms` : `${(1000 * seconds).toPrecision(3)} ms`;
+}
 
 function stack(shares) {  // {kind: seconds} as one stacked bar
   const total = Object.values(shares).reduce((a, b) => a + b, 0);
@@ -427,11 +440,13 @@ function sumBy(ops, key) {
 
 function renderProfile(profile) {
   const {machine} = profile;
-  const card = (title, value, note) => el("div", {className: "card"}, el("span", {className: "hint", textContent: title}),
-    el("span", {className: "big", textContent: value}), el("span", {className: "hint", textContent: note}));
+  const card = (title, value, note) => el("div", {className: "card"},
+    el("span", {className: "hint", textContent: title}), el("span", {className: "big", textContent: value}),
+    el("span", {className: "hint", textContent: note}));
   const phases = [["prefill", `The prompt's pass, ${profile.tokens} tokens`], ["decode", "One decoding step after it"]];
   const view = [el("div", {className: "time-summary"},
-    card("memory bandwidth, measured", `${(machine.bandwidth / 1e9).toFixed(1)} GB/s`, "a 256 MiB matrix times a vector"),
+    card("memory bandwidth, measured", `${(machine.bandwidth / 1e9).toFixed(1)} GB/s`,
+      "a 256 MiB matrix times a vector"),
     card("matrix products, measured", `${(machine.flops / 1e9).toFixed(0)} GFLOP/s`, "a 2048² float32 product"),
     ...phases.map(([phase, title]) => card(title, ms(profile[phase].ops.reduce((s, op) => s + op.seconds, 0)),
       `op by op; as served (fused kernels): ${ms(profile[phase].served_seconds)}`)))];
@@ -457,7 +472,8 @@ function renderProfile(profile) {
         el("td", {}, meter(limit / op.seconds)));
     });
     view.push(el("table", {className: "ops"}, el("thead", {}, el("tr", {},
-      ...["operation", "time", "share", "read", "read speed", "GFLOP/s", "of its limit"].map((h) => el("th", {textContent: h})))),
+      ...["operation", "time", "share", "read", "read speed", "GFLOP/s", "of its limit"].map(
+        (h) => el("th", {textContent: h})))),
       el("tbody", {}, ...rows)));
     const layers = sumBy(ops.filter((op) => op.layer !== null), (op) => `${op.layer}`);
     const byLayer = el("div", {className: "layers"});
@@ -523,7 +539,9 @@ function wire() {
     $("empty").hidden = false;
   });
   $("close-inspector").addEventListener("click", () => { $("inspector").hidden = true; state.inspection = null; });
-  for (const button of document.querySelectorAll("#tabs button")) button.addEventListener("click", () => showTab(button.dataset.tab));
+  for (const button of document.querySelectorAll("#tabs button")) {
+    button.addEventListener("click", () => showTab(button.dataset.tab));
+  }
   $("attention-layer").addEventListener("change", loadAttention);
   $("attention-head").addEventListener("change", drawAttention);
   $("model").addEventListener("change", showModel);
