@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY, as_variant, hf_copy, tiny_model
 from fastapi.testclient import TestClient
-from test_server import running
+from test_server import running, while_streaming
 
 from smollm2 import SmolError, SmolLM2, Tokenizer
 from smollm2.cli import main
@@ -119,8 +119,6 @@ def test_the_server_embeds_on_the_scheduler_thread_as_python_does(tiny, monkeypa
 def test_streams_running_meanwhile_go_on_between_the_batches(tiny, monkeypatch):
     """Each batch is a call between two of the scheduler's steps: a running stream is not held for the whole
     request."""
-    import httpx
-
     model, tokenizer = tiny
     runs = []  # what the scheduler's thread ran, in order: a decoding step (into a cache) or an embedding batch
     hidden_states = model.hidden_states
@@ -131,14 +129,9 @@ def test_streams_running_meanwhile_go_on_between_the_batches(tiny, monkeypatch):
 
     monkeypatch.setattr(model, "hidden_states", seen)
     monkeypatch.setattr(served_embeddings, "BATCH_TOKENS", 8)
-    body = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
-    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(lines)  # decoding has begun
-            answer = client.post("/v1/embeddings", json=dict(model=NAME, input=TEXTS))
-            assert answer.status_code == 200
-            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ran on, to its end
+    answer = while_streaming(create_app(model, tokenizer, model_name=NAME), "/v1/embeddings",
+                             dict(model=NAME, input=TEXTS))
+    assert answer.status_code == 200
     batches = [i for i, run in enumerate(runs) if run == "embed"]
     assert len(batches) >= 3 and all("step" in runs[a:b] for a, b in zip(batches, batches[1:]))
 

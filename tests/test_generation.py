@@ -214,15 +214,20 @@ def test_repetition_penalty_ignores_padding_slots():
 def test_a_row_draws_the_same_tokens_in_a_mixed_batch_as_alone():
     rows = [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=1), Sampling(temperature=1.2, top_k=5, seed=2),
             Sampling(temperature=0.7, min_p=0.1, seed=3), Sampling(temperature=1.0, repetition_penalty=1.3, seed=4),
-            Sampling(repetition_penalty=1.5), Sampling(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, seed=1)]
+            Sampling(repetition_penalty=1.5), Sampling(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, seed=1),
+            Sampling(presence_penalty=1.2), Sampling(temperature=0.8, frequency_penalty=0.9, seed=1),
+            Sampling(logit_bias={3: 5.0, 10: -100}), Sampling(temperature=1.1, logit_bias={7: 2.0}, seed=2),
+            Sampling(temperature=0.7, top_p=0.9, presence_penalty=-1, frequency_penalty=2, repetition_penalty=1.2,
+                     logit_bias={1: 1.5}, seed=3)]
     torch.manual_seed(0)
     together = [s.generator("cpu") for s in rows]
     alone = [s.generator("cpu") for s in rows]
     for _ in range(20):
         logits = torch.randn(len(rows), 1000) * 4
         history = torch.randint(-1, 1000, (len(rows), 30))
-        batch = sample(logits, rows, together, history).tolist()
-        assert batch == [sample(logits[b:b + 1], [s], [g], history[b:b + 1]).item()
+        generated = torch.randint(-1, 1000, (len(rows), 12))
+        batch = sample(logits, rows, together, history, generated).tolist()
+        assert batch == [sample(logits[b:b + 1], [s], [g], history[b:b + 1], generated[b:b + 1]).item()
                          for b, (s, g) in enumerate(zip(rows, alone))]
 
 

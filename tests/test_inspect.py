@@ -16,7 +16,7 @@ from smollm2.generation.hooks import Hooks
 from smollm2.generation.logprobs import prompt_logprobs
 from smollm2.server import create_app
 from smollm2.server import inspect as served_inspect
-from test_server import NAME, running
+from test_server import NAME, running, while_streaming
 
 PROMPT = "The capital of France is"
 
@@ -238,13 +238,9 @@ def test_streams_running_meanwhile_go_on_between_the_pieces(tiny, monkeypatch):
     monkeypatch.setattr(lens, "logit_lens", piece)
     assert served_inspect.LENS_LAYERS_A_CALL == 4
     monkeypatch.setattr(served_inspect, "LENS_LAYERS_A_CALL", 1)
-    body = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
-    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(lines)  # decoding has begun
-            assert client.post("/inspect", json=dict(model=NAME, prompt=PROMPT)).status_code == 200
-            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ran on, to its end
+    answer = while_streaming(create_app(model, tokenizer, model_name=NAME), "/inspect",
+                             dict(model=NAME, prompt=PROMPT))
+    assert answer.status_code == 200
     pieces = [i for i, run in enumerate(runs) if run == "lens"]
     assert len(pieces) == model.config.num_hidden_layers + 1
     assert all("step" in runs[a:b] for a, b in zip(pieces, pieces[1:]))

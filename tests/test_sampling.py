@@ -15,8 +15,7 @@ from test_server import expected, running
 
 from smollm2 import SmolError, SmolLM2, Tokenizer
 from smollm2.cli import main
-from smollm2.generation import Sampling, generate, stream
-from smollm2.generation.sampling import sample
+from smollm2.generation import generate, stream
 from smollm2.server import create_app
 
 NAME = "tiny"
@@ -87,23 +86,6 @@ def test_log_probabilities_stay_those_of_the_raw_logits(tiny):
     assert step.token == 321 and raw[321] < -1  # forced, though unlikely
     assert step.logprob.logprob == pytest.approx(raw[321].item(), abs=1e-4)
     assert [t for t, _ in step.logprob.top] == raw.topk(2).indices.tolist()
-
-
-def test_a_row_with_penalties_draws_the_same_tokens_in_a_mixed_batch_as_alone():
-    rows = [Sampling(), Sampling(presence_penalty=1.2), Sampling(temperature=0.8, frequency_penalty=0.9, seed=1),
-            Sampling(logit_bias={3: 5.0, 10: -100}), Sampling(temperature=1.1, logit_bias={7: 2.0}, seed=2),
-            Sampling(temperature=0.7, top_p=0.9, presence_penalty=-1, frequency_penalty=2, repetition_penalty=1.2,
-                     logit_bias={1: 1.5}, seed=3)]
-    torch.manual_seed(0)
-    together = [s.generator("cpu") for s in rows]
-    alone = [s.generator("cpu") for s in rows]
-    for _ in range(20):
-        logits = torch.randn(len(rows), 200) * 3
-        history = torch.randint(-1, 200, (len(rows), 30))
-        generated = torch.randint(-1, 200, (len(rows), 12))
-        batch = sample(logits, rows, together, history, generated).tolist()
-        assert batch == [sample(logits[b:b + 1], [s], [g], history[b:b + 1], generated[b:b + 1]).item()
-                         for b, (s, g) in enumerate(zip(rows, alone))]
 
 
 def test_batch_rows_with_penalties_equal_rows_alone(tiny):

@@ -58,6 +58,19 @@ def running(app):
         thread.join(timeout=30)
 
 
+def while_streaming(app, path: str, body: dict) -> httpx.Response:
+    """POST body to path while a long completion streams from the same app (real uvicorn); the stream must run
+    on to its end. Returns the POST's response."""
+    stream = dict(model=NAME, prompt="Hi", max_tokens=400, temperature=0, stream=True)
+    with running(app) as url, httpx.Client(base_url=url) as client:
+        with client.stream("POST", "/v1/completions", json=stream) as r:
+            lines = r.iter_lines()
+            next(lines)  # decoding has begun
+            answer = client.post(path, json=body)
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ran on, to its end
+    return answer
+
+
 def expected(model, tokenizer, ids: list[int], max_tokens: int, **sampling) -> str:
     """The engine's answer alone, as `smollm2 generate` / `chat -p` print it: up to EOS, no special tokens."""
     new = generate(model, [ids], max_tokens, **sampling)[0, len(ids):].tolist()

@@ -32,14 +32,14 @@ def test_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
 def test_the_guess_length_follows_what_was_kept_and_misses_pause_it():
     guesser = PromptLookup()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
-    assert guesser.guess(tokens, 20) == [3, 4, 5]
+    assert guesser.guess(tokens, [], 20) == [3, 4, 5]
     guesser.record(3, 3)
-    assert len(guesser.guess(tokens, 20)) == 5 and guesser.guess(tokens, 2) == [3, 4]
+    assert len(guesser.guess(tokens, [], 20)) == 5 and guesser.guess(tokens, [], 2) == [3, 4]
     guesser.record(5, 1)
     assert guesser.length == 2
     guesser.record(2, 0)
     guesser.record(1, 0)  # two first guesses missed running: a pause
-    assert guesser.guess(tokens, 20) == [] and guesser.pause == 1
+    assert guesser.guess(tokens, [], 20) == [] and guesser.pause == 1
     for _ in range(10):
         guesser.record(1, 1)
     assert guesser.length == MAX_GUESS

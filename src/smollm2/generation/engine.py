@@ -189,7 +189,7 @@ class Engine:
         """Each row's guesses for this pass ([] for a row that does not speculate): within what its answer may
         still take, and the pass within MAX_PASS_TOKENS positions over all rows."""
         room = MAX_PASS_TOKENS // len(rows) - 1
-        return [row.guesser.guess(row.sequence.prompt + row.sequence.tokens,
+        return [row.guesser.guess(row.sequence.prompt, row.sequence.tokens,
                                   min(room, row.sequence.max_new_tokens - len(row.sequence.tokens) - 1))
                 if row.guesser is not None else [] for row in rows]
 

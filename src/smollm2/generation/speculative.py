@@ -36,12 +36,12 @@ class PromptLookup:
         self.misses = 0  # passes in a row whose first guess missed
         self.guessed = self.kept = 0  # over the row's life: tokens guessed, and kept
 
-    def guess(self, tokens: list[int], room: int) -> list[int]:
-        """Up to `room` tokens that may come next after `tokens` (the prompt and the answer so far)."""
+    def guess(self, prompt: list[int], answer: list[int], room: int) -> list[int]:
+        """Up to `room` tokens that may come next after the prompt and the answer so far."""
         if self.pause:
             self.pause -= 1
             return []
-        return lookup(tokens, min(self.length, room)) if room > 0 else []
+        return lookup(prompt + answer, min(self.length, room)) if room > 0 else []  # joined only when looked up
 
     def record(self, guessed: int, kept: int) -> None:
         """How many of the last guesses the model kept: all of them lengthens the next, fewer shortens it, and a
