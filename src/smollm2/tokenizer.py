@@ -229,7 +229,8 @@ class Tokenizer:
             if token_id is not None:
                 add(token_id)
         writer.add_add_bos_token(add_bos)
-        writer.add_add_eos_token(add_eos)
+        if add_eos:  # llama.cpp's converter writes it only then; llama.cpp reads its absence as False
+            writer.add_add_eos_token(True)
         if self.chat_template is not None:
             writer.add_chat_template(self.chat_template)
 

@@ -223,11 +223,11 @@ def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         writer = GGUFWriter(partial, "llama")
+        writer.add_type("model")  # not an adapter
         add_llama_metadata(writer, config)
         tokenizer.add_gguf_metadata(writer)
         writer.add_file_type(file_type)
-        if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_quantization_version(GGML_QUANT_VERSION)
+        writer.add_quantization_version(GGML_QUANT_VERSION)  # at every type, as llama.cpp's converter writes it
         output = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
         for name, w in state_dict.items():
             w = w.detach().to("cpu", torch.float32)
@@ -273,6 +273,7 @@ def add_llama_metadata(writer: GGUFWriter, config: SmolConfig) -> None:
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if config.head_dim != config.hidden_size // config.num_attention_heads:  # llama.cpp assumes that otherwise
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+    # llama.cpp's converter writes these wherever config.json names head_dim, as every config transformers
+    # (and smollm2) saves does
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
