@@ -133,24 +133,24 @@ def response_format(args) -> dict | None:
 
 def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> str:
     """Generate from one prompt, printing its text as it becomes final; returns the text. With --logprobs N,
-    then one line per generated token: the token, its log-probability, and the N most likely tokens'.
+    then one line per generated token: its id and text, its log-probability, and the N most likely tokens'.
     prefix_cache: a PrefixCache the prompt's whole prefill chunks are looked up in and kept in."""
     from .generation import stream
 
     text, logprobs = [], []
     stop = args.stop + args.stop_token_id  # strings and token ids
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=stop, tokenizer=tokenizer, compile=args.compile,
-                          prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
+                          prefix_cache=prefix_cache, logprobs=args.logprobs,
                           response_format=args.response_format, speculative=args.speculative, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
         logprobs.append(step.logprob)
     print(flush=True)
-    if getattr(args, "logprobs", None) is not None:
+    if args.logprobs is not None:
         token = tokenizer.token_text
         for lp in logprobs:
             top = "  ".join(f"{token(t)!r} {v:.4f}" for t, v in lp.top)
-            print(f"{token(lp.token)!r}\t{lp.logprob:.4f}" + (f"\ttop: {top}" if top else ""))
+            print(f"{lp.token}\t{token(lp.token)!r}\t{lp.logprob:.4f}" + (f"\ttop: {top}" if top else ""))
     return "".join(text)
 
 
@@ -551,6 +551,9 @@ def parser() -> argparse.ArgumentParser:
                         help="end the answer before this text (repeatable); it is never printed")
     sample.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
                         help="end the answer at this token, as at EOS (repeatable); it is never printed")
+    sample.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
+                        help="after the text, one line per token: its id and text, its log-probability and the N "
+                             "most likely tokens'")
     sample.add_argument("--speculative", choices=("ngram",),
                         help="ngram: guess tokens by prompt lookup and check them in one pass (same answer, faster "
                              "where it repeats its input)")
@@ -560,8 +563,6 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
-    c.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
-                   help="after the text, one line per token: its log-probability and the N most likely tokens'")
     c.set_defaults(run=generate)
 
     c = commands.add_parser("chat", parents=[model, sample], help="chat with the model (chat template)")
