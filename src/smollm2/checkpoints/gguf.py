@@ -124,6 +124,13 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
                             f"got {str(value)[:40]!r}")
         return value
 
+    def special(key):
+        """A special token's id: one integer (the config's checks bound it), as llama.cpp reads it."""
+        value = reader.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SmolError(f"{path}: metadata tokenizer.ggml.{key} must be a token id, got {str(value)[:40]!r}")
+        return value
+
     if reader.metadata.get("llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
         raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
     n_heads, hidden = need("attention.head_count"), need("embedding_length")
@@ -142,14 +149,18 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=reader.metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=reader.metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=reader.metadata.get("tokenizer.ggml.padding_token_id"),
+        **{f"{which}_token_id": special(key) for which, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                                                                  ("pad", "padding_token_id"))},
     )
     try:
-        return SmolConfig(**values)
+        config = SmolConfig(**values)
     except SmolError as e:  # name the file, not just the field
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
+    # llama.cpp rotates the first rope.dimension_count dimensions of each head alone; the model here, all of them
+    if need("rope.dimension_count", config.head_dim) != config.head_dim:
+        raise SmolError(f"{path}: metadata llama.rope.dimension_count ({reader.metadata['llama.rope.dimension_count']}) "
+                        f"is not head_dim ({config.head_dim}); only rotary embeddings over whole heads are supported")
+    return config
 
 
 def rotary_heads(name: str, config: SmolConfig) -> int | None:
