@@ -157,9 +157,10 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
     except SmolError as e:  # name the file, not just the field
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
     # llama.cpp rotates the first rope.dimension_count dimensions of each head alone; the model here, all of them
-    if need("rope.dimension_count", config.head_dim) != config.head_dim:
-        raise SmolError(f"{path}: metadata llama.rope.dimension_count ({reader.metadata['llama.rope.dimension_count']}) "
-                        f"is not head_dim ({config.head_dim}); only rotary embeddings over whole heads are supported")
+    if (rotated := need("rope.dimension_count", config.head_dim)) != config.head_dim:
+        raise SmolError(f"{path}: metadata llama.rope.dimension_count ({rotated}) differs from the heads' size "
+                        f"({config.head_dim}: llama.attention.key_length, or embedding_length / head_count); only "
+                        "rotary embeddings over whole heads are supported")
     return config
 
 
