@@ -119,7 +119,8 @@ def test_bytes_are_llama_cpps_own_conversion(tmp_path, tokenizer):
     ignored = DESCRIPTIVE | {"GGUF.kv_count"}
     for name, type in CONVERSIONS:
         ours = tmp_path / f"{name}-{type}.gguf"
-        assert main(["export", "--model", str(tmp_path / name), "--to", "gguf", "--type", type, "--out", str(ours)]) == 0
+        assert main(["export", "--model", str(tmp_path / name), "--to", "gguf", "--type", type,
+                     "--out", str(ours)]) == 0
         mine, theirs = open_gguf(ours), open_gguf(tmp_path / f"{name}-{type}-llama.gguf")
         assert {t.name: (t.tensor_type, t.shape) for t in mine.tensors} == \
             {t.name: (t.tensor_type, t.shape) for t in theirs.tensors}, (name, type)

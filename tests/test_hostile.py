@@ -113,6 +113,11 @@ def positive(v) -> bool:
         return False
 
 
+def approx(value):
+    """A config's float fields hold what the file held, to float32's 7 digits."""
+    return pytest.approx(value, rel=1e-6) if number(value) else value
+
+
 # Wrong types and values, as GGUF metadata (kind, value) and as JSON.
 GGUF_HOSTILE = [("str", "64"), ("str", ""), ("arr", [2, 2]), ("arr", ["a"]), ("f32", 1.5), ("f32", -1.0),
                 ("f32", math.inf), ("f32", -math.inf), ("f32", math.nan), ("f64", 1e300), ("u32", 0),
@@ -190,7 +195,8 @@ def read_value(kind: str, value):
 
 
 def test_hostile_gguf_metadata(tmp_path, record_property):
-    rng, model_tally, tokenizer_tally = random.Random(0), Tally("gguf metadata, model"), Tally("gguf metadata, tokenizer")
+    rng = random.Random(0)
+    model_tally, tokenizer_tally = Tally("gguf metadata, model"), Tally("gguf metadata, tokenizer")
     tensors = gguf_tensors(tiny_model(GGUF_CONFIG), Q.F32)
     path = tmp_path / "hostile.gguf"
     for _ in range(80):
@@ -231,11 +237,6 @@ def test_hostile_gguf_metadata(tmp_path, record_property):
                             tokenizer_read_back)
     model_tally.finish(record_property)
     tokenizer_tally.finish(record_property)
-
-
-def approx(value):
-    """A config's float fields hold what the file held, to float32's 7 digits."""
-    return pytest.approx(value, rel=1e-6) if number(value) else value
 
 
 # 2. HF directory config.json
@@ -425,7 +426,8 @@ def test_hostile_cli_arguments(tmp_path, tiny_dir, capsys, record_property):
     # stops at --compile (refused by serve) instead of listening.
     commands = {
         "generate": (["--threads", "--seed", "--temperature", "--top-k", "--top-p", "--max-new-tokens", "--min-p",
-                      "--repetition-penalty"], ["generate", "--model", str(tiny_dir), "--max-new-tokens", "2", "Hello"]),
+                      "--repetition-penalty"],
+                     ["generate", "--model", str(tiny_dir), "--max-new-tokens", "2", "Hello"]),
         "perplexity": (["--threads", "--context", "--stride"], ["perplexity", "--model", str(tiny_dir), str(text)]),
         "serve": (["--threads", "--port", "--max-batch-size"], ["serve", "--model", str(tiny_dir), "--compile"]),
     }
