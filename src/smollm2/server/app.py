@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from ..errors import SmolError
+from ..errors import FieldError, SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
@@ -271,8 +271,10 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
     messages = [m.chat(i) for i, m in enumerate(body.messages)]
     try:
         prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    except FieldError:
+        raise  # it names its own field (messages.1.tool_call_id)
     except SmolError as e:  # the template refused these messages, or rendering them ran past its bounds
-        raise APIError(400, f"messages: {e}", param="messages") from None
+        raise FieldError("messages", str(e)) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
