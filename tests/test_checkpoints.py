@@ -596,7 +596,7 @@ def test_huge_sizes_fail_before_anything_is_built(tmp_path, hf_dir, gguf_parts):
                                  ("llama__embedding_length", 2**31, "token_embd.weight"),
                                  ("llama__feed_forward_length", 2**31, "blk.0.ffn_gate.weight"),
                                  ("llama__vocab_size", 2**31, "token_embd.weight"),
-                                 ("llama__attention__key_length", 2**30, "blk.0.attn_q.weight"),
+                                 ("llama__attention__key_length", 2**30, "llama.attention.key_length"),
                                  ("llama__context_length", 2**31, "max_position_embeddings")]:
         path = tmp_path / f"{key}.gguf"
         write_gguf(path, *gguf_parts, **{key: value})

@@ -66,9 +66,9 @@ def test_generate_prints_logprobs(tiny_dir, capsys):
     model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     steps = [s for (s,) in stream(model, [tokenizer.encode("Hello")], 4, temperature=0, logprobs=2)]
     for line, step in zip(lines, steps, strict=True):
-        token, logprob, top = line.split("\t")
-        assert token == repr(tokenizer.token_text(step.token)) and float(logprob) == pytest.approx(
-            step.logprob.logprob, abs=1e-4)
+        token_id, token, logprob, top = line.split("\t")
+        assert int(token_id) == step.token and token == repr(tokenizer.token_text(step.token))
+        assert float(logprob) == pytest.approx(step.logprob.logprob, abs=1e-4)
         assert top.startswith("top: ") and top.count("  ") == 1
 
 

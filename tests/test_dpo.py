@@ -23,10 +23,6 @@ from smollm2.training.data import PreferenceData
 from smollm2.training.dpo import DPOLoss, dpo_loss, reference_logps, sequence_logps
 from smollm2.training.loss import IGNORE
 
-PARAMETERS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-              "model.layers.1.mlp.down_proj.weight", "model.norm.weight")
-
-
 def pair(a: int, b: int) -> dict:
     """A question and two answers, both right: the chosen one in a friendly style, the rejected one curt."""
     return {"prompt": f"What is {a} plus {b}?", "chosen": f"Sure! {a} plus {b} is {a + b}.",
@@ -94,6 +90,25 @@ def test_preference_data_tokenizes_as_trl(tiny_dir, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(chats.sides([0, 1]), ours.sides([0, 1])))
 
 
+def as_rows(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's examples (prompt_ids, chosen_ids, rejected_ids) as DPOLoss reads pairs: (pairs, 2, T) inputs and
+    labels, [:, 0] chosen and [:, 1] rejected, right-padded, only each answer's tokens scored."""
+    sides = [(e["prompt_ids"], e[f"{side}_ids"]) for e in examples for side in ("chosen", "rejected")]
+    width = max(len(prompt) + len(answer) for prompt, answer in sides) - 1
+    inputs = torch.zeros(len(sides), width, dtype=torch.long)
+    labels = torch.full((len(sides), width), IGNORE)
+    for row, (prompt, answer) in enumerate(sides):
+        ids = torch.tensor(prompt + answer)
+        inputs[row, :len(ids) - 1] = ids[:-1]
+        labels[row, len(prompt) - 1:len(ids) - 1] = ids[len(prompt):]
+    return inputs.view(len(examples), 2, width), labels.view(len(examples), 2, width)
+
+
+# float32 against float32, gradients up to ~0.25 (the embeddings', summed over every position): a beta 0.1% off
+# moves the loss by ~1e-5 and the gradients by ~1e-4.
+LOSS_TOLERANCE, GRADIENT_TOLERANCE = 3e-7, 3e-7
+
+
 @pytest.mark.parametrize("loss_type, label_smoothing, pairs", [
     ("sigmoid", 0.0, 4),
     # TRL 1.16's "sigmoid" leaves label_smoothing out; its "aot" applies it exactly as cDPO does, after sorting the
@@ -101,53 +116,48 @@ def test_preference_data_tokenizes_as_trl(tiny_dir, tmp_path):
     ("aot", 0.2, 1),
 ])
 def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, loss_type, label_smoothing, pairs):
+    """TRL's own batch of its own tokenized examples, as they are (the newline after the end-of-turn token
+    included): its loss, metrics and every parameter's gradient against ours from the same token ids."""
     rng = random.Random(1)
     records = [pair(rng.randint(0, 999), rng.randint(0, 999)) for _ in range(pairs)]
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    data = PreferenceData(path, Tokenizer.from_pretrained(tiny_dir), seq_len=128)
     model = tiny_model(TINY["gqa"])
-    # The reference is the starting model; then the policy moves away from it, so the margins are not all zero.
-    reference = reference_logps(model, data)
+    reference = copy.deepcopy(model)
+    # The policy moves away from the reference, the starting model, so that the margins are not all zero.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     policy = hf_copy(model)
-    trainer = trl_trainer(policy, hf_copy(tiny_model(TINY["gqa"])), tiny_dir, records, tmp_path, loss_type,
-                          label_smoothing)
-
-    # Both score the same token ids: ours, which stop at the end-of-turn token (see the test above).
-    newline = Tokenizer.from_pretrained(tiny_dir).encode("\n")
-    examples = [dict(e, chosen_ids=e["chosen_ids"][:-len(newline)], rejected_ids=e["rejected_ids"][:-len(newline)])
-                for e in trainer.train_dataset]
+    trainer = trl_trainer(policy, hf_copy(reference), tiny_dir, records, tmp_path, loss_type, label_smoothing)
+    examples = list(trainer.train_dataset)
     batch = trainer.data_collator(examples)  # every chosen side, then every rejected
-    inputs, labels = data.sides(range(pairs))
-    for k, example in enumerate(examples):
-        assert full_ids(inputs[k, 0], labels[k, 0]) == example["prompt_ids"] + example["chosen_ids"]
-        assert full_ids(inputs[k, 1], labels[k, 1]) == example["prompt_ids"] + example["rejected_ids"]
-    policy.train()
+    policy.train()  # as TRL trains; the tiny config has no dropout
     theirs = trainer.compute_loss(policy, batch)
     theirs.backward()
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    loss_sums = DPOLoss(model, beta=0.1, label_smoothing=label_smoothing)(inputs, labels, reference)
+    inputs, labels = as_rows(examples)
+    with torch.no_grad():
+        reference_logps = sequence_logps(reference, inputs.flatten(0, 1), labels.flatten(0, 1)).view(-1, 2)
+    loss_sums = DPOLoss(model, beta=0.1, label_smoothing=label_smoothing)(inputs, labels, reference_logps)
     ours = loss_sums["loss"] / pairs
     ours.backward()
-    print(f"\n{loss_type}, label smoothing {label_smoothing}: loss ours {ours.item():.8f}, TRL's {theirs.item():.8f}")
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    theirs_grads = dict(policy.named_parameters())
+    worst = max((p.grad - theirs_grads[name].grad).abs().max().item() for name, p in model.named_parameters())
+    print(f"\n{loss_type}, label smoothing {label_smoothing}: loss ours {ours.item():.9f}, TRL's {theirs.item():.9f}; "
+          f"every gradient entry within {worst:.1e} (largest "
+          f"{max(p.grad.abs().max().item() for p in model.parameters()):.2f})")
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=LOSS_TOLERANCE)
+    assert theirs_grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name].grad, rtol=0, atol=GRADIENT_TOLERANCE, msg=name)
     with torch.no_grad():
         logps = sequence_logps(model, inputs.flatten(0, 1), labels.flatten(0, 1)).view(-1, 2)
-    assert logps[:, 0].mean().item() == pytest.approx(metrics["logps/chosen"], abs=1e-3)  # ~-180 each in float32
-    assert logps[:, 1].mean().item() == pytest.approx(metrics["logps/rejected"], abs=1e-3)
+    assert logps[:, 0].mean().item() == pytest.approx(metrics["logps/chosen"], abs=1e-4)  # ~-180 each in float32
+    assert logps[:, 1].mean().item() == pytest.approx(metrics["logps/rejected"], abs=1e-4)
+    # beta times the difference of two float32 sums of ~-180, each rounded by ~1e-5
     assert loss_sums["chosen_reward"].item() / pairs == pytest.approx(metrics["rewards/chosen"], abs=1e-5)
     assert loss_sums["rejected_reward"].item() / pairs == pytest.approx(metrics["rewards/rejected"], abs=1e-5)
     assert loss_sums["reward_accuracy"].item() / pairs == pytest.approx(metrics["rewards/accuracies"], abs=1e-6)
-    theirs_grads = dict(policy.named_parameters())
-    for name, p in model.named_parameters():
-        if name in PARAMETERS:
-            print(f"  {name}: max |gradient| {p.grad.abs().max().item():.2e}, max |ours - TRL's| "
-                  f"{(p.grad - theirs_grads[name].grad).abs().max().item():.2e}")
-            torch.testing.assert_close(p.grad, theirs_grads[name].grad, rtol=0, atol=1e-5)
 
 
 def test_dpo_loss_by_hand():

@@ -1,5 +1,6 @@
-"""GGUF export (save_gguf, `smollm2 export`): what is written reads back as it was, tensors as llama.cpp's
-converter writes them, the tokenizer as llama.cpp's metadata describes it, and bad input is one line.
+"""GGUF export (save_gguf, `smollm2 export`): what is written reads back as it was, tensors and metadata as
+llama.cpp's own converter (convert_hf_to_gguf.py) writes them from the same HF directory, the tokenizer as
+llama.cpp's metadata describes it, and bad input is one line.
 
 benchmarks/gguf_export.py checks the same files with llama.cpp itself.
 """
@@ -8,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 import torch
 from conftest import TINY, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
-from gguf_files import gguf_tensors
+import llama_cpp_converter
+from llama_cpp_converter import CONVERTER, SCRIPT, VERSION
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, processors
 
@@ -66,28 +69,65 @@ def test_f32_reads_back_exactly(tmp_path, tokenizer, name):
 
 @pytest.mark.parametrize("type", TOLERANCE)
 @pytest.mark.parametrize("name", ["gqa", "untied", "bias"])
-def test_quantized_types_as_llama_cpp_writes_them(tmp_path, tokenizer, name, type):
-    """Every tensor is what the test suite's copy of llama.cpp's converter writes (its names, q/k row order and
-    rounding), but the output matrix at q4_1, kept at Q8_0 as llama.cpp's quantizer keeps it; and the model
-    read back gives the f32 logits within the type's rounding."""
+def test_quantized_types(tmp_path, tokenizer, name, type):
+    """Matrices at the type, vectors in F32, but the output matrix at q4_1, kept at Q8_0 as llama.cpp's quantizer
+    keeps it; and the model read back gives the f32 logits within the type's rounding. (The bytes: the next test
+    against llama.cpp's converter at f16 and q8_0; at q4_1, benchmarks/gguf_export.py against its quantizer.)"""
     model = tiny_model(TINY[name])
     save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "tiny.gguf", type)
     qtype = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_1": Q.Q4_1}[type]
-    expected = gguf_tensors(model, qtype)
     output = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
-    if type == "q4_1":
-        expected[output] = gguf_tensors(model, Q.Q8_0)[output]
     file = open_gguf(tmp_path / "tiny.gguf")  # parsed once: read_back below reuses it
     assert file.metadata["general.file_type"] == {"f16": 1, "q8_0": 7, "q4_1": 3}[type]  # llama.cpp's MOSTLY_*
-    assert ("general.quantization_version" in file.metadata) == (type != "f16")
-    written = {t.name: t for t in file.tensors}
-    assert written.keys() == expected.keys()
-    for gguf_name, (array, raw_dtype) in expected.items():
-        t = written[gguf_name]
-        assert t.tensor_type == (raw_dtype or (Q.F32 if array.dtype == np.float32 else Q.F16)), gguf_name
-        assert t.data.tobytes() == array.tobytes(), gguf_name
+    expected = {t.name: Q.F32 if len(t.shape) == 1 else Q.Q8_0 if type == "q4_1" and t.name == output else qtype
+                for t in file.tensors}
+    assert {t.name: t.tensor_type for t in file.tensors} == expected
     diff = (logits(read_back(tmp_path / "tiny.gguf")) - logits(model)).abs().max().item()
     assert diff <= TOLERANCE[type]
+
+
+# The general.* keys llama.cpp's converter derives from the directory's name and the parameter count, for people
+# to read: llama.cpp reads neither.
+DESCRIPTIVE = {"general.name", "general.size_label"}
+
+
+# Every branch of the architecture: biases, untied embeddings and a head_dim of its own with grouped-query
+# attention, then multi-query attention (q/k rows are permuted per head: by query heads for q, by key-value heads
+# for k); and every type the converter writes. (Each conversion costs seconds: GGUF's 49152-token metadata.)
+BRANCHES = {"all": dataclasses.replace(TINY["bias"], tie_word_embeddings=False, head_dim=24), "mqa": TINY["mqa"]}
+CONVERSIONS = [("all", "f32"), ("all", "q8_0"), ("mqa", "f16")]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_bytes_are_llama_cpps_own_conversion(tmp_path, tokenizer):
+    """Tiny models saved as HF directories, converted by llama.cpp's convert_hf_to_gguf.py and exported by
+    `smollm2 export`: the same tensors (name, type, shape, bytes) and the same metadata, key for key, but
+    DESCRIPTIVE. (The order of the tensors differs: the converter's follows the safetensors file.)"""
+    if not SCRIPT.exists():
+        pytest.skip(f"no llama.cpp converter in {CONVERTER}: `make install-test` (or python tests/"
+                    f"llama_cpp_converter.py) fetches llama-cpp-python {VERSION}'s")
+    for name, config in BRANCHES.items():
+        tiny_model(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    converted = subprocess.run([sys.executable, llama_cpp_converter.__file__, "convert",
+                                *(str(arg) for name, type in CONVERSIONS
+                                  for arg in (tmp_path / name, type, tmp_path / f"{name}-{type}-llama.gguf"))],
+                               capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    ignored = DESCRIPTIVE | {"GGUF.kv_count"}
+    for name, type in CONVERSIONS:
+        ours = tmp_path / f"{name}-{type}.gguf"
+        assert main(["export", "--model", str(tmp_path / name), "--to", "gguf", "--type", type,
+                     "--out", str(ours)]) == 0
+        mine, theirs = open_gguf(ours), open_gguf(tmp_path / f"{name}-{type}-llama.gguf")
+        assert {t.name: (t.tensor_type, t.shape) for t in mine.tensors} == \
+            {t.name: (t.tensor_type, t.shape) for t in theirs.tensors}, (name, type)
+        written = {t.name: t.data.tobytes() for t in mine.tensors}
+        for t in theirs.tensors:
+            assert written[t.name] == t.data.tobytes(), (name, type, t.name)
+        assert {k: v for k, v in mine.metadata.items() if k not in ignored} == \
+            {k: v for k, v in theirs.metadata.items() if k not in ignored}, (name, type)
 
 
 def test_llama_metadata(tmp_path, tokenizer):

@@ -52,6 +52,35 @@ def test_our_adapter_gives_peft_our_logits(config, tmp_path):
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == "tiny"
 
 
+@pytest.mark.parametrize("r, alpha", [(1, 1.0), (4, 2.0), (8, 3.0), (16, 64.0)])  # alpha / r: 1, 0.5, 0.375, 4
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_training_equals_peft(tmp_path, r, alpha, dropout):
+    """In training mode, the same adapter in PEFT and here: the same logits and the same gradients of every
+    adapter tensor, at several alpha / r. With dropout, both draw their masks from torch's generator, layer by
+    layer in the same order: the same seed drops the same inputs."""
+    ours = add_lora(tiny_model(TINY["gqa"]), r=r, alpha=alpha, targets=ALL, dropout=dropout)
+    randomize(ours)
+    save_adapter(ours, tmp_path)
+    theirs = peft_model(tiny_model(TINY["gqa"]), tmp_path)
+    assert theirs.peft_config["default"].lora_dropout == dropout
+    for name, p in theirs.named_parameters():
+        p.requires_grad_("lora_" in name)  # PeftModel.from_pretrained loads for inference, frozen
+    ours.train(), theirs.train()
+    torch.manual_seed(3)
+    ours_logits = ours(IDS)
+    torch.manual_seed(3)
+    theirs_logits = theirs(IDS).logits
+    torch.testing.assert_close(ours_logits, theirs_logits, rtol=0, atol=1e-5)
+    (ours_logits.square().mean()).backward()
+    (theirs_logits.square().mean()).backward()
+    grads = {name.removeprefix(PREFIX).replace(".default", ""): p.grad for name, p in theirs.named_parameters()
+             if p.requires_grad}
+    mine = {name: p.grad for name, p in ours.named_parameters() if p.requires_grad}
+    assert mine.keys() == grads.keys()
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def save_base(model: SmolLM2, path: Path) -> Path:
     model.save_pretrained(path)
     return path

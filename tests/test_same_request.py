@@ -1,6 +1,8 @@
-"""One request, one answer: the same prompt, sampling, seed, stop string and max tokens give the same tokens and
-the same text through generate/stream in Python, the `smollm2 generate` and `smollm2 chat` commands, and the
-server, streamed or not, alone or among 15 other requests decoded in the same batch."""
+"""One request, one answer: the same prompt, sampling, seed, stop string and max tokens give the same token ids and
+the same text through generate/stream in Python, the `smollm2 generate` and `smollm2 chat` commands (their
+--logprobs lines name each token's id), and the server (its log-probabilities name each token: by its bytes in
+a chat, by its text in a completion), streamed or not, alone or among 15 other requests decoded in the same
+batch."""
 
 from __future__ import annotations
 
@@ -37,8 +39,12 @@ class Request:
             return tokenizer.apply_chat_template([{"role": "user", "content": self.prompt}])
         return tokenizer.encode(self.prompt)
 
-    def body(self, streamed: bool) -> dict:
-        prompt = dict(messages=[{"role": "user", "content": self.prompt}]) if self.chat else dict(prompt=self.prompt)
+    def body(self, streamed: bool, others: bool = False) -> dict:
+        """others: one of the requests beside ours, which need no log-probabilities."""
+        if self.chat:
+            prompt = dict(messages=[{"role": "user", "content": self.prompt}], logprobs=not others)
+        else:
+            prompt = dict(prompt=self.prompt, logprobs=None if others else 0)
         return dict(model=NAME, max_tokens=MAX_TOKENS, stop=[self.stop], stream=streamed, **self.sampling, **prompt,
                     stream_options=dict(include_usage=True) if streamed else None)
 
@@ -46,17 +52,38 @@ class Request:
 @dataclass
 class Answer:
     text: str
-    tokens: int  # how many were generated (the server tells no more)
+    tokens: list[int]  # the ids of the tokens generated
     finish_reason: str
 
 
-def in_python(model, tokenizer, request: Request) -> tuple[Answer, list[int]]:
-    """The answer from stream(), with its tokens."""
+def in_python(model, tokenizer, request: Request) -> Answer:
     stop = [request.stop] if request.stop else []
     steps = [step for (step,) in stream(model, [request.ids(tokenizer)], MAX_TOKENS, stop=stop, tokenizer=tokenizer,
                                         **request.sampling)]
-    return Answer("".join(step.text for step in steps), len(steps), steps[-1].finish_reason), \
-        [step.token for step in steps]
+    return Answer("".join(step.text for step in steps), [step.token for step in steps], steps[-1].finish_reason)
+
+
+class TokenNames:
+    """Token ids back from the names the server's log-probabilities give them: a chat's bytes, a completion's
+    text. Only a name one token has counts (a piece of a character, shown as U+FFFD, has none)."""
+
+    def __init__(self, tokenizer):
+        by_bytes, by_text = {}, {}
+        for i in range(tokenizer.vocab_size):
+            by_bytes.setdefault(tokenizer.token_bytes(i), []).append(i)
+            by_text.setdefault(tokenizer.token_text(i), []).append(i)
+        self.by_bytes, self.by_text = by_bytes, by_text
+
+    def ids(self, names: list, table: dict) -> list[int]:
+        found = [table.get(name, []) for name in names]
+        assert all(len(ids) == 1 for ids in found), [name for name, ids in zip(names, found) if len(ids) != 1]
+        return [ids[0] for ids in found]
+
+    def chat(self, content: list[dict]) -> list[int]:
+        return self.ids([bytes(entry["bytes"]) for entry in content], self.by_bytes)
+
+    def completion(self, logprobs: dict) -> list[int]:
+        return self.ids(logprobs["tokens"], self.by_text)
 
 
 @pytest.fixture(scope="module")
@@ -65,70 +92,88 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def requests(model, tokenizer) -> dict[str, tuple[Request, Answer, list[int]]]:
+def requests(model, tokenizer) -> dict[str, tuple[Request, Answer]]:
     """A raw completion and a chat, each greedy and seeded, with a stop string taken from the middle of the
-    answer without one, so that it does cut the answer; with that answer and its tokens."""
+    answer without one, so that it does cut the answer; with that answer."""
     cases = {}
     for chat, prompt in ((False, COMPLETION), (True, QUESTION)):
         for name, sampling in SAMPLINGS.items():
             request = Request(chat, prompt, sampling)
-            whole, tokens = in_python(model, tokenizer, request)
+            whole = in_python(model, tokenizer, request)
             request.stop = whole.text[len(whole.text) // 2:len(whole.text) // 2 + 3]
-            cases[f"{'chat' if chat else 'completion'}, {name}"] = request, whole, tokens
+            cases[f"{'chat' if chat else 'completion'}, {name}"] = request, whole
     return cases
 
 
 @pytest.fixture(scope="module")
 def answers(model, tokenizer, requests) -> dict[str, Answer]:
     """Each request's answer from stream(), the one every other way must give."""
-    return {name: in_python(model, tokenizer, request)[0] for name, (request, _, _) in requests.items()}
+    return {name: in_python(model, tokenizer, request) for name, (request, _) in requests.items()}
+
+
+@pytest.fixture(scope="module")
+def names(tokenizer) -> TokenNames:
+    return TokenNames(tokenizer)
 
 
 def test_python_ends_the_answer_before_the_stop_string(model, tokenizer, requests, answers):
-    for name, (request, whole, tokens) in requests.items():
+    for name, (request, whole) in requests.items():
         cut = answers[name]
         assert request.stop in whole.text and cut.text == whole.text[:whole.text.find(request.stop)], name
         assert cut.finish_reason == "stop", name
         # The same draws as without the stop string, up to the token that completed it; generate() agrees.
+        assert cut.tokens == whole.tokens[:len(cut.tokens)], name
         ids = request.ids(tokenizer)
         generated = generate(model, [ids], MAX_TOKENS, stop=[request.stop], tokenizer=tokenizer, **request.sampling)
-        assert generated[0, len(ids):].tolist() == tokens[:cut.tokens], name
+        assert generated[0, len(ids):].tolist() == cut.tokens, name
 
 
-def test_the_commands_print_the_same_text(model, tokenizer, requests, answers, monkeypatch, capsys):
+def test_the_commands_print_the_same_tokens(model, tokenizer, requests, answers, monkeypatch, capsys):
     monkeypatch.setattr(cli, "load", lambda args: (model, tokenizer))  # the model is loaded once, by the fixture
-    for name, (request, _, _) in requests.items():
+    for name, (request, _) in requests.items():
         command = ["chat", "-p", request.prompt] if request.chat else ["generate", request.prompt]
         flags = [f"--{key.replace('_', '-')}={value}" for key, value in request.sampling.items()]
-        assert cli.main([*command, f"--max-new-tokens={MAX_TOKENS}", f"--stop={request.stop}", *flags]) == 0
-        assert capsys.readouterr().out == answers[name].text + "\n", name
+        assert cli.main([*command, f"--max-new-tokens={MAX_TOKENS}", f"--stop={request.stop}", "--logprobs=0",
+                         *flags]) == 0
+        expected = answers[name]
+        out = capsys.readouterr().out.splitlines(keepends=True)
+        text, lines = "".join(out[:-len(expected.tokens)]), out[-len(expected.tokens):]  # then a line a token
+        assert text == expected.text + "\n", name
+        assert [int(line.split("\t")[0]) for line in lines] == expected.tokens, name
 
 
-def ask(client: httpx.Client, request: Request, streamed: bool) -> Answer:
+def ask(client: httpx.Client, request: Request, streamed: bool, names: TokenNames | None) -> Answer:
+    """The server's answer; names: None for a request beside ours, whose tokens are not asked for."""
     path = "/v1/chat/completions" if request.chat else "/v1/completions"
     if not streamed:
-        r = client.post(path, json=request.body(streamed))
+        r = client.post(path, json=request.body(streamed, others=names is None))
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        return Answer(choice["message"]["content"] if request.chat else choice["text"],
-                      r.json()["usage"]["completion_tokens"], choice["finish_reason"])
-    with client.stream("POST", path, json=request.body(streamed)) as r:
-        assert r.status_code == 200
-        chunks = events(r)
-    choices = [c["choices"][0] for c in chunks[:-1]]
-    text = "".join(c["delta"].get("content", "") if request.chat else c["text"] for c in choices)
-    return Answer(text, chunks[-1]["usage"]["completion_tokens"], choices[-1]["finish_reason"])
+        choices, usage = r.json()["choices"], r.json()["usage"]
+        text = choices[0]["message"]["content"] if request.chat else choices[0]["text"]
+    else:
+        with client.stream("POST", path, json=request.body(streamed, others=names is None)) as r:
+            assert r.status_code == 200
+            chunks = events(r)
+        choices, usage = [c["choices"][0] for c in chunks[:-1]], chunks[-1]["usage"]
+        text = "".join(c["delta"].get("content", "") if request.chat else c["text"] for c in choices)
+    tokens = None
+    if names is not None:
+        pieces = [c["logprobs"] for c in choices if c["logprobs"]]
+        tokens = ([i for p in pieces for i in names.chat(p["content"])] if request.chat
+                  else [i for p in pieces for i in names.completion(p)])
+        assert len(tokens) == usage["completion_tokens"]
+    return Answer(text, tokens, choices[-1]["finish_reason"])
 
 
-def test_the_server_answers_the_same_alone(model, tokenizer, requests, answers):
+def test_the_server_answers_the_same_alone(model, tokenizer, requests, answers, names):
     with running(create_app(model, tokenizer, model_name=NAME, max_seq_len=256)) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
-        for name, (request, _, _) in requests.items():
+        for name, (request, _) in requests.items():
             for streamed in (False, True):
-                assert ask(client, request, streamed) == answers[name], (name, streamed)
+                assert ask(client, request, streamed, names) == answers[name], (name, streamed)
 
 
-def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests, answers, monkeypatch):
+def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests, answers, names, monkeypatch):
     """The first request to arrive is held in its prefill until the other 15 wait, so that all 16 decode in
     one batch; the 12 besides ours have other prompts, seeds and stop strings."""
     others = [Request(chat=i % 2 == 0,
@@ -144,8 +189,9 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
     with running(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
         for streamed in (False, True):
             gate.clear()
-            batch = [request for request, _, _ in requests.values()] + others
-            futures = [pool.submit(ask, client, request, streamed) for request in batch]
+            ours = [request for request, _ in requests.values()]
+            futures = [pool.submit(ask, client, request, streamed, names) for request in ours]
+            futures += [pool.submit(ask, client, request, streamed, None) for request in others]
             deadline = time.time() + 60
             while client.get("/health").json() != dict(status="ok", active=1, waiting=15, slots=16):
                 assert time.time() < deadline, client.get("/health").json()

@@ -75,6 +75,19 @@ def test_linear_cross_entropy_equals_the_plain_loss_and_gradients(rows, monkeypa
         torch.testing.assert_close(ours, 2 * reference, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_cross_entropy_computes_only_the_gradients_asked():
+    """A frozen output projection (LoRA) gets no gradient, and the hidden states' is the same as with it."""
+    torch.manual_seed(0)
+    h, y = torch.randn(10, 16, requires_grad=True), torch.randint(0, 100, (10,))
+    w = torch.randn(100, 16)
+    (grad_h,) = torch.autograd.grad(linear_cross_entropy(h, w, y), h)
+    trained = w.clone().requires_grad_()
+    torch.testing.assert_close(grad_h, torch.autograd.grad(linear_cross_entropy(h, trained, y), (h, trained))[0],
+                               rtol=0, atol=0)
+    linear_cross_entropy(h, trained, y).backward(inputs=[trained])  # and a frozen h gets none either
+    assert h.grad is None and trained.grad is not None
+
+
 def test_linear_cross_entropy_under_bf16_autocast():
     torch.manual_seed(0)
     h, w = torch.randn(64, 32), 0.1 * torch.randn(1000, 32)
@@ -106,6 +119,75 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= {names[id(p)] for p in no_decay["params"]}
     decay, _ = param_groups(model, TrainConfig(decay_embeddings=True))
     assert any(p is model.model.embed_tokens.weight for p in decay["params"])
+
+
+# MFU: the FLOPs each step computed, over a peak that a busy machine does not lower.
+
+class Clock:
+    """time.perf_counter for code under test: `tick` seconds later at each call."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_mfu_counts_every_micro_batch_at_its_real_length(tmp_path, monkeypatch):
+    """Chats of ~45 tokens under --seq-len 128, 2 micro-batches of 2: tokens/s and MFU count the 4 examples as long
+    as the longest, against the kept peak, with each step timed at exactly 0.5 s."""
+    from smollm2.training import flops as mfu
+    from smollm2.training import loop
+    from smollm2.training.data import ChatData
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                             for i in range(8)))
+    monkeypatch.setattr(mfu, "cache_dir", lambda: tmp_path)
+    peak = mfu.PeakFlops(torch.device("cpu"), torch.float32)  # measured once here; the run reads this back:
+    peak.file.write_text(json.dumps({peak.key: {"flops": 1e12, "measurements": mfu.MEASUREMENTS}}))
+    monkeypatch.setattr(loop.time, "perf_counter", Clock(0.5))  # a step from one call to the next
+    tokenizer = Tokenizer.from_pretrained()
+    data = ChatData(chats, tokenizer, 128)
+    c = TrainConfig(steps=2, batch_size=2, grad_accum=2, seq_len=128, warmup=1)
+    model = SmolLM2(TINY["gqa"])
+    train(model, tokenizer, data, None, c, tmp_path / "run")
+    config, records = model.config, [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    for step, record in enumerate(records):
+        inputs, labels = data.examples(range(4 * step, 4 * step + 4))
+        assert inputs.shape[1] < 64  # the batch's length, not --seq-len
+        tokens, length = inputs.numel(), inputs.shape[1]
+        weights = 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 256)  # 2 blocks: q, k, v, o and the MLP
+        expected = tokens * (6 * weights + 12 * 2 * 4 * 16 * length) + tokens * 6 * config.vocab_size * 64
+        assert record["tokens_per_s"] == pytest.approx(tokens / 0.5)
+        assert record["mfu"] == pytest.approx(expected / 0.5 / 1e12)
+
+
+def test_a_busy_machine_neither_lowers_the_peak_nor_lifts_mfu_past_100_percent(tmp_path, monkeypatch):
+    """Products timed as on a busy machine (4x slower), then a quiet one: the kept peak is the best ever
+    measured, a busy measurement never lowers it, a step faster than it raises it, and MFU stays at most 1."""
+    from smollm2.training import flops as mfu
+
+    monkeypatch.setattr(mfu, "SIZE", {"cpu": 64})
+    monkeypatch.setattr(mfu, "cache_dir", lambda: tmp_path)
+    quiet, busy = 1e-3, 4e-3
+    rate = 2 * 64**3
+
+    def peak(seconds: float):
+        monkeypatch.setattr(mfu.PeakFlops, "product_seconds", lambda self, a, b: seconds)
+        return mfu.PeakFlops(torch.device("cpu"), torch.float32)
+
+    first = peak(busy)
+    assert first.flops == pytest.approx(rate / busy) and first.measurements == 1
+    assert first.utilisation(rate / busy * 2, 1.0) == 1.0  # a step twice as fast: the peak was low
+    assert peak(busy).flops == pytest.approx(rate / busy * 2)  # kept; a busy measurement does not lower it
+    third = peak(quiet)
+    assert third.flops == pytest.approx(rate / quiet) and third.measurements == 3
+    assert peak(busy).flops == pytest.approx(rate / quiet) and third.measurements == 3  # measured no more
+    assert third.utilisation(rate / busy, 1.0) == pytest.approx(quiet / busy)  # a busy step: a low MFU
+    assert "GFLOP/s" in third.describe() and str(tmp_path) in third.describe()
 
 
 # The loop.

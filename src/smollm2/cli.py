@@ -24,6 +24,7 @@ GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")  # as smollm2.checkpoints.gguf.SAVE_
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
 MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
+MAX_BATCH_SIZE = 256  # serve's rows: each holds a KV cache of the whole context window
 
 
 class Parser(argparse.ArgumentParser):
@@ -133,24 +134,24 @@ def response_format(args) -> dict | None:
 
 def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> str:
     """Generate from one prompt, printing its text as it becomes final; returns the text. With --logprobs N,
-    then one line per generated token: the token, its log-probability, and the N most likely tokens'.
+    then one line per generated token: its id and text, its log-probability, and the N most likely tokens'.
     prefix_cache: a PrefixCache the prompt's whole prefill chunks are looked up in and kept in."""
     from .generation import stream
 
     text, logprobs = [], []
     stop = args.stop + args.stop_token_id  # strings and token ids
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=stop, tokenizer=tokenizer, compile=args.compile,
-                          prefix_cache=prefix_cache, logprobs=getattr(args, "logprobs", None),
+                          prefix_cache=prefix_cache, logprobs=args.logprobs,
                           response_format=args.response_format, speculative=args.speculative, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
         logprobs.append(step.logprob)
     print(flush=True)
-    if getattr(args, "logprobs", None) is not None:
+    if args.logprobs is not None:
         token = tokenizer.token_text
         for lp in logprobs:
             top = "  ".join(f"{token(t)!r} {v:.4f}" for t, v in lp.top)
-            print(f"{token(lp.token)!r}\t{lp.logprob:.4f}" + (f"\ttop: {top}" if top else ""))
+            print(f"{lp.token}\t{token(lp.token)!r}\t{lp.logprob:.4f}" + (f"\ttop: {top}" if top else ""))
     return "".join(text)
 
 
@@ -274,7 +275,7 @@ def perplexity(args):
     if len(ids) < 2:
         raise SmolError(f"{path}: needs at least 2 tokens to measure perplexity, has {len(ids)}")
     window = min(args.context, model.config.max_position_embeddings)
-    stride = args.stride or window // 2
+    stride = window // 2 if args.stride is None else args.stride
     if not 0 < stride < window:
         raise SmolError(f"--stride must be in [1, --context - 1 = {window - 1}], got {stride}")
     start = time.perf_counter()
@@ -370,8 +371,6 @@ def serve(args):
 
     if args.compile:
         raise SmolError("--compile is not supported by serve")
-    if args.max_batch_size < 1:
-        raise SmolError("--max-batch-size must be at least 1")
     check_address(args.host, args.port)
     served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
     # The model runs on the schedulers' threads, with --threads each; this thread loads it with one, so that it
@@ -551,6 +550,9 @@ def parser() -> argparse.ArgumentParser:
                         help="end the answer before this text (repeatable); it is never printed")
     sample.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
                         help="end the answer at this token, as at EOS (repeatable); it is never printed")
+    sample.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
+                        help="after the text, one line per token: its id and text, its log-probability and the N "
+                             "most likely tokens'")
     sample.add_argument("--speculative", choices=("ngram",),
                         help="ngram: guess tokens by prompt lookup and check them in one pass (same answer, faster "
                              "where it repeats its input)")
@@ -560,8 +562,6 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
-    c.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
-                   help="after the text, one line per token: its log-probability and the N most likely tokens'")
     c.set_defaults(run=generate)
 
     c = commands.add_parser("chat", parents=[model, sample], help="chat with the model (chat template)")
@@ -605,7 +605,8 @@ def parser() -> argparse.ArgumentParser:
     c = commands.add_parser("serve", parents=[model], help="an OpenAI-compatible HTTP server (continuous batching)")
     c.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     c.add_argument("--port", type=whole_number(1, 65535), default=8000)
-    c.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    c.add_argument("--max-batch-size", type=whole_number(1, MAX_BATCH_SIZE), default=8,
+                   help="requests decoded together (default: 8)")
     c.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")

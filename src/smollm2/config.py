@@ -36,12 +36,13 @@ class SmolConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
         for name in positive:
             value = getattr(self, name)
+            if name == "head_dim" and value is None:  # the others are checked: hidden_size / num_attention_heads
+                value = self.hidden_size // self.num_attention_heads
+                object.__setattr__(self, name, value)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SmolError(f"config: {name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -54,16 +55,23 @@ class SmolConfig:
                 raise SmolError(f"config: {name} must be at most {bound}, got {getattr(self, name)}")
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            try:  # as a float: an integer too large for one is no number a float32 model can use
+                number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            except OverflowError:
+                number = None
+            if number is None or not 0 < number < math.inf:
                 raise SmolError(f"config: {name} must be a finite positive number, got {value!r}")
+            object.__setattr__(self, name, number)
         for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise SmolError(f"config: {name} must be true or false, got {getattr(self, name)!r}")
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         for name, ids in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", eos),
                           ("pad_token_id", [self.pad_token_id])):
-            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool)) for i in ids):
-                raise SmolError(f"config: {name} must be a token id, got {getattr(self, name)!r}")
+            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size)
+                       for i in ids):
+                raise SmolError(f"config: {name} must be a token id in [0, {self.vocab_size}), got "
+                                f"{getattr(self, name)!r}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -79,7 +87,7 @@ class SmolConfig:
                             f"only LLaMA-architecture models ({ARCHITECTURE}) are supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise SmolError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = next((hf[key] for key in ("rope_parameters", "rope_scaling") if hf.get(key) is not None), {})
         if not isinstance(rope, dict):
             raise SmolError(f"{source}: rope_parameters and rope_scaling must be JSON objects, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) != "default":

@@ -125,6 +125,8 @@ class Tokenizer:
             value = value.get("content") if isinstance(value, dict) else value
             if not isinstance(value, (str, type(None))):
                 raise SmolError(f"{path / 'tokenizer_config.json'}: {name} must be a string, got {value!r:.40}")
+            if value is not None and backend.token_to_id(value) is None:
+                raise SmolError(f"{path / 'tokenizer_config.json'}: {name} {value!r:.40} is not in the vocabulary")
             return value
 
         return cls(backend, str(path), bos=token("bos_token"), eos=token("eos_token"), pad=token("pad_token"),
@@ -143,11 +145,14 @@ class Tokenizer:
         tokens, merges = reader.metadata.get("tokenizer.ggml.tokens"), reader.metadata.get("tokenizer.ggml.merges")
         if not tokens or not merges:
             raise SmolError(f"{path}: missing metadata tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        types = reader.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = reader.metadata.get("tokenizer.ggml.token_type")
         for key, values, kind in (("tokens", tokens, str), ("merges", merges, str), ("token_type", types, int)):
-            if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+            if values is not None and (not isinstance(values, list) or not all(isinstance(v, kind) for v in values)):
                 raise SmolError(f"{path}: tokenizer.ggml.{key} must be a list of "
                                 f"{'strings' if kind is str else 'integers'}")
+        types = [NORMAL] * len(tokens) if types is None else types
+        if len(types) != len(tokens):
+            raise SmolError(f"{path}: tokenizer.ggml.token_type lists {len(types)} types for {len(tokens)} tokens")
         # llama.cpp needs one token per row of the embeddings; fewer would fail only once generation reaches them.
         rows = next((t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight"), len(tokens))
         if len(tokens) != rows:
@@ -173,7 +178,9 @@ class Tokenizer:
 
         def token(key):
             i = reader.metadata.get(f"tokenizer.ggml.{key}")
-            if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+                raise SmolError(f"{path}: tokenizer.ggml.{key} must be a token id, got {str(i)[:40]!r}")
+            if i is not None and not 0 <= i < len(tokens):
                 raise SmolError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary of {len(tokens)}")
             return None if i is None else tokens[i]
 
@@ -229,7 +236,8 @@ class Tokenizer:
             if token_id is not None:
                 add(token_id)
         writer.add_add_bos_token(add_bos)
-        writer.add_add_eos_token(add_eos)
+        if add_eos:  # llama.cpp's converter writes it only then; llama.cpp reads its absence as False
+            writer.add_add_eos_token(True)
         if self.chat_template is not None:
             writer.add_chat_template(self.chat_template)
 

@@ -124,6 +124,13 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
                             f"got {str(value)[:40]!r}")
         return value
 
+    def special(key):
+        """A special token's id: one integer (the config's checks bound it), as llama.cpp reads it."""
+        value = reader.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SmolError(f"{path}: metadata tokenizer.ggml.{key} must be a token id, got {str(value)[:40]!r}")
+        return value
+
     if reader.metadata.get("llama.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in names:
         raise SmolError(f"{path}: unsupported rope scaling; only plain RoPE is supported")
     n_heads, hidden = need("attention.head_count"), need("embedding_length")
@@ -142,14 +149,19 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=reader.metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=reader.metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=reader.metadata.get("tokenizer.ggml.padding_token_id"),
+        **{f"{which}_token_id": special(key) for which, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                                                                  ("pad", "padding_token_id"))},
     )
     try:
-        return SmolConfig(**values)
+        config = SmolConfig(**values)
     except SmolError as e:  # name the file, not just the field
         raise SmolError(f"{path}: {str(e).removeprefix('config: ')}") from None
+    # llama.cpp rotates the first rope.dimension_count dimensions of each head alone; the model here, all of them
+    if (rotated := need("rope.dimension_count", config.head_dim)) != config.head_dim:
+        raise SmolError(f"{path}: metadata llama.rope.dimension_count ({rotated}) differs from the heads' size "
+                        f"({config.head_dim}: llama.attention.key_length, or embedding_length / head_count); only "
+                        "rotary embeddings over whole heads are supported")
+    return config
 
 
 def rotary_heads(name: str, config: SmolConfig) -> int | None:
@@ -223,11 +235,11 @@ def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         writer = GGUFWriter(partial, "llama")
+        writer.add_type("model")  # not an adapter
         add_llama_metadata(writer, config)
         tokenizer.add_gguf_metadata(writer)
         writer.add_file_type(file_type)
-        if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_quantization_version(GGML_QUANT_VERSION)
+        writer.add_quantization_version(GGML_QUANT_VERSION)  # at every type, as llama.cpp's converter writes it
         output = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
         for name, w in state_dict.items():
             w = w.detach().to("cpu", torch.float32)
@@ -273,6 +285,7 @@ def add_llama_metadata(writer: GGUFWriter, config: SmolConfig) -> None:
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if config.head_dim != config.hidden_size // config.num_attention_heads:  # llama.cpp assumes that otherwise
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+    # llama.cpp's converter writes these wherever config.json names head_dim, as every config transformers
+    # (and smollm2) saves does
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)

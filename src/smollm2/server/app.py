@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from ..errors import SmolError
+from ..errors import FieldError, SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
@@ -269,10 +269,16 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
     if body.tools is not None or body.tool_choice is not None:
         tools = Tools(body.tools or [], body.tool_choice, body.parallel_tool_calls)
     messages = [m.chat(i) for i, m in enumerate(body.messages)]
-    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    try:
+        prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    except FieldError:
+        raise  # it names its own field (messages.1.tool_call_id)
+    except SmolError as e:  # the template refused these messages, or rendering them ran past its bounds
+        raise FieldError("messages", str(e)) from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     return await complete(body, scheduler, [prompt], body.max_completion_tokens or body.max_tokens, connection,
-                          Reply(True, body.model, served.tokenizer, logprobs, tools=tools))
+                          Reply(True, body.model, served.tokenizer, logprobs, tools=tools), limit)
 
 
 @router.post("/v1/completions")
@@ -292,12 +298,20 @@ async def completions(body: CompletionBody, connection: Connection, served: AppS
 
 
 async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], max_tokens: int | None,
-                   connection: Connection, reply: Reply):
-    """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i."""
+                   connection: Connection, reply: Reply, limit: str = "max_tokens"):
+    """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i. limit: the field max_tokens
+    came in, which an error names."""
+    window = scheduler.max_seq_len
     for p, prompt in enumerate(prompts):
+        where = "messages" if reply.chat else "prompt" if len(prompts) == 1 else f"prompt.{p}"
         if not prompt:
-            where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
             raise APIError(400, f"{where}: the prompt is empty", param=where)
+        if len(prompt) + min(1 if max_tokens is None else max_tokens, 1) > window:  # no room for an answer
+            raise APIError(400, f"{where}: the prompt ({len(prompt)} tokens) leaves no room in the context window "
+                           f"of {window} tokens", param=where)
+        if max_tokens is not None and len(prompt) + max_tokens > window:
+            raise APIError(400, f"{limit}: the prompt ({len(prompt)} tokens) plus {limit} ({max_tokens}) exceeds the "
+                           f"context window of {window} tokens", param=limit)
     if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
                        f"requests, more than this server queues ({scheduler.max_waiting})", param="n")

@@ -80,6 +80,11 @@ class DPOLoss(nn.Module):
         """The loss is a mean over pairs."""
         return len(batch[0])
 
+    @staticmethod
+    def projected(batch: tuple[torch.Tensor, ...]) -> int:
+        """How many positions the output projection takes: the answers' tokens alone."""
+        return int((batch[1] != IGNORE).sum())
+
 
 @torch.no_grad()
 def reference_logps(model, data, batch_size: int = 8, device: str | torch.device = "cpu",

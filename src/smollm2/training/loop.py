@@ -37,6 +37,7 @@ from ..checkpoints import load_checkpoint, save_hf
 from ..errors import SmolError
 from ..lora import LoRALinear, read_for, save_adapter
 from . import state as checkpoint_state
+from .flops import PeakFlops, training_flops
 from .loss import NextTokenLoss
 from .tuning import process_device
 
@@ -116,32 +117,6 @@ def param_groups(model, c: TrainConfig) -> list[dict]:
         embedding = "embed_tokens" in name or name.startswith("lm_head")
         (decay if p.dim() >= 2 and (c.decay_embeddings or not embedding) else no_decay).append(p)
     return [dict(params=decay, weight_decay=c.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-
-
-def matmul_flops_per_token(config, seq_len: int, frozen: bool = False) -> float:
-    """Training FLOPs per token (PaLM's estimate): 6 x matmul weights + 12 x layers x width x context; 4 x weights
-    when they are frozen (a LoRA run: no weight gradients, and the adapter's own products are a rounding error)."""
-    c = config
-    attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    weights = c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size  # + output projection
-    return (4 if frozen else 6) * weights + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
-
-
-def measured_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """This device's dense matmul rate, measured: the yardstick for MFU (no table of chip names)."""
-    n = 4096 if device.type == "cuda" else 1024
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(4):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 @dataclass
@@ -297,8 +272,9 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
 
     autocast = torch.autocast(rt.device.type, dtype=DTYPES[c.dtype]) if DTYPES[c.dtype] else nullcontext()
     per_step = c.batch_size * c.grad_accum * rt.world
-    flops_per_token = matmul_flops_per_token(config, c.seq_len, frozen=adapter)
-    peak = measured_peak_flops(rt.device, DTYPES[c.dtype] or torch.float32) * rt.world
+    peak = PeakFlops(rt.device, DTYPES[c.dtype] or torch.float32)
+    if rank0:
+        tqdm.write(peak.describe())
     metrics = Metrics(out, start, rank0)
 
     def zeros(*names: str) -> dict[str, torch.Tensor]:
@@ -365,9 +341,11 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         seconds = time.perf_counter() - began
 
         done = step + 1
-        tokens_per_s = batch[0].numel() / seconds
-        record = dict(step=done, **step_means, lr=lr, tokens_per_s=tokens_per_s, grad_norm=float(grad_norm),
-                      mfu=flops_per_token * tokens_per_s / peak)
+        # What the step computed: every micro-batch of every process, each as long as its longest example.
+        tokens = batch[0].numel()
+        flops = training_flops(config, tokens, batch[0].shape[-1], objective.projected(batch), frozen=adapter)
+        record = dict(step=done, **step_means, lr=lr, tokens_per_s=tokens / seconds, grad_norm=float(grad_norm),
+                      mfu=peak.utilisation(flops / rt.world, seconds))
         if val_data is not None and (done % c.eval_every == 0 or done == c.steps):
             record.update({f"val_{name}": value for name, value in evaluate().items()})
             if objective.perplexity:
@@ -375,7 +353,7 @@ def train(model, tokenizer, data, val_data, c: TrainConfig, out: str | Path, *, 
         if done % c.log_every == 0 or done == c.steps or "val_loss" in record:
             metrics.log(record)
         bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mfu=f"{record['mfu']:.1%}",
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}",
                         **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
         if not math.isfinite(step_loss):
             raise SmolError(f"step {done}: the loss is {step_loss}; lower --lr or check the data")

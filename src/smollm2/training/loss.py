@@ -19,8 +19,9 @@ CHUNK_ELEMENTS = 2**24  # logits per chunk (64 MiB in float32)
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, need_grad: bool):
-        # h: (N, C) hidden states, weight: (V, C) output projection, labels: (N,) next-token ids or IGNORE.
+    def forward(ctx, h, weight, labels, need_h: bool, need_w: bool):
+        # h: (N, C) hidden states, weight: (V, C) output projection, labels: (N,) next-token ids or IGNORE;
+        # need_h, need_w: which gradients to compute (a frozen output projection, as under LoRA, needs none).
         device = h.device.type
         # Under autocast the matmuls run in its dtype (as F.linear would); softmax and sums in float32.
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
@@ -32,8 +33,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
             logp = torch.empty_like(logits)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need_grad else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+            grad_h = torch.empty_like(h) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
             for start in range(0, N, chunk):
                 xc, y = x[start:start + chunk], labels[start:start + chunk]
                 n, valid, target = len(y), y != IGNORE, y.clamp(min=0)[:, None]
@@ -43,16 +44,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     logits[:n] = xc @ w.t()
                 torch.log_softmax(logits[:n], -1, out=logp[:n])  # (n, V)
                 loss -= (logp[:n].gather(1, target)[:, 0] * valid).sum()
-                if need_grad:
+                if need_h or need_w:
                     grad = logp[:n].exp_()  # softmax: d(loss)/d(logits) = softmax - onehot(label)
                     grad.scatter_add_(1, target, torch.full_like(grad[:, :1], -1.0))
                     grad.index_fill_(0, (~valid).nonzero()[:, 0], 0.0)  # unscored positions give nothing
                     grad = grad.to(dtype)
+                if need_h:
                     grad_h[start:start + n] = grad @ w
-                    if dtype == torch.float32:
-                        grad_w.addmm_(grad.t(), xc)
-                    else:
-                        grad_w += grad.t() @ xc
+                if need_w and dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), xc)
+                elif need_w:
+                    grad_w += grad.t() @ xc
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -60,13 +62,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None
+        return (None if grad_h is None else grad_h * grad_loss,
+                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """sum over scored positions of -log softmax(h @ weight.T)[label]; h: (..., C), labels: (...)."""
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), need_grad)
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+                                     grad and h.requires_grad, grad and weight.requires_grad)
 
 
 class NextTokenLoss(nn.Module):
@@ -74,7 +78,8 @@ class NextTokenLoss(nn.Module):
     the output projection in the loss included, inside forward.
 
     The training loop takes any objective shaped like this one (dpo.DPOLoss is the other): forward(*batch) gives
-    the sums named in `metrics` over the batch's rows, "loss" first, and count(batch) what they are averaged over."""
+    the sums named in `metrics` over the batch's rows, "loss" first, count(batch) what they are averaged over, and
+    projected(batch) how many positions it makes logits for (for MFU)."""
 
     metrics = ("loss",)
     perplexity = True  # exp(loss) means something: the validation perplexity is logged beside the loss
@@ -91,3 +96,8 @@ class NextTokenLoss(nn.Module):
     def count(batch: tuple[torch.Tensor, ...]) -> int:
         """The loss is a mean over every scored token."""
         return int((batch[1] != IGNORE).sum())
+
+    @staticmethod
+    def projected(batch: tuple[torch.Tensor, ...]) -> int:
+        """How many positions the output projection takes: every one (the unscored ones' logits are made too)."""
+        return batch[0].numel()
