@@ -137,10 +137,9 @@ def check_choice(choice, functions: dict) -> tuple[str, str | None]:
             raise FieldError("tool_choice", f"no tool is named {name!r:.80}")
         return "required", name
     if choice not in CHOICES:
-        raise FieldError("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": '
-                         f'{{"name": ...}}}}, not {choice!r:.80}')
+        raise FieldError("tool_choice", f'must be "auto", "none", "required" or a named function, not {choice!r:.80}')
     if choice != "none" and not functions:
-        raise FieldError("tool_choice", f"{choice!r} needs tools")
+        raise FieldError("tool_choice", "asks for tool calls, but there are no tools")
     return choice, None
 
 
@@ -180,6 +179,15 @@ def check_call(call, where: str) -> str:
     except (TypeError, ValueError, RecursionError):
         raise FieldError(f"{where}.function.arguments", "must be a JSON object, as text") from None
     return call["id"]
+
+
+def renamed(error: FieldError, names: dict[str, str]) -> FieldError:
+    """A FieldError about tools or calls in chat completions' shape, its field named as another API's shape names
+    it: `names` maps each part of the chat's field to the other's (".function.parameters" -> ".input_schema")."""
+    field = error.field
+    for chat, own in names.items():
+        field = field.replace(chat, own)
+    return FieldError(field, str(error).removeprefix(f"{error.field}: "))
 
 
 def trained_format(messages: list[dict], tools: Tools | None) -> list[dict]:
@@ -223,6 +231,13 @@ class ToolCall:
 
     def openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def parsed_arguments(self) -> dict | None:
+        """The arguments as an object; None where the answer was cut short inside them."""
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True)

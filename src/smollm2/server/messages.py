@@ -1,15 +1,20 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, on the machinery chat completions run
 on (messages -> chat template -> prompt ids -> scheduler), in Anthropic's shapes.
 
-`system` is a string or text blocks; each message's content a string or text blocks. A last assistant message is
-a prefill: the answer continues it (its text is not repeated in the answer). The answer ends with stop_reason
-end_turn (EOS), max_tokens, or stop_sequence (then stop_sequence names it). Streamed, it is Anthropic's named
-events. Every error, on these routes, is Anthropic's error body {"type": "error", "error": {"type", "message"}}.
-Tools are not served yet: a request with `tools` is a 400.
+`system` is a string or text blocks; each message's content a string or blocks: text, an assistant's tool_use
+blocks (its calls) and a user's tool_result blocks (a tool's answer to one). A last assistant message of text is
+a prefill: the answer continues it (its text is not repeated in the answer). `tools` and `tool_choice` are chat
+completions' in Anthropic's shape (smollm2.tools.Tools): a call the answer makes is a tool_use block after its
+text, if it wrote some. The answer ends with stop_reason end_turn (EOS), tool_use (EOS after calls), max_tokens,
+or stop_sequence (then stop_sequence names it). Streamed, it is Anthropic's named events. Every error, on these
+routes, is Anthropic's error body {"type": "error", "error": {"type", "message"}}.
 """
 
 from __future__ import annotations
 
+import collections
+import json
+import secrets
 import uuid
 from typing import Any, Literal
 
@@ -19,11 +24,17 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import FieldError
 from ..generation.sampling import Sampling
+from ..tools import CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
 from .scheduler import Delta, Done, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
-                      content_text, sse, submit)
+                      content_text, grammar, sse, submit)
 
+# An Anthropic tool keeps at its top what chat completions' keep under "function", its parameters' schema as
+# input_schema; a tool_use block its arguments as input.
+FIELDS = {".function.parameters": ".input_schema", ".function.arguments": ".input", ".function.": "."}
+CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # tool_choice's types, as chat completions' choices
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # any other: api_error
 
@@ -61,7 +72,9 @@ class CountBody(BaseModel):
     model: Text
     messages: list[Message] = Field(min_length=1)
     system: Any = None  # a string, or text blocks
-    tools: list = []
+    tools: list = []  # checked by function_tools()
+    tool_choice: dict | None = None  # {"type": "auto" | "any" | "tool" (with "name") | "none",
+    # "disable_parallel_tool_use": bool}
 
 
 class MessagesBody(CountBody):
@@ -73,20 +86,100 @@ class MessagesBody(CountBody):
     stream: bool = False
 
 
-def prompt_ids(served: Served, body: CountBody) -> list[int]:
-    """The prompt: the system text and the messages through the chat template; a last assistant message's text
-    after the assistant's header, for the answer to continue."""
-    if body.tools:  # where tools will plug in: rendered into the prompt, tool_use blocks parsed out of the answer
-        raise APIError(400, "tools: tools are not supported on /v1/messages yet", param="tools")
-    chat = [dict(role=m.role, content=content_text(m.content, f"messages.{i}.content"))
-            for i, m in enumerate(body.messages)]
+def function_tools(body: CountBody) -> Tools | None:
+    """The request's tools and tool_choice as chat completions' (smollm2.tools.Tools), or None without either;
+    an error names the field as Anthropic's shape has it (tools.1.input_schema)."""
+    if not body.tools and body.tool_choice is None:
+        return None
+    tools = []
+    for i, tool in enumerate(body.tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            raise FieldError(f"tools.{i}.type", 'only client tools are served: {"name": ..., "input_schema": {...}}')
+        tools.append({"type": "function", "function": {chat: tool[own] for chat, own in (
+            ("name", "name"), ("description", "description"), ("parameters", "input_schema")) if own in tool}})
+    choice = {"type": "auto"} if body.tool_choice is None else body.tool_choice
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise FieldError("tool_choice.disable_parallel_tool_use", "must be true or false")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if choice.get("type") == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise FieldError("tool_choice.name", "must be the name of the tool to call")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice.get("type") in CHOICES:
+        choice = CHOICES[choice["type"]]
+    else:
+        raise FieldError("tool_choice.type", f'must be "auto", "any", "tool" or "none", not {choice.get("type")!r:.80}')
+    try:
+        return Tools(tools, choice, parallel)
+    except FieldError as e:
+        raise renamed(e, FIELDS) from None
+
+
+def conversation(body: CountBody) -> list[dict]:
+    """The messages as chat messages: each one's text blocks joined; an assistant's tool_use blocks its
+    tool_calls; each of a user's tool_result blocks a tool message of its own, ahead of the user's text."""
+    chat, called = [], set()
+    for i, message in enumerate(body.messages):
+        where = f"messages.{i}.content"
+        blocks = message.content if isinstance(message.content, list) else []
+        tool_kind = "tool_use" if message.role == "assistant" else "tool_result"
+        text = content_text(message.content, where, others=(tool_kind,))
+        calls = []
+        for j, block in enumerate(blocks):
+            if block.get("type") != tool_kind:
+                continue
+            if tool_kind == "tool_use":
+                calls.append(tool_call(block, f"{where}.{j}"))
+                called.add(calls[-1]["id"])
+            else:
+                chat.append(tool_result(block, f"{where}.{j}", called))
+        if calls:
+            chat.append(dict(role="assistant", content=text, tool_calls=calls))
+        elif text or not blocks or tool_kind == "tool_use":  # a user's results alone make no turn of the user's
+            chat.append(dict(role=message.role, content=text))
+    return chat
+
+
+def tool_call(block: dict, where: str) -> dict:
+    """A tool_use block as a chat's tool call."""
+    if not isinstance(block.get("input"), dict):
+        raise FieldError(f"{where}.input", "must be an object: the tool's input")
+    call = {"id": block.get("id"), "type": "function",
+            "function": {"name": block.get("name"), "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+    try:
+        check_call(call, where)
+    except FieldError as e:
+        raise renamed(e, FIELDS) from None
+    return call
+
+
+def tool_result(block: dict, where: str, called: set[str]) -> dict:
+    """A tool_result block as a chat's tool message; a result marked is_error says so ahead of its content, as
+    SmolLM2's format has no mark of its own for a failed call."""
+    if block.get("tool_use_id") not in called:
+        raise FieldError(f"{where}.tool_use_id", f"must be the id of a tool_use before it, not "
+                         f"{block.get('tool_use_id')!r:.80}")
+    if not isinstance(block.get("is_error", False), bool):
+        raise FieldError(f"{where}.is_error", "must be true or false")
+    content = content_text(block.get("content", ""), f"{where}.content")
+    return dict(role="tool", tool_call_id=block["tool_use_id"],
+                content=f"Error: {content}" if block.get("is_error") else content)
+
+
+def prompt_ids(served: Served, body: CountBody, tools: Tools | None) -> list[int]:
+    """The prompt: the tools, the system text and the messages through the chat template; a last assistant
+    message's text after the assistant's header, for the answer to continue."""
+    chat = conversation(body)
     if body.system is not None:
         chat.insert(0, dict(role="system", content=content_text(body.system, "system")))
+    if chat[-1]["role"] == "assistant" and chat[-1].get("tool_calls"):
+        raise FieldError(f"messages.{len(body.messages) - 1}.content", "a tool_use must be answered by a "
+                         "tool_result in a user message after it")
     prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else ""
     if not prefill:
-        return served.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-    return served.tokenizer.backend.encode(served.tokenizer.render_chat(chat, add_generation_prompt=True) + prefill,
-                                           add_special_tokens=False).ids
+        return served.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tools=tools)
+    text = served.tokenizer.render_chat(chat, add_generation_prompt=True, tools=tools) + prefill
+    return served.tokenizer.backend.encode(text, add_special_tokens=False).ids
 
 
 router = APIRouter(route_class=AnthropicErrors)
@@ -95,63 +188,108 @@ router = APIRouter(route_class=AnthropicErrors)
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountBody, served: AppState):
     served.scheduler(body.model)
-    return {"input_tokens": len(prompt_ids(served, body))}
+    return {"input_tokens": len(prompt_ids(served, body, function_tools(body)))}
 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesBody, connection: Connection, served: AppState):
     scheduler = served.scheduler(body.model)
-    prompt = prompt_ids(served, body)
+    tools = function_tools(body)
+    prompt = prompt_ids(served, body, tools)
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    (request,) = submit(scheduler, Ask([prompt], body.max_tokens, sampling, stop=body.stop_sequences or []))
-    answer = Answer(body.model, len(prompt))
+    ask = Ask([prompt], body.max_tokens, sampling, stop=body.stop_sequences or [],
+              grammar=await grammar(None, served.tokenizer, "tools", tools))
+    (request,) = submit(scheduler, ask)
+    answer = Answer(body.model, len(prompt), tools)
     if body.stream:
         return EventStream(answer.stream(scheduler, request))
     texts, dones, _ = await answers(scheduler, [request], connection)
-    return answer.message([{"type": "text", "text": texts[0]}], dones[0])
+    text, calls = parse_tool_calls(texts[0]) if answer.parser is not None else (texts[0], [])
+    return answer.message(answer.content(text, calls), dones[0], calls)
 
 
 class Answer:
-    """One answer of /v1/messages in Anthropic's shapes: the message, or the events of its stream."""
+    """One answer of /v1/messages in Anthropic's shapes: the message (its text block, then its tool_use blocks),
+    or the events of its stream."""
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, tools: Tools | None):
         self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
+        # Reads the answer's calls as it streams, where the model may make them.
+        self.parser = ToolCallParser() if tools is not None and tools.offered else None
+        self.ids = collections.defaultdict(lambda: f"toolu_{secrets.token_hex(12)}")  # each call's, by its call id
+        self.blocks = 0  # streamed: the content blocks begun, the last one open
 
-    def message(self, content: list[dict], done: Done | None = None) -> dict:
+    def message(self, content: list[dict], done: Done | None = None, calls: list[ToolCall] = ()) -> dict:
         """The message object; done None: as it starts, before its end is known."""
         return dict(id=self.id, type="message", role="assistant", model=self.model, content=content,
-                    **self.end(done), usage=dict(input_tokens=self.prompt_tokens,
-                                                 output_tokens=0 if done is None else done.completion_tokens))
+                    **self.end(done, calls), usage=dict(input_tokens=self.prompt_tokens,
+                                                        output_tokens=0 if done is None else done.completion_tokens))
+
+    def content(self, text: str | None, calls: list[ToolCall]) -> list[dict]:
+        """The content blocks: the text where the answer wrote some (or made no call), then its calls; a call cut
+        short inside its arguments has input {}."""
+        blocks = [{"type": "text", "text": text or ""}] if text or not calls else []
+        return blocks + [self.tool_use(call, call.parsed_arguments() or {}) for call in calls]
+
+    def tool_use(self, call: ToolCall, arguments: dict) -> dict:
+        return {"type": "tool_use", "id": self.ids[call.id], "name": call.name, "input": arguments}
 
     @staticmethod
-    def end(done: Done | None) -> dict:
-        """stop_reason and stop_sequence: EOS is the end of the model's turn."""
+    def end(done: Done | None, calls: list[ToolCall] = ()) -> dict:
+        """stop_reason and stop_sequence: EOS is the end of the model's turn, or of its calls."""
         if done is None:
             return dict(stop_reason=None, stop_sequence=None)
         if done.finish_reason == "length":
             return dict(stop_reason="max_tokens", stop_sequence=None)
         if done.stop_string is not None:
             return dict(stop_reason="stop_sequence", stop_sequence=done.stop_string)
-        return dict(stop_reason="end_turn", stop_sequence=None)
+        return dict(stop_reason="tool_use" if calls else "end_turn", stop_sequence=None)
 
     @staticmethod
     def event(kind: str, **fields) -> str:
         return sse(dict(type=kind, **fields), event=kind)
 
+    def pieces(self, text: str, pieces: list[CallPiece]):
+        """The events of a piece of the answer: its own text, into its text block (begun with its first text),
+        and what it added to its calls (each call's block begun with its name). The grammar ends an answer with
+        its calls: no text comes after them."""
+        if text:
+            if not self.blocks:
+                yield from self.begin({"type": "text", "text": ""})
+            yield self.event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+        for piece in pieces:
+            if piece.first:
+                yield from self.begin(self.tool_use(piece.call, {}))
+            if piece.arguments:
+                yield self.event("content_block_delta", index=self.blocks - 1,
+                                 delta={"type": "input_json_delta", "partial_json": piece.arguments})
+
+    def begin(self, block: dict):
+        """The events that close the open block, if any, and begin this one."""
+        if self.blocks:
+            yield self.event("content_block_stop", index=self.blocks - 1)
+        self.blocks += 1
+        yield self.event("content_block_start", index=self.blocks - 1, content_block=block)
+
     async def stream(self, scheduler: Scheduler, request: Request):
         try:
             yield self.event("message_start", message=self.message([]))
-            yield self.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
             async for event in request.events():
                 if isinstance(event, Delta):
                     if event.text:
-                        yield self.event("content_block_delta", index=0, delta={"type": "text_delta",
-                                                                                "text": event.text})
+                        text, pieces = self.parser.feed(event.text) if self.parser else (event.text, [])
+                        for sent in self.pieces(text, pieces):
+                            yield sent
                 elif event.error:  # the status is already sent: the error can only travel in the stream
                     yield sse(error_body(APIError(503, event.error)), event="error")
                 else:
-                    yield self.event("content_block_stop", index=0)
-                    yield self.event("message_delta", delta=self.end(event),
+                    for sent in self.pieces(self.parser.finish() if self.parser else "", []):
+                        yield sent
+                    if not self.blocks:  # no text and no call: the text, empty
+                        for sent in self.begin({"type": "text", "text": ""}):
+                            yield sent
+                    yield self.event("content_block_stop", index=self.blocks - 1)
+                    yield self.event("message_delta", delta=self.end(event, self.parser.calls if self.parser else []),
                                      usage=dict(output_tokens=event.completion_tokens))
                     yield self.event("message_stop")
         finally:  # no-op once done; frees the slot when the client went away mid-answer

@@ -1,16 +1,19 @@
 """OpenAI's Responses API: POST /v1/responses, on the machinery chat completions run on (messages -> chat
 template -> prompt ids -> scheduler), in its own shapes.
 
-`input` is text or a list of message items (roles user, assistant, system, developer; content text or
-input_text / output_text parts); `instructions` comes first as a system message, and is not kept for a later
-turn (as OpenAI). An answer stored (`store`, the default) keeps its conversation, less instructions, for a later
-request's `previous_response_id`: the last MAX_STORED, least recently used dropped first. Streamed, the answer is
-the event sequence OpenAI sends, each event numbered by sequence_number. Function tools are not served yet: a
-request with `tools` is a 400.
+`input` is text or a list of items: messages (roles user, assistant, system, developer; content text or
+input_text / output_text parts), an answer's function_call items and the function_call_output items that answer
+them; `instructions` comes first as a system message, and is not kept for a later turn (as OpenAI). Function
+`tools` and `tool_choice` are chat completions' in this API's shape (smollm2.tools.Tools): a call the answer
+makes is a function_call output item after its message, if it wrote text. An answer stored (`store`, the default)
+keeps its conversation, calls included, less instructions, for a later request's `previous_response_id`: the
+last MAX_STORED, least recently used dropped first. Streamed, the answer is the event sequence OpenAI sends, each
+event numbered by sequence_number.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
 from typing import Any
@@ -19,7 +22,9 @@ from fastapi import APIRouter
 from fastapi import Request as Connection
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import FieldError
 from ..generation.sampling import Sampling
+from ..tools import MAX_TOOLS, CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
 from .scheduler import Delta, Done, Request, Scheduler
 from .serving import APIError, AppState, Ask, EventStream, Served, Text, answers, content_text, grammar, sse, submit
 
@@ -27,6 +32,9 @@ MAX_STORED = 256  # conversations kept for previous_response_id
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}  # as the template
 # knows them: a developer message is OpenAI's newer name for a system message
 TEXT_PARTS = ("input_text", "output_text")  # what the client sends, and an earlier answer's parts sent back
+# A function tool and a function_call item keep at their top what chat completions' keep under "function"; a
+# call's id is its call_id.
+FIELDS = {".function.": ".", ".id": ".call_id"}
 
 
 class TextOptions(BaseModel):
@@ -46,12 +54,41 @@ class ResponsesBody(BaseModel):
     previous_response_id: Text | None = None
     store: bool = True
     stream: bool = False
-    tools: list = []
+    tools: list = []  # function tools: checked by function_tools()
+    tool_choice: str | dict | None = None  # "auto" (the default with tools), "none", "required", or a function
+    parallel_tool_calls: bool = True
     metadata: dict[str, Text] = {}
 
 
+def function_tools(body: ResponsesBody) -> Tools | None:
+    """The request's tools and tool_choice as chat completions' (smollm2.tools.Tools), or None without either;
+    an error names the field as this API's shape has it (tools.1.name)."""
+    if not body.tools and body.tool_choice is None:
+        return None
+    tools = []
+    for i, tool in enumerate(body.tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise FieldError(f"tools.{i}.type", 'only function tools are served: {"type": "function", "name": ..., '
+                             '"parameters": {...}}')
+        if not isinstance(tool.get("strict"), bool | None):
+            raise FieldError(f"tools.{i}.strict", "must be true or false")  # calls always fit the schema
+        tools.append({"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")
+                                                       if tool.get(key) is not None}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise FieldError("tool_choice", 'a named function is {"type": "function", "name": ...}')
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    try:
+        return Tools(tools, choice, body.parallel_tool_calls)
+    except FieldError as e:
+        raise renamed(e, FIELDS) from None
+
+
 def conversation(served: Served, body: ResponsesBody) -> list[dict]:
-    """The chat so far, as chat messages: the stored conversation of previous_response_id, then the input's."""
+    """The chat so far, as chat messages: the stored conversation of previous_response_id, then the input's. A
+    function_call item is a tool call of the assistant's message before it (or of one of its own); a
+    function_call_output item, the tool message answering a call made before it."""
     history = []
     if body.previous_response_id is not None:
         history = served.responses.get(body.previous_response_id)
@@ -63,20 +100,42 @@ def conversation(served: Served, body: ResponsesBody) -> list[dict]:
     if isinstance(body.input, str):
         return [*history, dict(role="user", content=content_text(body.input, "input"))]
     if not isinstance(body.input, list) or not body.input:
-        raise APIError(400, "input: must be text or a non-empty list of message items", param="input")
+        raise APIError(400, "input: must be text or a non-empty list of items", param="input")
+    called = {call["id"] for message in history for call in message.get("tool_calls", ())}
     messages = []
     for i, item in enumerate(body.input):
         where = f"input.{i}"
         if not isinstance(item, dict):
-            raise APIError(400, f"{where}: must be a message item {{'role': ..., 'content': ...}}", param=where)
-        if item.get("type", "message") != "message":  # function_call, function_call_output: tools, not yet
-            raise APIError(400, f"{where}.type: only message items are supported, got {item.get('type')!r}",
-                           param=f"{where}.type")
-        if item.get("role") not in ROLES:
+            raise APIError(400, f"{where}: must be an item {{'role': ..., 'content': ...}}", param=where)
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            try:
+                called.add(check_call(call, where))
+            except FieldError as e:
+                raise renamed(e, FIELDS) from None
+            if messages and messages[-1]["role"] == "assistant":
+                if len(messages[-1].setdefault("tool_calls", [])) == MAX_TOOLS:
+                    raise APIError(400, f"{where}: more than {MAX_TOOLS} function calls in one answer", param=where)
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append(dict(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            if item.get("call_id") not in called:
+                raise APIError(400, f"{where}.call_id: must be the call_id of a function_call before it, not "
+                               f"{item.get('call_id')!r:.80}", param=f"{where}.call_id")
+            messages.append(dict(role="tool", tool_call_id=item["call_id"],
+                                 content=content_text(item.get("output"), f"{where}.output", TEXT_PARTS)))
+        elif kind != "message":
+            raise APIError(400, f"{where}.type: must be message, function_call or function_call_output, got "
+                           f"{kind!r:.80}", param=f"{where}.type")
+        elif item.get("role") not in ROLES:
             raise APIError(400, f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
                            param=f"{where}.role")
-        messages.append(dict(role=ROLES[item["role"]],
-                             content=content_text(item.get("content"), f"{where}.content", TEXT_PARTS)))
+        else:
+            messages.append(dict(role=ROLES[item["role"]],
+                                 content=content_text(item.get("content"), f"{where}.content", TEXT_PARTS)))
     return [*history, *messages]
 
 
@@ -92,33 +151,41 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesBody, connection: Connection, served: AppState):
     scheduler = served.scheduler(body.model)
-    if body.tools:  # where function tools will plug in: rendered into the prompt, parsed out of the answer
-        raise APIError(400, "tools: function tools are not supported on /v1/responses yet", param="tools")
+    tools = function_tools(body)
     chat = conversation(served, body)
     system = [] if body.instructions is None else [dict(role="system", content=body.instructions)]
-    prompt = served.tokenizer.apply_chat_template([*system, *chat], add_generation_prompt=True)
+    prompt = served.tokenizer.apply_chat_template([*system, *chat], add_generation_prompt=True, tools=tools)
     response_format = body.text.format
-    if response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
+    if response_format.get("type") == "text":  # no constraint, which leaves the answer free to call tools
+        response_format = None
+    elif response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
         response_format = {"type": "json_schema", "json_schema": response_format}
     ask = Ask([prompt], body.max_output_tokens, Sampling(temperature=body.temperature, top_p=body.top_p),
-              grammar=await grammar(response_format, served.tokenizer, "text.format"))
+              grammar=await grammar(response_format, served.tokenizer, "text.format", tools))
     (request,) = submit(scheduler, ask)
-    answer = Answer(body, served, chat, len(prompt))
+    answer = Answer(body, served, chat, tools)
     if body.stream:
         return EventStream(answer.stream(scheduler, request))
     texts, dones, _ = await answers(scheduler, [request], connection)
-    return answer.finished(texts[0], dones[0])
+    content, calls = parse_tool_calls(texts[0]) if answer.parser is not None else (texts[0], [])
+    return answer.finished(content, calls, dones[0])
 
 
 class Answer:
-    """One answer of /v1/responses in OpenAI's shapes: the response object, its one message item, the events
-    of its stream. Once finished, its conversation is stored if the request asked."""
+    """One answer of /v1/responses in OpenAI's shapes: the response object, its output items (its message, then
+    its function calls), the events of its stream. Once finished, its conversation is stored if the request
+    asked."""
 
-    def __init__(self, body: ResponsesBody, served: Served, chat: list[dict], prompt_tokens: int):
-        self.body, self.served, self.chat, self.prompt_tokens = body, served, chat, prompt_tokens
+    def __init__(self, body: ResponsesBody, served: Served, chat: list[dict], tools: Tools | None):
+        self.body, self.served, self.chat = body, served, chat
+        # Reads the answer's calls as it streams, where the model may make them.
+        self.parser = ToolCallParser() if tools is not None and tools.offered else None
         self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.item_ids = collections.defaultdict(lambda: f"fc_{uuid.uuid4().hex}")  # each call's item's, by call id
         self.created = time.time()
         self.sequence_number = 0  # the next event's
+        self.text: list[str] = []  # streamed: the message's text so far
+        self.begun: list[ToolCall | None] = []  # streamed: the output items begun, the message as None
 
     def message(self, text: str | None, status: str) -> dict:
         """The answer's message item; text None: before its text part."""
@@ -128,6 +195,19 @@ class Answer:
     @staticmethod
     def part(text: str) -> dict:
         return dict(type="output_text", text=text, annotations=[], logprobs=[])
+
+    def call_item(self, call: ToolCall, status: str, arguments: str | None = None) -> dict:
+        """A call's function_call item; arguments: as far as written (all of them, by default)."""
+        return dict(type="function_call", id=self.item_ids[call.id], call_id=call.id, name=call.name,
+                    arguments=call.arguments if arguments is None else arguments, status=status)
+
+    def output(self, content: str | None, calls: list[ToolCall], status: str) -> list[dict]:
+        """The output items: the message where the answer wrote text (or made no call), then its calls; each
+        completed but the last, which has the answer's status."""
+        items = [self.message(content or "", "completed")] if content or not calls else []
+        items += [self.call_item(call, "completed") for call in calls]
+        items[-1]["status"] = status
+        return items
 
     def response(self, status: str, output: list[dict], done: Done | None = None, error: str | None = None) -> dict:
         body = self.body
@@ -141,41 +221,86 @@ class Answer:
             incomplete_details=dict(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata,
             previous_response_id=body.previous_response_id, store=body.store, temperature=body.temperature,
-            top_p=body.top_p, text=dict(format=body.text.format), tools=[], tool_choice="auto",
-            parallel_tool_calls=True, truncation="disabled", usage=usage)
+            top_p=body.top_p, text=dict(format=body.text.format), tools=body.tools,
+            tool_choice="auto" if body.tool_choice is None else body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls, truncation="disabled", usage=usage)
 
-    def finished(self, text: str, done: Done) -> dict:
-        """The whole response; its conversation kept for a later previous_response_id if the request asked."""
+    def finished(self, content: str | None, calls: list[ToolCall], done: Done) -> dict:
+        """The whole response, of the answer's text outside its calls and its calls; its conversation kept for a
+        later previous_response_id if the request asked."""
         status = "incomplete" if done.finish_reason == "length" else "completed"
-        if self.body.store:
-            remember(self.served, self.id, [*self.chat, dict(role="assistant", content=text)])
-        return self.response(status, [self.message(text, status)], done)
+        if self.body.store:  # a call cut short inside its arguments is not one to answer
+            made = [call.openai() for call in calls if call.parsed_arguments() is not None]
+            said = dict(role="assistant", content=content or "", **(dict(tool_calls=made) if made else {}))
+            remember(self.served, self.id, [*self.chat, said])
+        return self.response(status, self.output(content, calls, status), done)
 
     def event(self, kind: str, **fields) -> str:
         self.sequence_number += 1
         return sse(dict(type=kind, sequence_number=self.sequence_number - 1, **fields), event=kind)
 
+    def pieces(self, content: str, pieces: list[CallPiece]):
+        """The events of a piece of the answer: its own text, into its message (begun with its first text), and
+        what it added to its calls (each call's item begun with its name). The grammar ends an answer with its
+        calls: no text comes after them."""
+        if content:
+            if not self.begun:
+                yield from self.begin(None, self.message(None, "in_progress"))
+            self.text.append(content)
+            yield self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+                             delta=content, logprobs=[])
+        for piece in pieces:
+            if piece.first:
+                if self.begun:
+                    last = self.begun[-1]
+                    yield from self.end(self.message("".join(self.text), "completed") if last is None
+                                        else self.call_item(last, "completed"))
+                yield from self.begin(piece.call, self.call_item(piece.call, "in_progress", arguments=""))
+            if piece.arguments:
+                yield self.event("response.function_call_arguments.delta", item_id=self.item_ids[piece.call.id],
+                                 output_index=len(self.begun) - 1, delta=piece.arguments)
+
+    def begin(self, call: ToolCall | None, item: dict):
+        self.begun.append(call)
+        yield self.event("response.output_item.added", output_index=len(self.begun) - 1, item=item)
+        if call is None:
+            yield self.event("response.content_part.added", item_id=self.message_id, output_index=0,
+                             content_index=0, part=self.part(""))
+
+    def end(self, item: dict):
+        """The events that close the last item begun, as it ends."""
+        index = len(self.begun) - 1
+        if item["type"] == "message":
+            where = dict(item_id=item["id"], output_index=index, content_index=0)
+            yield self.event("response.output_text.done", **where, text=item["content"][0]["text"], logprobs=[])
+            yield self.event("response.content_part.done", **where, part=item["content"][0])
+        else:
+            yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                             arguments=item["arguments"])
+        yield self.event("response.output_item.done", output_index=index, item=item)
+
     async def stream(self, scheduler: Scheduler, request: Request):
-        where = dict(item_id=self.message_id, output_index=0, content_index=0)
         try:
             yield self.event("response.created", response=self.response("in_progress", []))
             yield self.event("response.in_progress", response=self.response("in_progress", []))
-            yield self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
-            yield self.event("response.content_part.added", **where, part=self.part(""))
-            text = []
             async for event in request.events():
                 if isinstance(event, Delta):
                     if event.text:
-                        text.append(event.text)
-                        yield self.event("response.output_text.delta", **where, delta=event.text, logprobs=[])
+                        content, pieces = self.parser.feed(event.text) if self.parser else (event.text, [])
+                        for sent in self.pieces(content, pieces):
+                            yield sent
                 elif event.error:  # the status is already sent: the error can only travel in the stream
                     yield self.event("response.failed", response=self.response("failed", [], error=event.error))
                 else:
-                    text = "".join(text)
-                    yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-                    yield self.event("response.content_part.done", **where, part=self.part(text))
-                    response = self.finished(text, event)
-                    yield self.event("response.output_item.done", output_index=0, item=response["output"][0])
+                    for sent in self.pieces(self.parser.finish() if self.parser else "", []):
+                        yield sent
+                    response = self.finished("".join(self.text) or None, self.parser.calls if self.parser else [],
+                                             event)
+                    if not self.begun:  # no text and no call: the message, empty
+                        for sent in self.begin(None, self.message(None, "in_progress")):
+                            yield sent
+                    for sent in self.end(response["output"][-1]):
+                        yield sent
                     yield self.event(f"response.{response['status']}", response=response)
         finally:  # no-op once done; frees the slot when the client went away mid-answer
             scheduler.cancel(request)

@@ -102,10 +102,11 @@ def text_of(value, where: str) -> str:
         raise APIError(400, f"{where}: {e}", param=where) from None
 
 
-def content_text(content, where: str, kinds: abc.Collection[str] = ("text",)) -> str:
+def content_text(content, where: str, kinds: abc.Collection[str] = ("text",), others: abc.Collection[str] = ()) \
+        -> str:
     """A message's content as one string: the string itself, or its text parts ({"type": "text", "text": ...},
     or another of `kinds`) joined; an APIError naming the field (as messages.0.content.1.type) for anything else.
-    `where`: the content's field."""
+    `where`: the content's field; `others`: the types of parts the caller reads itself (tool calls), passed over."""
     if isinstance(content, str):
         return text_of(content, where)
     if not isinstance(content, list):
@@ -115,9 +116,11 @@ def content_text(content, where: str, kinds: abc.Collection[str] = ("text",)) ->
         if not isinstance(part, dict):
             raise APIError(400, f"{where}.{j}: must be an object {{'type': {next(iter(kinds))!r}, 'text': ...}}",
                            param=f"{where}.{j}")
+        if part.get("type") in others:
+            continue
         if part.get("type") not in kinds:
-            raise APIError(400, f"{where}.{j}.type: only {' and '.join(map(repr, kinds))} parts are supported, got "
-                           f"{part.get('type')!r}", param=f"{where}.{j}.type")
+            raise APIError(400, f"{where}.{j}.type: only {' and '.join(map(repr, [*kinds, *others]))} parts are "
+                           f"supported, got {part.get('type')!r}", param=f"{where}.{j}.type")
         parts.append(text_of(part.get("text"), f"{where}.{j}.text"))
     return "".join(parts)
 
