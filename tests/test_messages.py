@@ -1,23 +1,31 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) through the official anthropic client: the
-same text as chat completions for the same messages, whole or streamed; stop reasons; a prefilled answer; and
-every error in Anthropic's shape."""
+same text as chat completions for the same messages, whole or streamed; stop reasons; a prefilled answer; tools,
+tool_use and tool_result as chat completions make and render them; and every error in Anthropic's shape."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import jsonschema
 import pytest
 from test_server import expected, running
+from test_tools import SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.server import create_app
+from smollm2.tools import Tools
 
 NAME = "SmolLM2-135M-Instruct"
 TINY = "tiny"
 SYSTEM = "You are a geography teacher. Answer in one sentence."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}  # in the body: the newest anthropic clients take no sampling arguments
+# The tools in Anthropic's shape
+CUSTOM = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
+           "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
+WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+RESULT = '{"sky": "sunny", "celsius": 18}'
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +88,125 @@ def test_stop_sequences_and_max_tokens_say_why_the_answer_ended(served):
     assert whole.startswith(short.content[0].text)
 
 
+def test_a_tool_use_round_trip(served):
+    """tool_choice any with two tools: a tool_use block whose input fits the chosen tool's schema, the call chat
+    completions makes; the same from the client's stream helper; the tool_result sent back rendered as the chat
+    renders a tool message (counted the same), and answered as chat completions answer it."""
+    anthropic, openai = served
+    ask = dict(model=NAME, max_tokens=100, tools=CUSTOM, extra_body=GREEDY)
+    message = anthropic.messages.create(**ask, messages=WEATHER, tool_choice={"type": "any"})
+    assert message.stop_reason == "tool_use" and [block.type for block in message.content] == ["tool_use"]
+    use = message.content[0]
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    assert use.id.startswith("toolu_")
+    chat = openai.chat.completions.create(model=NAME, messages=WEATHER, tools=TOOLS, tool_choice="required",
+                                          temperature=0, max_tokens=100).choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in chat.tool_calls] == [(use.name, use.input)]
+    tools = Tools(TOOLS)
+    counted = anthropic.messages.count_tokens(model=NAME, messages=WEATHER, tools=CUSTOM)
+    assert counted.input_tokens == message.usage.input_tokens == \
+        len(Tokenizer.from_pretrained().apply_chat_template(WEATHER, tools=tools))
+
+    with anthropic.messages.stream(**ask, messages=WEATHER, tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == message.usage.output_tokens
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", use.name, use.input)]
+
+    follow_up = [*WEATHER, {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+    said = [*WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+            {"role": "tool", "tool_call_id": use.id, "content": RESULT}]
+    assert f"<tool_response>\n{RESULT}\n</tool_response>" in Tokenizer.from_pretrained().render_chat(said, tools=tools)
+    answer = anthropic.messages.create(**ask, messages=follow_up)
+    assert answer.usage.input_tokens == len(Tokenizer.from_pretrained().apply_chat_template(said, tools=tools))
+    want = openai.chat.completions.create(model=NAME, messages=said, tools=TOOLS, temperature=0, max_tokens=100)
+    assert answer.stop_reason == "end_turn" and [block.type for block in answer.content] == ["text"]
+    assert answer.content[0].text == want.choices[0].message.content and answer.content[0].text.strip()
+
+
+def test_text_then_calls_stream_as_they_come_whole(tiny, monkeypatch):
+    """An answer with text before two calls: a text block, then a tool_use block per call, the same from the
+    client's stream helper; each block's events close before the next one begins."""
+    from anthropic import Anthropic
+
+    model, tokenizer = tiny
+    scripted(monkeypatch, model, tokenizer, TEXT_THEN_CALLS)
+    with running(create_app(model, tokenizer, model_name=TINY)) as url:
+        client = Anthropic(base_url=url, api_key="unused", max_retries=0)
+        ask = dict(model=TINY, max_tokens=100, messages=WEATHER, tools=CUSTOM)
+        whole = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        events = list(client.messages.create(**ask, stream=True))
+    for message in (whole, final):
+        assert message.stop_reason == "tool_use" and [block.type for block in message.content] == \
+            ["text", "tool_use", "tool_use"]
+        assert message.content[0].text == "Let me look. "
+        assert [(block.name, block.input) for block in message.content[1:]] == [
+            ("get_weather", {"city": 'Pa"ris }', "unit": "celsius"}), ("get_time", {"zone": "UTC"})]
+    kinds = [(e.type, getattr(e, "index", None)) for e in events if e.type.startswith("content_block_")]
+    starts = [i for i, (kind, _) in enumerate(kinds) if kind == "content_block_start"]
+    stops = [i for i, (kind, _) in enumerate(kinds) if kind == "content_block_stop"]
+    assert [kinds[i][1] for i in starts] == [kinds[i][1] for i in stops] == [0, 1, 2]
+    assert all(start < stop < next_start for start, stop, next_start in zip(starts, stops, starts[1:]))
+    assert [e.content_block.input for e in events if e.type == "content_block_start"
+            and e.content_block.type == "tool_use"] == [{}, {}]
+
+
+def input_of(arguments: str) -> dict:
+    """A chat tool call's arguments as a tool_use block's input: {} for arguments cut short by max_tokens."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
+def test_tool_blocks_reach_the_model_as_chat_completions_give_them(tiny):
+    """The same prompt (counted, also by count_tokens) and answer as chat completions for the same conversation:
+    an assistant's text and tool_use blocks as one message, each tool_result a tool message (is_error said),
+    ahead of the user's text; tool_choice auto, none, tool and any, and disable_parallel_tool_use."""
+    model, tokenizer = tiny
+    uses = [{**USE, "id": f"toolu_{i}"} for i in (1, 2)]
+    messages = [*WEATHER, {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}, *uses]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "noon"},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "late"}],
+                     "is_error": True},
+                    {"type": "text", "text": "And now?"}]}]
+    calls = [{"id": use["id"], "type": "function", "function": {"name": use["name"],
+                                                                "arguments": json.dumps(use["input"])}} for use in uses]
+    said = [*WEATHER, {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "noon"},
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: late"}, {"role": "user", "content": "And now?"}]
+    named = ({"type": "tool", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}})
+    with running(create_app(model, tokenizer, model_name=TINY)) as url, httpx.Client(base_url=url) as client:
+        # (Anthropic's tool_choice, chat completions' tool_choice and parallel_tool_calls)
+        for choice, chat_choice, parallel in [(None, "auto", True), ({"type": "none"}, "none", True),
+                                              ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+                                              (*named, True)]:
+            ask = dict(model=TINY, messages=messages, tools=CUSTOM, **({} if choice is None else {"tool_choice": choice}))
+            answer = client.post("/v1/messages", json=dict(**ask, max_tokens=40, temperature=0)).json()
+            chat = client.post("/v1/chat/completions", json=dict(
+                model=TINY, messages=said, tools=TOOLS, tool_choice=chat_choice, parallel_tool_calls=parallel,
+                max_tokens=40, temperature=0)).json()
+            assert answer["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == \
+                client.post("/v1/messages/count_tokens", json=ask).json()["input_tokens"] == \
+                len(tokenizer.apply_chat_template(said, tools=Tools(TOOLS, chat_choice)))
+            message = chat["choices"][0]["message"]
+            calls = [(block["name"], block["input"]) for block in answer["content"] if block["type"] == "tool_use"]
+            assert calls == [(c["function"]["name"], input_of(c["function"]["arguments"]))
+                             for c in message.get("tool_calls", [])]
+            text = [block["text"] for block in answer["content"] if block["type"] == "text"]
+            assert text == ([message["content"] or ""] if message["content"] or not calls else [])
+            assert answer["stop_reason"] == {"tool_calls": "tool_use", "stop": "end_turn",
+                                             "length": "max_tokens"}[chat["choices"][0]["finish_reason"]]
+            if not parallel:
+                assert len(calls) == 1
+            if choice is named[0]:
+                assert calls and {name for name, _ in calls} == {"get_time"}
+
+
 def test_a_last_assistant_message_is_continued(tiny):
     model, tokenizer = tiny
     start = "The answer is"
@@ -118,11 +245,9 @@ def test_errors_are_in_anthropics_shape_and_name_the_field(tiny):
              "invalid_request_error", "messages.0.role"),
             (dict(model=TINY, messages=[{"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "x", "content": "1"}]}], max_tokens=5), 400,
-             "invalid_request_error", "messages.0.content.0.type"),
+             "invalid_request_error", "messages.0.content.0.tool_use_id"),
             (dict(model=TINY, messages=user, max_tokens=5, system=[{"type": "image"}]), 400,
              "invalid_request_error", "system.0.type"),
-            (dict(model=TINY, messages=user, max_tokens=5, tools=[{"name": "f", "input_schema": {}}]), 400,
-             "invalid_request_error", "tools"),
             (dict(model=TINY, messages=user, max_tokens=5, temperature=1.5), 400, "invalid_request_error",
              "temperature"),
             (dict(model=TINY, messages=user, max_tokens=5, stop_sequences=["a"] * 5), 400, "invalid_request_error",
@@ -145,6 +270,50 @@ def test_errors_are_in_anthropics_shape_and_name_the_field(tiny):
         assert r.status_code == 413 and r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json=dict(model=TINY, messages=[]))
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert client.get("/health").json()["active"] == 0
+
+
+USE = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}
+CALLED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [USE]}]
+BAD_TOOLS = [  # (request fields, the field the error names first)
+    (dict(tools=[CUSTOM[0], {"name": "get weather"}]), "tools.1.name"),
+    (dict(tools=[{**CUSTOM[0], "input_schema": {"type": "string"}}]), "tools.0.input_schema"),
+    (dict(tools=[{**CUSTOM[0], "input_schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}]),
+     "tools.0.input_schema"),
+    (dict(tools=[{**CUSTOM[0], "description": 5}]), "tools.0.description"),
+    (dict(tools=[*CUSTOM, CUSTOM[1]]), "tools.2.name"),
+    (dict(tools=[{"type": "bash_20250124", "name": "bash"}]), "tools.0.type"),
+    (dict(tools=CUSTOM, tool_choice={"type": "tool", "name": "get_news"}), "tool_choice"),
+    (dict(tools=CUSTOM, tool_choice={"type": "tool"}), "tool_choice.name"),
+    (dict(tools=CUSTOM, tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    (dict(tools=CUSTOM, tool_choice={"type": "any", "disable_parallel_tool_use": "yes"}),
+     "tool_choice.disable_parallel_tool_use"),
+    (dict(tool_choice={"type": "any"}), "tool_choice"),
+    (dict(messages=[*CALLED, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2"}]}]),
+     "messages.2.content.0.tool_use_id"),
+    (dict(messages=[*CALLED, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image"}]}]}]),
+     "messages.2.content.0.content.0.type"),
+    (dict(messages=[*CALLED, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": "no"}]}]), "messages.2.content.0.is_error"),
+    (dict(messages=[{"role": "user", "content": [USE]}]), "messages.0.content.0.type"),
+    (dict(messages=[*CALLED[:1], {"role": "assistant", "content": [{**USE, "input": "UTC"}]}]),
+     "messages.1.content.0.input"),
+    (dict(messages=[*CALLED[:1], {"role": "assistant", "content": [{**USE, "id": 5}]}]), "messages.1.content.0.id"),
+    (dict(messages=[*CALLED[:1], {"role": "assistant", "content": [{**USE, "name": None}]}]),
+     "messages.1.content.0.name"),
+    (dict(messages=CALLED), "messages.1.content"),  # a call left unanswered
+]
+
+
+def test_bad_tools_and_tool_blocks_are_errors_naming_the_field(tiny):
+    model, tokenizer = tiny
+    with running(create_app(model, tokenizer, model_name=TINY)) as url, httpx.Client(base_url=url) as client:
+        for fields, field in BAD_TOOLS:
+            for route in ("/v1/messages", "/v1/messages/count_tokens"):
+                r = client.post(route, json={"model": TINY, "messages": WEATHER, "max_tokens": 5, **fields})
+                assert r.status_code == 400 and r.json()["type"] == "error", (fields, r.text)
+                assert r.json()["error"]["message"].startswith(f"{field}: "), (fields, r.text)
         assert client.get("/health").json()["active"] == 0
 
 

@@ -1,22 +1,30 @@
 """OpenAI's Responses API (/v1/responses) through the official openai client: the same text as chat completions
 for the same conversation, whole or streamed (the client's own stream helpers), across turns with
-previous_response_id; bounded storage, and errors naming the field."""
+previous_response_id; function tools, their calls and results as chat completions make and render them;
+bounded storage, and errors naming the field."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from test_server import running
+from test_tools import SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.server import create_app
 from smollm2.server import responses as served_responses
+from smollm2.tools import Tools
 
 NAME = "SmolLM2-135M-Instruct"
 TINY = "tiny"
 QUESTION = "What is the capital of France?"
+FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's shape of the tools
+WEATHER = "What is the weather like in Paris today?"
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone": "UTC"}'}
+RESULT = '{"sky": "sunny", "celsius": 18}'
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +113,124 @@ def test_a_json_schema_format_answers_as_chat_completions_does(client):
     assert answer.output_text == want and set(json.loads(want)) == {"city", "country"}
 
 
+def test_function_tools_with_the_openai_client(client):
+    """tool_choice "required" with two tools: the call chat completions makes, its arguments valid under the chosen
+    tool's schema, the same streamed; its result sent back, in the input or after previous_response_id, rendered
+    as the chat renders a tool message and answered with text."""
+    ask = dict(model=NAME, tools=FUNCTIONS, temperature=0, max_output_tokens=100)
+    answer = client.responses.create(**ask, input=WEATHER, tool_choice="required")
+    assert answer.status == "completed" and [item.type for item in answer.output] == ["function_call"]
+    call = answer.output[0]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": WEATHER}], tools=TOOLS,
+                                          tool_choice="required", temperature=0, max_tokens=100).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in chat.tool_calls] == [(call.name, call.arguments)]
+    assert answer.usage.input_tokens == len(Tokenizer.from_pretrained().apply_chat_template(
+        [{"role": "user", "content": WEATHER}], tools=Tools(TOOLS)))
+
+    with client.responses.stream(**ask, input=WEATHER, tool_choice="required") as stream:
+        final = stream.get_final_response()
+    assert [(item.type, item.name, item.arguments) for item in final.output] == [("function_call", call.name,
+                                                                                   call.arguments)]
+    events = list(client.responses.create(**ask, input=WEATHER, tool_choice="required", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert "".join(e.delta for e in events[3:-3]) == events[-3].arguments == call.arguments
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert events[-2].item.arguments == call.arguments
+    assert events[-1].response.output[0].call_id == events[2].item.call_id
+
+    # The result: the chat's tool message, rendered as <tool_response> (the prompt counted the same); answered.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    follow_up = client.responses.create(**ask, input=[{"role": "user", "content": WEATHER}, call.model_dump(),
+                                                      result])
+    said = [{"role": "user", "content": WEATHER}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": RESULT}]
+    prompt = Tokenizer.from_pretrained().render_chat(said, tools=Tools(TOOLS))
+    assert f"<tool_response>\n{RESULT}\n</tool_response>" in prompt
+    assert follow_up.usage.input_tokens == len(Tokenizer.from_pretrained().apply_chat_template(said,
+                                                                                                tools=Tools(TOOLS)))
+    assert follow_up.status == "completed" and [item.type for item in follow_up.output] == ["message"]
+    assert follow_up.output_text.strip()
+    stored = client.responses.create(**ask, input=[result], previous_response_id=answer.id)
+    assert stored.output_text == follow_up.output_text
+    assert stored.usage.input_tokens == follow_up.usage.input_tokens
+
+
+def test_text_then_calls_stream_as_they_come_whole(tiny, monkeypatch):
+    """An answer with text before two calls: a message item, then a function_call item per call, the same from the
+    client's stream helper; the events close each item before the next one begins."""
+    from openai import OpenAI
+
+    model, tokenizer = tiny
+    scripted(monkeypatch, model, tokenizer, TEXT_THEN_CALLS)
+    with running(create_app(model, tokenizer, model_name=TINY)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=TINY, input=WEATHER, tools=FUNCTIONS, max_output_tokens=100)
+        whole = client.responses.create(**ask)
+        with client.responses.stream(**ask) as stream:
+            streamed = stream.get_final_response()
+        events = list(client.responses.create(**ask, stream=True))
+    for answer in (whole, streamed, events[-1].response):
+        assert [item.type for item in answer.output] == ["message", "function_call", "function_call"]
+        assert answer.output_text == "Let me look. " and answer.status == "completed"
+        assert [(item.name, json.loads(item.arguments), item.status) for item in answer.output[1:]] == [
+            ("get_weather", {"city": 'Pa"ris }', "unit": "celsius"}, "completed"),
+            ("get_time", {"zone": "UTC"}, "completed")]
+    opened = [e.output_index for e in events if e.type == "response.output_item.added"]
+    closed = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert opened == closed == [0, 1, 2]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
+    assert [e.item for e in events if e.type == "response.output_item.done"] == events[-1].response.output
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == \
+        [item.arguments for item in events[-1].response.output[1:]]
+
+
+def test_tool_choice_and_items_reach_the_model_as_chat_completions_give_them(tiny):
+    """The same prompt (counted) and the same answer as chat completions for the same conversation: an
+    assistant's text and calls as one message, results as tool messages; tool_choice none, named, and
+    parallel_tool_calls false; the response repeats what the request asked."""
+    model, tokenizer = tiny
+    results = [{"type": "function_call_output", "call_id": "call_1", "output": "noon"},
+               {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "x"}]}]
+    items = [{"role": "user", "content": WEATHER}, {"role": "assistant", "content": "Let me see."},
+             {**CALL, "call_id": "call_1"}, {**CALL, "call_id": "call_2"}, *results]
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": CALL["name"],
+                                                                  "arguments": CALL["arguments"]}} for i in (1, 2)]
+    said = [{"role": "user", "content": WEATHER}, {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "x"}]
+    named = ({"type": "function", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}})
+    with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
+        # (this API's tool_choice, chat completions', parallel_tool_calls)
+        for choice, chat_choice, parallel in [("auto", "auto", True), ("none", "none", True),
+                                              ("required", "required", False), (*named, False)]:
+            answer = client.post("/v1/responses", json=dict(
+                model=TINY, input=items, tools=FUNCTIONS, tool_choice=choice, parallel_tool_calls=parallel,
+                max_output_tokens=40, temperature=0)).json()
+            chat = client.post("/v1/chat/completions", json=dict(
+                model=TINY, messages=said, tools=TOOLS, tool_choice=chat_choice, parallel_tool_calls=parallel,
+                max_tokens=40, temperature=0)).json()
+            assert answer["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == len(
+                tokenizer.apply_chat_template(said, tools=Tools(TOOLS, chat_choice)))
+            message = chat["choices"][0]["message"]
+            calls = [(item["name"], item["arguments"]) for item in answer["output"] if item["type"] == "function_call"]
+            assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+            text = [item["content"][0]["text"] for item in answer["output"] if item["type"] == "message"]
+            assert text == ([message["content"] or ""] if message["content"] or not calls else [])
+            assert (answer["tools"], answer["tool_choice"], answer["parallel_tool_calls"]) == (FUNCTIONS, choice,
+                                                                                                parallel)
+            if not parallel:  # "required" or the named function: one call
+                assert len(calls) == 1
+            if choice is named[0]:
+                assert {name for name, _ in calls} == {"get_time"}
+
+
 def test_a_tiny_top_p_samples_the_greedy_answer(tiny):
     model, tokenizer = tiny
     with TestClient(create_app(model, tokenizer, model_name=TINY)) as client:
@@ -181,9 +307,29 @@ def test_bad_requests_get_400_naming_the_field(tiny):
             (dict(input=[{"role": "tool", "content": "x"}]), "input.0.role"),
             (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
              "input.0.content.0.type"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": []}]), "input.1.type"),
             (dict(input=[{"role": "user", "content": "Hi"}, {"type": "function_call_output", "output": "1"}]),
-             "input.1.type"),
-            (dict(input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+             "input.1.call_id"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "call_id": "call_1"},
+                         {"type": "function_call_output", "call_id": "call_2", "output": "1"}]), "input.2.call_id"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "arguments": "{city"}]), "input.1.arguments"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "name": 5}]), "input.1.name"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "call_id": ""}]), "input.1.call_id"),
+            (dict(input=[{"role": "user", "content": "Hi"}, CALL,
+                         {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_image"}]}]),
+             "input.2.output.0.type"),
+            (dict(input="Hi", tools=[FUNCTIONS[0], {"type": "function", "name": "get weather"}]), "tools.1.name"),
+            (dict(input="Hi", tools=[{**FUNCTIONS[0], "parameters": {"type": "string"}}]), "tools.0.parameters"),
+            (dict(input="Hi", tools=[{**FUNCTIONS[0], "description": 5}]), "tools.0.description"),
+            (dict(input="Hi", tools=[{**FUNCTIONS[0], "strict": "yes"}]), "tools.0.strict"),
+            (dict(input="Hi", tools=[*FUNCTIONS, FUNCTIONS[0]]), "tools.2.name"),
+            (dict(input="Hi", tools=[{"type": "web_search"}]), "tools.0.type"),
+            (dict(input="Hi", tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_news"}), "tool_choice"),
+            (dict(input="Hi", tools=FUNCTIONS, tool_choice={"type": "file_search"}), "tool_choice"),
+            (dict(input="Hi", tools=FUNCTIONS, tool_choice="sometimes"), "tool_choice"),
+            (dict(input="Hi", tool_choice="required"), "tool_choice"),
+            (dict(input="Hi", tools=FUNCTIONS, parallel_tool_calls="no"), "parallel_tool_calls"),
+            (dict(input="Hi", tools=FUNCTIONS, text={"format": {"type": "json_object"}}), "text.format"),
             (dict(input="Hi", text={"format": {"type": "json_schema"}}), "text.format"),
             (dict(input="Hi", max_output_tokens=0), "max_output_tokens"),
             (dict(input="Hi", temperature="hot"), "temperature"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from smollm2 import SmolError, SmolLM2, Tokenizer
@@ -55,6 +56,24 @@ def valid_calls(calls) -> list[str]:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
         names.append(call["function"]["name"])
     return names
+
+
+# An answer that writes text, then calls both tools, as the grammar allows under "auto"
+TEXT_THEN_CALLS = ('Let me look. <tool_call>[{"name": "get_weather", "arguments": {"city": "Pa\\"ris }", '
+                   '"unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_call>')
+
+
+def scripted(monkeypatch, model, tokenizer, answer: str) -> None:
+    """Makes the model answer `answer`, then EOS, to each request in turn, served one at a time: each pass's
+    logits favour the answer's next token (a short prompt is one pass, as is each step after it)."""
+    logits, script, passes = model.logits, [*tokenizer.encode(answer), tokenizer.eos_token_id], iter(range(10**6))
+
+    def forced(h):
+        out = torch.full_like(logits(h), -1e4)
+        out[..., script[next(passes) % len(script)]] = 0
+        return out
+
+    monkeypatch.setattr(model, "logits", forced)
 
 
 ANSWERS = [
