@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 from test_server import expected, running
-from test_tools import SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
+from test_tools import CUT, SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.server import create_app
@@ -139,6 +139,9 @@ def test_text_then_calls_stream_as_they_come_whole(tiny, monkeypatch):
         with client.messages.stream(**ask) as stream:
             final = stream.get_final_message()
         events = list(client.messages.create(**ask, stream=True))
+        cut = client.messages.create(**{**ask, "max_tokens": len(tokenizer.encode(CUT))})  # the script's last use
+    assert cut.stop_reason == "max_tokens" and [block.type for block in cut.content] == ["text", "tool_use"]
+    assert cut.content[1].name == "get_weather" and cut.content[1].input == {}  # its arguments cut short
     for message in (whole, final):
         assert message.stop_reason == "tool_use" and [block.type for block in message.content] == \
             ["text", "tool_use", "tool_use"]
@@ -178,14 +181,17 @@ def test_tool_blocks_reach_the_model_as_chat_completions_give_them(tiny):
                                                                 "arguments": json.dumps(use["input"])}} for use in uses]
     said = [*WEATHER, {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "noon"},
-            {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: late"}, {"role": "user", "content": "And now?"}]
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: late"},
+            {"role": "user", "content": "And now?"}]
     named = ({"type": "tool", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}})
     with running(create_app(model, tokenizer, model_name=TINY)) as url, httpx.Client(base_url=url) as client:
         # (Anthropic's tool_choice, chat completions' tool_choice and parallel_tool_calls)
         for choice, chat_choice, parallel in [(None, "auto", True), ({"type": "none"}, "none", True),
                                               ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
                                               (*named, True)]:
-            ask = dict(model=TINY, messages=messages, tools=CUSTOM, **({} if choice is None else {"tool_choice": choice}))
+            ask = dict(model=TINY, messages=messages, tools=CUSTOM)
+            if choice is not None:
+                ask["tool_choice"] = choice
             answer = client.post("/v1/messages", json=dict(**ask, max_tokens=40, temperature=0)).json()
             chat = client.post("/v1/chat/completions", json=dict(
                 model=TINY, messages=said, tools=TOOLS, tool_choice=chat_choice, parallel_tool_calls=parallel,
@@ -286,10 +292,13 @@ BAD_TOOLS = [  # (request fields, the field the error names first)
     (dict(tools=CUSTOM, tool_choice={"type": "tool", "name": "get_news"}), "tool_choice"),
     (dict(tools=CUSTOM, tool_choice={"type": "tool"}), "tool_choice.name"),
     (dict(tools=CUSTOM, tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    (dict(tools=CUSTOM, tool_choice={"type": ["any"]}), "tool_choice.type"),
     (dict(tools=CUSTOM, tool_choice={"type": "any", "disable_parallel_tool_use": "yes"}),
      "tool_choice.disable_parallel_tool_use"),
     (dict(tool_choice={"type": "any"}), "tool_choice"),
     (dict(messages=[*CALLED, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2"}]}]),
+     "messages.2.content.0.tool_use_id"),
+    (dict(messages=[*CALLED, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {}}]}]),
      "messages.2.content.0.tool_use_id"),
     (dict(messages=[*CALLED, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image"}]}]}]),

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from test_server import running
-from test_tools import SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
+from test_tools import CUT, SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
 from smollm2 import SmolLM2, Tokenizer
 from smollm2.server import create_app
@@ -175,6 +175,10 @@ def test_text_then_calls_stream_as_they_come_whole(tiny, monkeypatch):
         with client.responses.stream(**ask) as stream:
             streamed = stream.get_final_response()
         events = list(client.responses.create(**ask, stream=True))
+        cut = client.responses.create(**{**ask, "max_output_tokens": len(tokenizer.encode(CUT))})  # the script's last
+    assert cut.status == "incomplete" and [(item.type, item.status) for item in cut.output] == [
+        ("message", "completed"), ("function_call", "incomplete")]
+    assert cut.output[1].name == "get_weather" and cut.output[1].arguments == '{"city'
     for answer in (whole, streamed, events[-1].response):
         assert [item.type for item in answer.output] == ["message", "function_call", "function_call"]
         assert answer.output_text == "Let me look. " and answer.status == "completed"
@@ -315,6 +319,9 @@ def test_bad_requests_get_400_naming_the_field(tiny):
             (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "arguments": "{city"}]), "input.1.arguments"),
             (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "name": 5}]), "input.1.name"),
             (dict(input=[{"role": "user", "content": "Hi"}, {**CALL, "call_id": ""}]), "input.1.call_id"),
+            (dict(input=[{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": [1]}]),
+             "input.1.call_id"),
+            (dict(input=[{"role": ["user"], "content": "Hi"}]), "input.0.role"),
             (dict(input=[{"role": "user", "content": "Hi"}, CALL,
                          {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_image"}]}]),
              "input.2.output.0.type"),

@@ -61,6 +61,7 @@ def valid_calls(calls) -> list[str]:
 # An answer that writes text, then calls both tools, as the grammar allows under "auto"
 TEXT_THEN_CALLS = ('Let me look. <tool_call>[{"name": "get_weather", "arguments": {"city": "Pa\\"ris }", '
                    '"unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_call>')
+CUT = 'Let me look. <tool_call>[{"name": "get_weather", "arguments": {"city'  # where an answer may be cut short
 
 
 def scripted(monkeypatch, model, tokenizer, answer: str) -> None:

@@ -105,7 +105,7 @@ def function_tools(body: CountBody) -> Tools | None:
         if not isinstance(choice.get("name"), str):
             raise FieldError("tool_choice.name", "must be the name of the tool to call")
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice.get("type") in CHOICES:
+    elif isinstance(choice.get("type"), str) and choice["type"] in CHOICES:
         choice = CHOICES[choice["type"]]
     else:
         raise FieldError("tool_choice.type", f'must be "auto", "any", "tool" or "none", not {choice.get("type")!r:.80}')
@@ -156,7 +156,7 @@ def tool_call(block: dict, where: str) -> dict:
 def tool_result(block: dict, where: str, called: set[str]) -> dict:
     """A tool_result block as a chat's tool message; a result marked is_error says so ahead of its content, as
     SmolLM2's format has no mark of its own for a failed call."""
-    if block.get("tool_use_id") not in called:
+    if not isinstance(block.get("tool_use_id"), str) or block["tool_use_id"] not in called:
         raise FieldError(f"{where}.tool_use_id", f"must be the id of a tool_use before it, not "
                          f"{block.get('tool_use_id')!r:.80}")
     if not isinstance(block.get("is_error", False), bool):

@@ -122,7 +122,7 @@ def conversation(served: Served, body: ResponsesBody) -> list[dict]:
             else:
                 messages.append(dict(role="assistant", content=None, tool_calls=[call]))
         elif kind == "function_call_output":
-            if item.get("call_id") not in called:
+            if not isinstance(item.get("call_id"), str) or item["call_id"] not in called:
                 raise APIError(400, f"{where}.call_id: must be the call_id of a function_call before it, not "
                                f"{item.get('call_id')!r:.80}", param=f"{where}.call_id")
             messages.append(dict(role="tool", tool_call_id=item["call_id"],
@@ -130,7 +130,7 @@ def conversation(served: Served, body: ResponsesBody) -> list[dict]:
         elif kind != "message":
             raise APIError(400, f"{where}.type: must be message, function_call or function_call_output, got "
                            f"{kind!r:.80}", param=f"{where}.type")
-        elif item.get("role") not in ROLES:
+        elif not isinstance(item.get("role"), str) or item["role"] not in ROLES:
             raise APIError(400, f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
                            param=f"{where}.role")
         else:
