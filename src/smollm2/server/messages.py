@@ -124,19 +124,15 @@ def conversation(body: CountBody) -> list[dict]:
         blocks = message.content if isinstance(message.content, list) else []
         tool_kind = "tool_use" if message.role == "assistant" else "tool_result"
         text = content_text(message.content, where, others=(tool_kind,))
-        calls = []
-        for j, block in enumerate(blocks):
-            if block.get("type") != tool_kind:
-                continue
-            if tool_kind == "tool_use":
-                calls.append(tool_call(block, f"{where}.{j}"))
-                called.add(calls[-1]["id"])
-            else:
-                chat.append(tool_result(block, f"{where}.{j}", called))
-        if calls:
-            chat.append(dict(role="assistant", content=text, tool_calls=calls))
-        elif text or not blocks or tool_kind == "tool_use":  # a user's results alone make no turn of the user's
-            chat.append(dict(role=message.role, content=text))
+        tool_blocks = [(f"{where}.{j}", block) for j, block in enumerate(blocks) if block.get("type") == tool_kind]
+        if message.role == "assistant":
+            calls = [tool_call(block, at) for at, block in tool_blocks]
+            called.update(call["id"] for call in calls)
+            chat.append(dict(role="assistant", content=text, **(dict(tool_calls=calls) if calls else {})))
+        else:
+            chat += [tool_result(block, at, called) for at, block in tool_blocks]
+            if text or not tool_blocks:  # a user's results alone make no turn of the user's own
+                chat.append(dict(role="user", content=text))
     return chat
 
 

@@ -45,7 +45,7 @@ class TextOptions(BaseModel):
 class ResponsesBody(BaseModel):
     model_config = ConfigDict(strict=True)
     model: Text
-    input: Any  # text, or a list of message items: checked by conversation()
+    input: Any  # text, or a list of items: checked by conversation()
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
