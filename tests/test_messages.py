@@ -259,7 +259,9 @@ def test_errors_are_in_anthropics_shape_and_name_the_field(tiny):
             (dict(model=TINY, messages=user, max_tokens=5, stop_sequences=["a"] * 5), 400, "invalid_request_error",
              "stop_sequences"),
             (dict(model=TINY, messages=[{"role": "user", "content": "word " * 600}], max_tokens=5), 400,
-             "invalid_request_error", "context window of 512"),
+             "invalid_request_error", "messages: the prompt"),
+            (dict(model=TINY, messages=user, max_tokens=600), 400, "invalid_request_error",
+             "max_tokens (600) exceeds the context window of 512"),
             (dict(model="claude-sonnet-4-5", messages=user, max_tokens=5), 404, "not_found_error", "model"),
         ]:
             r = client.post("/v1/messages", json=body)

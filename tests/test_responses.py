@@ -341,7 +341,8 @@ def test_bad_requests_get_400_naming_the_field(tiny):
             (dict(input="Hi", max_output_tokens=0), "max_output_tokens"),
             (dict(input="Hi", temperature="hot"), "temperature"),
             (dict(input="\ud800"), "input"),
-            (dict(input="word " * 600), None),  # beyond the context window of 512
+            (dict(input="word " * 600), "input"),  # beyond the context window of 512
+            (dict(input="Hi", max_output_tokens=600), "max_output_tokens"),
         ]:
             r = client.post("/v1/responses", content=json.dumps(dict(model=TINY, **extra)),
                             headers={"content-type": "application/json"})

@@ -39,7 +39,8 @@ from . import embeddings, inspect, messages, page, responses
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
-                      check_token_ids, content_text, error_response, grammar, merged, sse, submit, text_or_ids)
+                      check_room, check_token_ids, content_text, error_response, grammar, merged, sse, submit,
+                      text_or_ids)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_N = 8  # choices per prompt: each is a request of its own in the batch
@@ -301,17 +302,9 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
                    connection: Connection, reply: Reply, limit: str = "max_tokens"):
     """Choice p * n + i: prompt p's choice i, a request of its own, seeded seed + i. limit: the field max_tokens
     came in, which an error names."""
-    window = scheduler.max_seq_len
     for p, prompt in enumerate(prompts):
         where = "messages" if reply.chat else "prompt" if len(prompts) == 1 else f"prompt.{p}"
-        if not prompt:
-            raise APIError(400, f"{where}: the prompt is empty", param=where)
-        if len(prompt) + min(1 if max_tokens is None else max_tokens, 1) > window:  # no room for an answer
-            raise APIError(400, f"{where}: the prompt ({len(prompt)} tokens) leaves no room in the context window "
-                           f"of {window} tokens", param=where)
-        if max_tokens is not None and len(prompt) + max_tokens > window:
-            raise APIError(400, f"{limit}: the prompt ({len(prompt)} tokens) plus {limit} ({max_tokens}) exceeds the "
-                           f"context window of {window} tokens", param=limit)
+        check_room(prompt, max_tokens, scheduler.max_seq_len, where, limit)
     if len(prompts) * body.n > scheduler.max_waiting:  # it could never be queued whole
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices is {len(prompts) * body.n} "
                        f"requests, more than this server queues ({scheduler.max_waiting})", param="n")

@@ -29,7 +29,7 @@ from ..generation.sampling import Sampling
 from ..tools import CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
 from .scheduler import Delta, Done, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
-                      content_text, grammar, sse, submit)
+                      check_room, content_text, grammar, sse, submit)
 
 # An Anthropic tool keeps at its top what chat completions' keep under "function", its parameters' schema as
 # input_schema; a tool_use block its arguments as input.
@@ -192,6 +192,7 @@ async def create_message(body: MessagesBody, connection: Connection, served: App
     scheduler = served.scheduler(body.model)
     tools = function_tools(body)
     prompt = prompt_ids(served, body, tools)
+    check_room(prompt, body.max_tokens, scheduler.max_seq_len, "messages", "max_tokens")
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     ask = Ask([prompt], body.max_tokens, sampling, stop=body.stop_sequences or [],
               grammar=await grammar(None, served.tokenizer, "tools", tools))

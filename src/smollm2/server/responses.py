@@ -26,7 +26,8 @@ from ..errors import FieldError
 from ..generation.sampling import Sampling
 from ..tools import MAX_TOOLS, CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
 from .scheduler import Delta, Done, Request, Scheduler
-from .serving import APIError, AppState, Ask, EventStream, Served, Text, answers, content_text, grammar, sse, submit
+from .serving import (APIError, AppState, Ask, EventStream, Served, Text, answers, check_room, content_text,
+                      grammar, sse, submit)
 
 MAX_STORED = 256  # conversations kept for previous_response_id
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}  # as the template
@@ -160,6 +161,7 @@ async def create_response(body: ResponsesBody, connection: Connection, served: A
         response_format = None
     elif response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
         response_format = {"type": "json_schema", "json_schema": response_format}
+    check_room(prompt, body.max_output_tokens, scheduler.max_seq_len, "input", "max_output_tokens")
     ask = Ask([prompt], body.max_output_tokens, Sampling(temperature=body.temperature, top_p=body.top_p),
               grammar=await grammar(response_format, served.tokenizer, "text.format", tools))
     (request,) = submit(scheduler, ask)

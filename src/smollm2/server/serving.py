@@ -199,6 +199,19 @@ async def grammar(response_format: dict | None, tokenizer, param: str, tools: To
         raise APIError(400, str(e), param="tools" if calls and response_format is None else param) from None
 
 
+def check_room(prompt: list[int], max_tokens: int | None, window: int, where: str, limit: str) -> None:
+    """A 400 unless the prompt leaves room for an answer in the context window, max_tokens of them where given.
+    where: the field the prompt came from; limit: the field max_tokens came in (each API names it its own way)."""
+    if not prompt:
+        raise APIError(400, f"{where}: the prompt is empty", param=where)
+    if len(prompt) + min(1 if max_tokens is None else max_tokens, 1) > window:  # no room for an answer
+        raise APIError(400, f"{where}: the prompt ({len(prompt)} tokens) leaves no room in the context window "
+                       f"of {window} tokens", param=where)
+    if max_tokens is not None and len(prompt) + max_tokens > window:
+        raise APIError(400, f"{limit}: the prompt ({len(prompt)} tokens) plus {limit} ({max_tokens}) exceeds the "
+                       f"context window of {window} tokens", param=limit)
+
+
 def submit(scheduler: Scheduler, ask: Ask) -> list[Request]:
     """The requests of every choice of every prompt, in that order, queued on the scheduler; none if one fails."""
     requests = []
