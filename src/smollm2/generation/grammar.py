@@ -16,26 +16,22 @@ compact (", " and ": ", no other whitespace) and its numbers are bounded as llam
 them: at most 16 digits before the point, after it, and in the exponent. Free whitespace or digits would let a
 small model go on writing them, valid all along, until max_tokens (the embedded model did, in an "age").
 
-The grammar engine is xgrammar, chosen over llguidance by measurement (benchmarks/constrained.py: 2 shared CPU
-cores, SmolLM2's tokenizer, replaying valid answers to five JSON grammars): computing the allowed-token bitmask
-and advancing the matcher took 4.1 us a token on average with xgrammar (p99 15 us), 25 us with llguidance (p99
-206 us; 55 us on average for a schema with maxLength strings and integer ranges, where xgrammar stayed at 4.5).
-Both are small beside the model's own decode step (6.2 ms at batch 1, fp32, in the same run); applying the
-mask to a 49152-wide row costs more than either (0.13-0.24 ms with xgrammar's CPU kernel), so allowed() is
-~0.3 ms a token in all, ~5% of a step. xgrammar compiles a JSON schema in ~5-7 ms (llguidance ~1 ms: it compiles
-lazily, as tokens come), paid once per schema thanks to the LRU cache below, and builds its tokenizer tables in
-~0.7-1 s, once per tokenizer.
+The grammar engine is llguidance: it has no dependencies, so `pip install smollm2` alone answers
+response_format and tools. MEASURED
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import llguidance
 import numpy as np
 import torch
 
@@ -46,32 +42,42 @@ if TYPE_CHECKING:
 
 MAX_SCHEMA_CHARS = 32_768  # a schema (or a list of choices) is a request's input: bounded before it reaches a compiler
 MAX_SCHEMA_DEPTH = 32
-MAX_PATTERN_CHARS = 256  # a regex's compiled grammar grows with it: each counted repetition of a broad class,
-# [^a]{0,40} say, costs xgrammar up to ~0.6 s of one CPU thread to compile
+MAX_PATTERN_CHARS = 256  # a regex's lexer grows with it, state by state as tokens come; llguidance's fuel bounds
+# each step's share (PATTERN_COST), this bounds how many states a pattern may hold at all
 MAX_CHOICES = 1024
-DIGITS = 16  # the most digits a JSON number has before its point, after it, and in its exponent (as llama.cpp)
-LARGEST = 10**DIGITS - 1
-# xgrammar's built-in rules for numbers without a range, as it prints them, with their digits bounded. (A range
-# with both ends gives bounded digits already; a range open at one end is closed at +-LARGEST, see _bounded.)
-BOUNDED_NUMBERS = {
-    "basic_integer": f'"0" | "-"? [1-9] [0-9]{{0,{DIGITS - 1}}}',
-    "basic_number": f'"-"? ("0" | [1-9] [0-9]{{0,{DIGITS - 1}}}) ("." [0-9]{{1,{DIGITS}}})? '
-                    f'([eE] [+\\-]? [0-9]{{1,{DIGITS}}})?',
-}
+DIGITS = 16  # the most digits a JSON number has in a row: before its point, after it, in its exponent (as llama.cpp)
 CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+# Compact JSON (", " and ": ", no free whitespace): a small model left free to write whitespace can write nothing
+# else until max_tokens, and runs of it are wasted tokens anyway. oneOf as anyOf: pydantic writes a union as oneOf.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
+# Keywords whose values are schemas: one, a list of them, or a map of names to them (the rest is data).
+SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if",
+                 "then", "else", "unevaluatedItems", "unevaluatedProperties")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
 
 _lock = threading.Lock()  # the server's handlers may compile concurrently; the caches are shared
-_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (serial, GrammarCompiler)
-_compiled: OrderedDict = OrderedDict()  # (the compiler's serial, key) -> CompiledGrammar
-_serials = itertools.count()  # not id(): a dropped tokenizer's compiler may leave its id to another's
+_vocabs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> Vocab
+_compiled: OrderedDict = OrderedDict()  # (the vocab's serial, key) -> llguidance.LLMatcher, at the grammar's start
+_serials = itertools.count()  # not id(): a dropped tokenizer's vocab may leave its id to another's
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """Where a grammar's answer writes JSON, whose numbers hold at most `digits` digits in a row: after the bytes
+    `begin` (b"": from the first byte)."""
+    digits: int
+    begin: bytes = b""
 
 
 class Grammar:
     """A compiled grammar for one tokenizer: immutable, shared by every sequence that asks for it."""
 
-    def __init__(self, compiled, vocab_size: int, eos_token_id: int, key: str):
-        self._compiled, self.vocab_size, self.eos_token_id, self.key = compiled, vocab_size, eos_token_id, key
+    def __init__(self, compiled, vocab: Vocab, eos_token_id: int, key: str, numbers: Numbers | None):
+        self._compiled, self.vocab, self.eos_token_id, self.key = compiled, vocab, eos_token_id, key
+        self.vocab_size, self.numbers = vocab.size, numbers
 
     @classmethod
     def from_response_format(cls, response_format, tokenizer) -> Grammar | None:
@@ -85,27 +91,28 @@ class Grammar:
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls._get(tokenizer, "json_object", lambda compiler: _compile_json(compiler, None))
+            return cls._get(tokenizer, "json_object", "response_format json_object",
+                            lambda: _json_grammar({"type": "object"}), Numbers(DIGITS))
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise SmolError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
             schema = spec["schema"]
             check_schema(schema)
-            return cls._get(tokenizer, json.dumps(schema, sort_keys=True),
-                            lambda compiler: _compile_json(compiler, schema))
+            return cls._get(tokenizer, json.dumps(schema, sort_keys=True), "response_format json_schema",
+                            lambda: _json_grammar(_closed(schema)), Numbers(_digits(schema)))
         if kind == "choice":
             choices = response_format.get("choices")
             _check_choices(choices)
-            # An EBNF string literal escapes as JSON does; a character beyond ASCII stays itself.
-            ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-            return cls._get(tokenizer, "choice " + json.dumps(choices), lambda compiler: compiler.compile_grammar(ebnf))
+            return cls._get(tokenizer, "choice " + json.dumps(choices), "response_format choice",
+                            lambda: llguidance.grammar_from("choice", choices))
         if kind == "regex":
             pattern = response_format.get("pattern")
             if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
                 raise SmolError(f'response_format regex needs "pattern": a regular expression of 1 to '
                                 f"{MAX_PATTERN_CHARS} characters")
-            return cls._get(tokenizer, "regex " + pattern, lambda compiler: _compile_regex(compiler, pattern))
+            return cls._get(tokenizer, "regex " + pattern, "response_format regex",
+                            lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
         raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema', "
                         f"'choice', 'regex'")
 
@@ -127,25 +134,28 @@ class Grammar:
         writes `begin` (or the text ends without it); else the answer is the tagged JSON from its first token.
         The schema is the caller's to check first (check_schema), with the name of the field it came in."""
         key = json.dumps({"begin": begin, "end": end, "anywhere": anywhere, "schema": schema}, sort_keys=True)
-        return cls._get(tokenizer, key, lambda compiler: _compile_tagged(compiler, schema, begin, end, anywhere))
+        return cls._get(tokenizer, key, f"{begin}...{end} JSON schema",
+                        lambda: _tagged_grammar(_closed(schema), begin, end, anywhere),
+                        Numbers(_digits(schema), begin.encode()))
 
     @classmethod
-    def _get(cls, tokenizer, key: str, compile) -> Grammar:
-        """The grammar cached under key for this tokenizer, or compile(compiler)'s, cached."""
+    def _get(cls, tokenizer, key: str, what: str, source, numbers: Numbers | None = None) -> Grammar:
+        """The grammar cached under key for this tokenizer, or source()'s (llguidance's grammar text), compiled and
+        cached. what: the grammar's name in its errors."""
         if tokenizer.eos_token_id is None:
             raise SmolError(f"{tokenizer.source}: the tokenizer has no EOS token to end a structured answer")
         with _lock:
-            serial, compiler = _compiler(tokenizer)
-            cache_key = (serial, key)
+            vocab = _vocab(tokenizer)
+            cache_key = (vocab.serial, key)
             compiled = _compiled.get(cache_key)
             if compiled is not None:
                 _compiled.move_to_end(cache_key)
             else:
-                compiled = compile(compiler)
+                compiled = _compile(vocab, source(), what)
                 _compiled[cache_key] = compiled
                 while len(_compiled) > CACHE_SIZE:
                     _compiled.popitem(last=False)
-        return cls(compiled, tokenizer.vocab_size, tokenizer.eos_token_id, key)
+        return cls(compiled, vocab, tokenizer.eos_token_id, key, numbers)
 
     def matcher(self) -> Matcher:
         return Matcher(self)
@@ -155,15 +165,13 @@ class Matcher:
     """Where one sequence stands in a grammar: which tokens may come next, advanced a token at a time."""
 
     def __init__(self, grammar: Grammar):
-        import xgrammar as xgr
-        self._xgr, self.grammar = xgr, grammar
-        self._m = xgr.GrammarMatcher(grammar._compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # (1, ceil(V/32)) int32, reused
-
-    @property
-    def finished(self) -> bool:
-        """EOS was accepted: the grammar takes no more tokens and the sequence ends here."""
-        return self._m.is_terminated()
+        self.grammar = grammar
+        self._m = grammar._compiled.deep_copy()  # ~10 us: the compiled grammar and lexer states are shared
+        self._bitmask = np.zeros((grammar.vocab_size + 31) // 32, dtype=np.int32)  # bit j of word w: token 32w+j
+        self._json = JsonText(grammar.numbers.begin) if grammar.numbers else None
+        self.finished = False  # EOS was accepted: the grammar takes no more tokens and the sequence ends here
+        # llguidance gave up on the grammar (a step past its fuel): EOS alone may follow, and the answer is cut short
+        self.cut_short = False
 
     def mask(self, width: int | None = None) -> torch.Tensor:
         """(width,) bool, True where a token may come next. width: the logits' size (default the tokenizer's):
@@ -171,11 +179,7 @@ class Matcher:
         narrower width drops the ids the model cannot produce anyway."""
         V = self.grammar.vocab_size
         width = V if width is None else width
-        self._fill()
-        # Bit j of word w allows token 32*w + j (little-endian within each int32 word). numpy, not torch: one
-        # thread, no wait on torch's pool, which the model's matmuls keep busy.
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:min(V, width)]
-        allowed = torch.from_numpy(bits).bool()
+        allowed = torch.from_numpy(self._allowed(min(V, width)))
         if width > allowed.shape[0]:
             allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
         return allowed
@@ -184,120 +188,209 @@ class Matcher:
         """Set the forbidden tokens of a (V,) float logits row to -inf, in place; returns the row."""
         if logits_row.dim() != 1:
             raise SmolError(f"allowed() takes one (V,) logits row, not shape {tuple(logits_row.shape)}")
-        self._fill()
         n = min(self.grammar.vocab_size, logits_row.shape[0])
-        if logits_row.device.type == "cpu":
-            # xgrammar's C++ kernel on the CPU: ~0.13 ms a 49152-wide row, and no tail when the CPUs are busy
-            # (torch's own ops on a row this wide go through its thread pool: tens of ms at p99 under load).
-            self._xgr.apply_token_bitmask_inplace(logits_row[None, :n], self._bitmask, vocab_size=n)
+        allowed = self._allowed(n)
+        if logits_row.device.type == "cpu" and logits_row.dtype == torch.float32:
+            # numpy, one thread: torch's own ops on a row this wide go through its thread pool, which the model's
+            # matmuls keep busy (tens of ms at p99 under load).
+            np.copyto(logits_row[:n].numpy(), -np.inf, where=~allowed)
         else:
-            logits_row[:n].masked_fill_(~self.mask(n).to(logits_row.device), float("-inf"))
+            logits_row[:n].masked_fill_(~torch.from_numpy(allowed).to(logits_row.device), float("-inf"))
         logits_row[n:] = float("-inf")  # ids the tokenizer does not have
         return logits_row
 
-    def _fill(self) -> None:
-        if self._m.is_terminated():
+    def _allowed(self, n: int) -> np.ndarray:
+        """(n,) bool: the tokens the grammar allows next, of the first n."""
+        if self.finished:
             raise SmolError("the grammar is finished: no token may follow EOS")
-        self._m.fill_next_token_bitmask(self._bitmask)
+        self._m.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+        if self._m.is_error():
+            self.cut_short = True
+        if self.cut_short:
+            eos = self.grammar.eos_token_id
+            self._bitmask[:] = 0
+            self._bitmask.view(np.uint8)[eos // 8] = 1 << eos % 8
+        room = self._digit_room()
+        if room is not None:
+            fits = self.grammar.vocab.fits(room)
+            if fits is not None:
+                np.bitwise_and(self._bitmask, fits, out=self._bitmask)
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:n].view(np.bool_)
+
+    def _digit_room(self) -> int | None:
+        """How many more digits the JSON number being written may take; None where no number is being written."""
+        if self._json is None or not self._json.in_values:
+            return None
+        return max(0, self.grammar.numbers.digits - self._json.digits)
 
     def accept(self, token: int) -> None:
         """Advance by the sampled token; SmolError if the grammar does not allow it here."""
         token = int(token)
-        if self._m.is_terminated():
+        if self.finished:
             raise SmolError(f"token {token} after the grammar's end (EOS)")
-        if not 0 <= token < self.grammar.vocab_size or not self._m.accept_token(token):
-            raise SmolError(f"token {token} is not allowed by the {self.grammar.key[:80]} grammar here")
-
-
-def _compiler(tokenizer):
-    """xgrammar's tables for a tokenizer (~1 s to build: every token's bytes sorted into a trie), once each."""
-    entry = _compilers.get(tokenizer)
-    if entry is None:
-        try:
-            import xgrammar as xgr
-        except ImportError:
-            raise SmolError("response_format and tools need xgrammar: pip install 'smollm2[structured]'") from None
-        backend = tokenizer.backend
-        # The vocabulary as stored (byte-level BPE: bytes as GPT-2's printable characters); xgrammar decodes it
-        # the way the tokenizer.json's decoder does, which it detects from the serialized tokenizer.
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-        vocab = [backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-        # Special tokens (<|im_start|>, <filename>, ...) are not their spelling: as text, "<|im_start|>" would be
-        # allowed inside any JSON string. An empty string is how xgrammar marks a token as special, never allowed
-        # (EOS is allowed where the grammar ends, as the stop token).
-        for i, added in backend.get_added_tokens_decoder().items():
-            if added.special and i < len(vocab):
-                vocab[i] = ""
-        info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=tokenizer.vocab_size,
-                                 stop_token_ids=[tokenizer.eos_token_id],
-                                 add_prefix_space=meta["add_prefix_space"])
-        # One thread: the CPUs belong to the model's matmuls. Our own LRU replaces xgrammar's unbounded cache.
-        entry = _compilers[tokenizer] = next(_serials), xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    return entry
-
-
-def _compile_json(compiler, schema):
-    """Any JSON object (schema None) or JSON valid under the schema; compact, numbers bounded (see above)."""
-    return compiler.compile_grammar(_json_grammar(schema, "response_format json_schema"))
-
-
-def _json_grammar(schema, what: str) -> str:
-    """The EBNF of any JSON object (schema None) or of JSON valid under the schema: compact, numbers bounded (see
-    above). what: where the schema came from, for its errors."""
-    # Compact JSON (", " and ": ", no free whitespace): a small model left free to write whitespace can write
-    # nothing else until max_tokens, and runs of it are wasted tokens anyway.
-    import xgrammar as xgr
-    try:
-        if schema is None:
-            # Any object, any properties: strict_mode=False, else {"type": "object"} would allow only {}.
-            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if token == self.grammar.eos_token_id:
+            ok = self.cut_short or self._m.is_accepting() and self._m.consume_token(token)
         else:
-            # strict_mode: no properties beyond those the schema names (the answers stay valid, and shorter).
-            grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded(schema)), any_whitespace=False,
-                                                   strict_mode=True)
-    except RuntimeError as e:  # xgrammar's message names the unsupported or broken part of the schema
-        raise SmolError(f"{what}: {_reason(e)}") from None
-    rules = []
-    for rule in str(grammar).splitlines():
-        name = rule.split(" ::= ", 1)[0]
-        rules.append(f"{name} ::= {BOUNDED_NUMBERS[name]}" if name in BOUNDED_NUMBERS else rule)
-    return "\n".join(rules)
+            room = self._digit_room()
+            ok = 0 <= token < self.grammar.vocab_size and not self.cut_short \
+                and (room is None or self.grammar.vocab.leading_digits[token] <= room) \
+                and self._m.try_consume_tokens([token]) == 1  # unlike consume_token, no error state on a refusal
+        if not ok:
+            raise SmolError(f"token {token} is not allowed by the {self.grammar.key[:80]} grammar here")
+        if token == self.grammar.eos_token_id:
+            self.finished = True
+        elif self._json is not None:
+            self._json.feed(self.grammar.vocab.token_bytes[token])
 
 
-def _bounded(schema):
-    """The schema with every integer or number range that is open at one end closed at +-LARGEST (where that
-    leaves it some numbers): xgrammar writes an open end's digits without bound."""
-    if isinstance(schema, list):
-        return [_bounded(v) for v in schema]
+class JsonText:
+    """Reads JSON as it is written, byte by byte: whether it stands inside a string, and how many digits in a row
+    it ends with outside strings (a number's, the only place JSON has digits outside a string). begin: the JSON
+    starts after these bytes (b"": at once); before them, the text is not read as JSON."""
+
+    def __init__(self, begin: bytes = b""):
+        self.begin = begin
+        self.before: bytes | None = b"" if begin else None  # while the JSON has not begun: the text's last bytes
+        self.in_string = self.escaped = False
+        self.digits = self.longest = 0
+
+    @property
+    def in_values(self) -> bool:
+        """The JSON has begun, outside a string: a number may go on or begin."""
+        return self.before is None and not self.in_string
+
+    def feed(self, data: bytes) -> None:
+        if self.before is not None:
+            text = self.before + data
+            at = text.find(self.begin)
+            if at < 0:
+                self.before = text[len(text) - len(self.begin) + 1:]  # what may be the start of `begin`
+                return
+            self.before, data = None, text[at + len(self.begin):]
+        for byte in data:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif byte == 0x5C:  # backslash
+                    self.escaped = True
+                elif byte == 0x22:  # the closing quote
+                    self.in_string = False
+            elif 0x30 <= byte <= 0x39:
+                self.digits += 1
+                self.longest = max(self.longest, self.digits)
+            else:
+                self.in_string, self.digits = byte == 0x22, 0
+
+
+def _digits(schema) -> int:
+    """The most digits a row of an answer's number may have under the schema: DIGITS, or more where the schema's
+    own numbers have more (a bound, an enum), and one beyond them (exclusiveMinimum 99 asks for 100)."""
+    text = JsonText()
+    text.feed(json.dumps(schema).encode())
+    return max(DIGITS, text.longest + 1)
+
+
+@dataclass
+class Vocab:
+    """llguidance's tables for a tokenizer (~0.5 s to build: every token's bytes in a trie), once each, and each
+    token's bytes and leading digits for the bound on numbers."""
+    serial: int
+    tokenizer: llguidance.LLTokenizer
+    token_bytes: list[bytes]
+    leading_digits: np.ndarray  # (V,) how many digits each token starts with
+    most_leading_digits: int
+    _fits: dict = field(default_factory=dict)  # room -> bitmask
+
+    @property
+    def size(self) -> int:
+        return len(self.token_bytes)
+
+    def fits(self, room: int) -> np.ndarray | None:
+        """The bitmask of the tokens that start with at most `room` digits; None where every token does."""
+        if room >= self.most_leading_digits:
+            return None
+        if room not in self._fits:
+            bits = np.packbits(self.leading_digits <= room, bitorder="little")
+            self._fits[room] = np.pad(bits, (0, -len(bits) % 4)).view(np.int32)
+        return self._fits[room]
+
+
+def _vocab(tokenizer) -> Vocab:
+    vocab = _vocabs.get(tokenizer)
+    if vocab is None:
+        # Special tokens (<|im_start|>, <filename>, ...) are not their spelling: llguidance reads them from the
+        # tokenizer.json as special and never allows them in text (EOS is allowed where the grammar ends).
+        tables = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+                                        eos_token=tokenizer.eos_token_id)
+        token_bytes = [tables.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
+        leading = np.array([len(b) - len(b.lstrip(b"0123456789")) for b in token_bytes], dtype=np.int64)
+        vocab = _vocabs[tokenizer] = Vocab(next(_serials), tables, token_bytes, leading, int(leading.max()))
+    return vocab
+
+
+def _compile(vocab: Vocab, grammar: str, what: str):
+    """An llguidance matcher at the grammar's start, its first mask computed (some errors, a lexer past its fuel,
+    show only there; and each sequence's copy starts with the lexer states it built); SmolError naming what."""
+    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        bitmask = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+    if matcher.is_error():
+        raise SmolError(f"{what}: {_reason(matcher.get_error())}")
+    return matcher
+
+
+def _reason(message: str) -> str:
+    """llguidance's message in one line: without its position, the grammar's text and the parser's state."""
+    lines = message.strip().splitlines()
+    head = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    detail = next((line[len("error: "):] for line in lines[1:] if line.startswith("error: ")), "")
+    return f"{head} {detail}".strip()
+
+
+def _json_grammar(schema) -> str:
+    # A schema's own "x-guidance" (llguidance's options: free whitespace, say) gives way to ours.
+    schema = {k: v for k, v in schema.items() if k != "x-guidance"} if isinstance(schema, dict) else schema
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+
+
+def _tagged_grammar(schema, begin: str, end: str, anywhere: bool) -> str:
+    """Lark: the JSON between begin and end (compact, as response_format's), after free text without `begin`."""
+    if isinstance(schema, dict):
+        schema = {**{k: v for k, v in schema.items() if k != "x-guidance"}, "x-guidance": JSON_OPTIONS}
+    tagged = f"%json {json.dumps(schema)} {json.dumps(end)}"
+    if not anywhere:
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(begin)} {tagged}")
+    # The text before the tag is one lexeme, and lazy: it ends at the first `begin`, which text alone never writes.
+    return llguidance.LLMatcher.grammar_from_lark(
+        f"start: TEXT | head {tagged}\n"
+        f"head[lazy]: TEXT {json.dumps(begin)}\n"
+        f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(begin)}(?s:.*)/\n")
+
+
+def _closed(schema, merged: bool = False):
+    """The schema with each object that does not say otherwise closed to properties it does not name
+    (additionalProperties: false): the answers stay valid, and shorter. merged: the schema is a branch that
+    llguidance merges with its parent's properties (allOf, or anyOf/oneOf beside properties), which it would
+    otherwise refuse."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in ("enum", "const", "default", "examples") else _bounded(v) for k, v in schema.items()}
-    kind = schema.get("type")  # a dict here is a property named "type": `properties` holds schemas by name
-    kinds = kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []
-    if "integer" in kinds or "number" in kinds:
-        low = [schema[k] for k in ("minimum", "exclusiveMinimum") if _is_number(schema.get(k))]
-        high = [schema[k] for k in ("maximum", "exclusiveMaximum") if _is_number(schema.get(k))]
-        if low and not high and max(low) < LARGEST:
-            out["maximum"] = LARGEST
-        if high and not low and min(high) > -LARGEST:
-            out["minimum"] = -LARGEST
+    out = {}
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(v) for name, v in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            branch = key in ("allOf", "anyOf", "oneOf") and (key == "allOf" or "properties" in schema)
+            out[key] = [_closed(v, branch) for v in value]
+        elif key in SCHEMA_VALUES:
+            out[key] = _closed(value)
+        else:
+            out[key] = value
+    kind = schema.get("type")
+    is_object = "properties" in schema or kind == "object" or isinstance(kind, list) and "object" in kind
+    if is_object and not merged and not any(k in schema for k in OPEN_KEYS):
+        out["additionalProperties"] = False
     return out
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _compile_regex(compiler, pattern: str):
-    try:
-        return compiler.compile_regex(pattern)
-    except RuntimeError as e:  # xgrammar's message says what is wrong, and where
-        raise SmolError(f"response_format regex: {_reason(e)}") from None
-
-
-def _reason(error: RuntimeError) -> str:
-    """xgrammar's message, without the source file and line it starts with."""
-    return str(error).strip().splitlines()[0].split(": ", 1)[-1]
 
 
 def _check_choices(choices) -> None:
@@ -313,15 +406,6 @@ def _check_choices(choices) -> None:
             c.encode("utf-8")
         except UnicodeEncodeError:
             raise SmolError(f"response_format choice {c[:40]!r}: not valid Unicode text") from None
-
-
-def _compile_tagged(compiler, schema, begin: str, end: str, anywhere: bool):
-    # The JSON as response_format's (compact, numbers bounded, no properties beyond the schema's), inside the tag.
-    json_grammar = _json_grammar(schema, f"{begin}...{end} JSON schema")
-    tag = {"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": json_grammar}, "end": end}
-    if anywhere:  # free text, then at most one tag, then the end
-        tag = {"type": "triggered_tags", "triggers": [begin], "tags": [tag], "stop_after_first": True}
-    return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
 
 
 def check_schema(schema, where: str = "response_format") -> None:
