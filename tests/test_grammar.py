@@ -328,3 +328,61 @@ def test_an_answer_pushed_to_write_digits_still_ends_as_valid_json(tiny_dir):
     text = "".join(s.text for s in steps)
     assert steps[-1].finish_reason == "stop", text
     assert len(str(abs(json.loads(text)["age"]))) == 16
+
+
+def test_digits_are_bounded_in_numbers_only(tokenizer):
+    """The bound is on numbers: a string's digits and the free text before tool calls are the answer's own."""
+    text = Grammar.from_response_format(schema_format({"type": "array", "items": {"type": "string"}}), tokenizer)
+    assert accepts(text, tokenizer, '["' + "1" * 40 + '", "\\"' + "2" * 40)
+    tagged = Grammar.from_tagged_json({"type": "integer"}, tokenizer, "<n>", "</n>", anywhere=True)
+    assert accepts(tagged, tokenizer, "1" * 40 + " <n>" + "9" * 16)
+    assert not accepts(tagged, tokenizer, "1" * 40 + " <n>" + "9" * 17)
+
+
+def test_a_schema_s_own_options_cannot_free_the_whitespace(tokenizer):
+    loose = {"x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "[ ]+"}, "type": "array",
+             "items": {"type": "integer"}}
+    grammar = Grammar.from_response_format(schema_format(loose), tokenizer)
+    assert accepts(grammar, tokenizer, "[1, 2]") and not accepts(grammar, tokenizer, "[1,  2]")
+
+
+HOSTILE_PATTERNS = ["[^a]{0,40}" * 6, "([^a]{0,40}){6}b", "(.{0,20}){0,20}x", "(.{1,9}){1,9}(.{1,9}){1,9}(.{1,9}){1,9}",
+                    "((.{0,20}){0,20}){0,5}x", "[^a]{0,40}[^b]{0,40}[^c]{0,40}[^d]{0,40}[^e]{0,40}[^f]{0,40}"]
+
+
+@pytest.mark.parametrize("pattern", HOSTILE_PATTERNS)
+def test_a_costly_pattern_is_refused_or_bounded_at_each_step(tokenizer, pattern):
+    """Regexes whose automata grow with each counted repetition: either a clear error at once (llguidance's lexer
+    ran past its fuel), or a grammar whose every step stays within that fuel. Never a hang."""
+    import time
+
+    rng = torch.Generator().manual_seed(0)
+    for response_format in ({"type": "regex", "pattern": pattern},
+                            schema_format({"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}})):
+        start = time.perf_counter()
+        try:
+            matcher = Grammar.from_response_format(response_format, tokenizer).matcher()
+        except SmolError as e:
+            assert "response_format" in str(e) and "too many expressions" in str(e)
+            continue
+        for _ in range(32):
+            allowed = matcher.mask().nonzero()[:, 0]
+            token = allowed[torch.randint(len(allowed), (1,), generator=rng)].item()
+            if token == tokenizer.eos_token_id:
+                break
+            matcher.accept(token)
+        assert time.perf_counter() - start < 10  # a step's fuel is ~15 ms of one core; 10 s is a hang
+
+
+def test_a_grammar_that_gives_up_ends_its_answer_with_length(tokenizer):
+    """llguidance may run out of fuel at a later step: the answer then ends where it stands, cut short."""
+    from smollm2.generation.sampling import Sampling
+    from smollm2.generation.sequence import Sequence
+
+    grammar = Grammar.from_response_format({"type": "json_object"}, tokenizer)
+    sequence = Sequence([1], 16, Sampling(), [tokenizer.eos_token_id], tokenizer=tokenizer, grammar=grammar)
+    sequence.accept(tokenizer.encode("{")[0])
+    sequence.matcher._m.consume_token(tokenizer.encode("}}")[0])  # as a lexer out of fuel, llguidance's error state
+    allowed = sequence.matcher.mask()
+    assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
+    assert sequence.accept(tokenizer.eos_token_id).finish_reason == "length"

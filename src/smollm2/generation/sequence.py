@@ -160,8 +160,8 @@ class Sequence:
         if self.matcher is not None:
             self.matcher.accept(token)
         self.tokens.append(token)
-        if token in self.eos:
-            self._finish("stop")
+        if token in self.eos:  # a grammar that gave up ends its answer short, as max_new_tokens would
+            self._finish("length" if self.matcher is not None and self.matcher.cut_short else "stop")
         else:
             new = self.decoder.step(token) if self.decoder else ""
             self.text += new
