@@ -1,26 +1,28 @@
-"""Constrained decoding on the CPU: xgrammar against llguidance, with the SmolLM2 tokenizer.
+"""Constrained decoding on the CPU: smollm2's grammars (llguidance) with the SmolLM2 tokenizer.
 
     PYTHONPATH=src .venv/bin/python benchmarks/constrained.py [--rounds 5] [--model-steps 32]
 
-For each library and each grammar (any JSON object, and a few JSON schemas):
-  * compile: the time to turn the grammar into something a matcher runs on (first compile, not cached);
-  * per token: replaying a fixed valid JSON answer (its tokens, then EOS), the time to compute the allowed-token
-    bitmask and to advance the matcher by the token, mean and p99 in microseconds over every token of every round.
-The bitmask is then applied to a (V,) logits row the same way for both libraries, timed once as `apply`.
+For each grammar (any JSON object, and a few JSON schemas):
+  * compile: the time to turn the grammar into something a matcher runs on (a first compile, not the cache's:
+    llguidance compiles lazily, so this is its grammar, its lexer's start and the first mask);
+  * per token: replaying a fixed valid JSON answer (its tokens, then EOS), the time of Matcher.allowed() on a (V,)
+    logits row and of accept(), mean and p99 in microseconds over every token of every round; and the same without
+    applying the mask to the row (llguidance's bitmask, the bound on digits, the advance).
 The CPUs may be shared: the model's step time shows how busy they were during the run.
-For scale, the embedded model's own decode step (batch 1, fp32) is timed too.
+For scale, the embedded model's own decode step (batch 1, fp32) is timed too, and stream() end to end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 from smollm2 import SmolLM2, Tokenizer
+from smollm2.generation import grammar as grammar_module
+from smollm2.generation.grammar import Grammar
 
 SCHEMAS = {
     "json_object": None,
@@ -51,83 +53,28 @@ ANSWERS = {  # a valid answer for each grammar, as the model might write it
 }
 
 
-def schema_text(schema) -> str:
-    return json.dumps({"type": "object"} if schema is None else schema)
-
-
-class XGrammar:
-    name = "xgrammar"
-
-    def __init__(self, tok: Tokenizer, vocab_size: int):
-        import xgrammar as xgr
-        self.xgr = xgr
-        backend = tok.backend.to_str()
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend)
-        vocab = [tok.backend.id_to_token(i) or "" for i in range(tok.vocab_size)]
-        info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size,
-                                 stop_token_ids=[tok.eos_token_id], add_prefix_space=meta["add_prefix_space"])
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.vocab_size = vocab_size
-
-    def compile(self, schema):
-        if schema is None:
-            return self.compiler.compile_builtin_json_grammar()
-        return self.compiler.compile_json_schema(json.dumps(schema))
-
-    def replay(self, compiled, tokens, bitmask: torch.Tensor) -> list[float]:
-        m = self.xgr.GrammarMatcher(compiled)
-        out = []
-        for t in tokens:
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(bitmask)
-            ok = m.accept_token(t)
-            out.append(time.perf_counter() - t0)
-            assert ok, (self.name, t)
-        assert m.is_terminated()
-        return out
-
-
-class LLGuidance:
-    name = "llguidance"
-
-    def __init__(self, tok: Tokenizer, vocab_size: int):
-        import llguidance
-        self.llg = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=vocab_size, eos_token=tok.eos_token_id)
-        self.vocab_size = vocab_size
-
-    def compile(self, schema):
-        # llguidance compiles lazily, as tokens come: a matcher's construction is the compile.
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema_text(schema))
-        m = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        assert not m.is_error(), m.get_error()
-        return grammar
-
-    def replay(self, grammar, tokens, bitmask: torch.Tensor) -> list[float]:
-        m = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        ptr, nbytes = bitmask.data_ptr(), bitmask.numel() * 4
-        out = []
-        for t in tokens:
-            t0 = time.perf_counter()
-            m.unsafe_compute_mask_ptr(ptr, nbytes)
-            ok = m.consume_token(t)
-            out.append(time.perf_counter() - t0)
-            assert ok, (self.name, t, m.get_error())
-        assert m.is_stopped() or m.is_accepting()
-        return out
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """The one apply both libraries' bitmasks (the same layout) can share: xgrammar's C++ CPU kernel, which
-    smollm2.generation.grammar uses too."""
-    import xgrammar as xgr
-    xgr.apply_token_bitmask_inplace(logits[None], bitmask[None])
+def replay(grammar: Grammar, tokens: list[int], apply: bool) -> list[float]:
+    """The time of each token's mask (applied to a (V,) logits row where `apply`) and accept(), in seconds."""
+    matcher = grammar.matcher()
+    logits = torch.randn(grammar.vocab_size)
+    out = []
+    for t in tokens:
+        row = logits.clone()
+        t0 = time.perf_counter()
+        if apply:
+            matcher.allowed(row)
+        else:
+            matcher._allowed(grammar.vocab_size)
+        matcher.accept(t)
+        out.append(time.perf_counter() - t0)
+    assert matcher.finished
+    return out
 
 
 def us(xs) -> str:
     xs = sorted(xs)
     p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
-    return f"mean {statistics.fmean(xs) * 1e6:7.1f} us  p99 {p99 * 1e6:7.1f} us"
+    return f"mean {statistics.fmean(xs) * 1e6:6.1f} us  p99 {p99 * 1e6:6.1f} us"
 
 
 def main() -> None:
@@ -137,33 +84,28 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = Tokenizer.from_pretrained()
-    V = 49152  # the model's logits width
     answers = {k: tok.encode(v) + [tok.eos_token_id] for k, v in ANSWERS.items()}
-    bitmask = torch.zeros((V + 31) // 32, dtype=torch.int32)
 
-    for lib_cls in (XGrammar, LLGuidance):
+    t0 = time.perf_counter()
+    Grammar.from_response_format({"type": "json_object"}, tok)
+    print(f"tokenizer tables and a first grammar: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    every, bare = [], []
+    for key, schema in SCHEMAS.items():
+        response_format = ({"type": "json_object"} if schema is None else
+                           {"type": "json_schema", "json_schema": {"name": key, "schema": schema}})
+        grammar_module._compiled.clear()  # a first compile, not the cache's
         t0 = time.perf_counter()
-        lib = lib_cls(tok, V)
-        print(f"\n{lib.name}: tokenizer setup {(time.perf_counter() - t0) * 1e3:.0f} ms")
-        every = []
-        for key, schema in SCHEMAS.items():
-            t0 = time.perf_counter()
-            compiled = lib.compile(schema)
-            compile_ms = (time.perf_counter() - t0) * 1e3
-            times = []
-            for _ in range(args.rounds):
-                times += lib.replay(compiled, answers[key], bitmask)
-            every += times
-            print(f"  {key:12s} compile {compile_ms:7.1f} ms  {len(answers[key]):3d} tokens  per token: {us(times)}")
-        print(f"  {'all':12s} {'':29s}per token: {us(every)}")
-
-    logits = torch.randn(V)
-    times = []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        apply_bitmask(logits.clone(), bitmask)
-        times.append(time.perf_counter() - t0)
-    print(f"\napply (clone + xgrammar CPU kernel on a ({V},) row): {us(times)}")
+        grammar = Grammar.from_response_format(response_format, tok)
+        compile_ms = (time.perf_counter() - t0) * 1e3
+        applied, masked = [], []
+        for _ in range(args.rounds):
+            applied += replay(grammar, answers[key], apply=True)
+            masked += replay(grammar, answers[key], apply=False)
+        every += applied
+        bare += masked
+        print(f"  {key:11s} compile {compile_ms:5.1f} ms {len(answers[key]):3d} tokens  allowed+accept {us(applied)}"
+              f"  | mask+accept {us(masked)}")
+    print(f"  {'all':11s} {'':25s}  allowed+accept {us(every)}  | mask+accept {us(bare)}")
 
     from smollm2.generation.steps import decode_step
     model = SmolLM2.from_pretrained()
