@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 MAX_SCHEMA_CHARS = 32_768  # a schema (or a list of choices) is a request's input: bounded before it reaches a compiler
 MAX_SCHEMA_DEPTH = 32
-MAX_PATTERN_CHARS = 256  # a regex's lexer grows with it, state by state as tokens come; llguidance's fuel bounds
-# each step's share (PATTERN_COST), this bounds how many states a pattern may hold at all
+MAX_PATTERN_CHARS = 256  # a regex is a request's input too: llguidance builds its automaton as tokens come, each
+# step's share bounded by its fuel (a pattern that needs more at its start is refused at once); a longer pattern
+# only has more ways to spend it
 MAX_CHOICES = 1024
 DIGITS = 16  # the most digits a JSON number has in a row: before its point, after it, in its exponent (as llama.cpp)
 CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
@@ -349,16 +350,12 @@ def _reason(message: str) -> str:
 
 
 def _json_grammar(schema) -> str:
-    # A schema's own "x-guidance" (llguidance's options: free whitespace, say) gives way to ours.
-    schema = {k: v for k, v in schema.items() if k != "x-guidance"} if isinstance(schema, dict) else schema
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_with_options(schema)))
 
 
 def _tagged_grammar(schema, begin: str, end: str, anywhere: bool) -> str:
     """Lark: the JSON between begin and end (compact, as response_format's), after free text without `begin`."""
-    if isinstance(schema, dict):
-        schema = {**{k: v for k, v in schema.items() if k != "x-guidance"}, "x-guidance": JSON_OPTIONS}
-    tagged = f"%json {json.dumps(schema)} {json.dumps(end)}"
+    tagged = f"%json {json.dumps(_with_options(schema))} {json.dumps(end)}"
     if not anywhere:
         return llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(begin)} {tagged}")
     # The text before the tag is one lexeme, and lazy: it ends at the first `begin`, which text alone never writes.
@@ -366,6 +363,14 @@ def _tagged_grammar(schema, begin: str, end: str, anywhere: bool) -> str:
         f"start: TEXT | head {tagged}\n"
         f"head[lazy]: TEXT {json.dumps(begin)}\n"
         f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(begin)}(?s:.*)/\n")
+
+
+def _with_options(schema) -> dict:
+    """The schema with JSON_OPTIONS as its "x-guidance", llguidance's options, in place of any of its own (free
+    whitespace, say). true and false as the objects that mean them: the options need an object."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"anyOf": []}
+    return {**{k: v for k, v in schema.items() if k != "x-guidance"}, "x-guidance": JSON_OPTIONS}
 
 
 def _closed(schema, merged: bool = False):
