@@ -15,6 +15,9 @@ Once the JSON value is complete the grammar allows EOS alone, so a sequence unde
 compact (", " and ": ", no other whitespace) and its numbers are bounded as llama.cpp's schema converter bounds
 them: at most 16 digits before the point, after it, and in the exponent. Free whitespace or digits would let a
 small model go on writing them, valid all along, until max_tokens (the embedded model did, in an "age").
+llguidance's JSON compiler writes a number's digits without bound, and has no option for one, so the matcher
+bounds them itself: it reads the JSON as it is written (JsonText), and outside strings it forbids each token
+whose leading digits would make the number's run of digits longer than the bound.
 
 The grammar engine is llguidance: it has no dependencies, so `pip install smollm2` alone answers
 response_format and tools. MEASURED
