@@ -22,6 +22,7 @@ from smollm2.server import create_app
 from test_server import running
 
 MAX_NEW_TOKENS = 64
+LARGEST = 10**16 - 1  # the largest number of 16 digits
 SERVED = "smollm2"  # the model name the test servers answer to
 
 # Integers and numbers mostly without a range, or with one end open: the grammar bounds their digits.
@@ -315,7 +316,9 @@ def test_a_range_given_whole_is_the_schema_s_own(tokenizer):
     huge = Grammar.from_response_format(schema_format({"type": "integer", "minimum": 0, "maximum": 10**18}), tokenizer)
     assert accepts(huge, tokenizer, "9" * 18) and not accepts(huge, tokenizer, "9" * 19)
     beyond = Grammar.from_response_format(schema_format({"type": "integer", "minimum": 10**17}), tokenizer)
-    assert accepts(beyond, tokenizer, "1" + "0" * 17)  # no bound closes a range that starts past it
+    assert accepts(beyond, tokenizer, "1" + "0" * 17)  # the schema's own number is longer than the bound
+    past = Grammar.from_response_format(schema_format({"type": "integer", "exclusiveMinimum": LARGEST}), tokenizer)
+    assert accepts(past, tokenizer, "1" + "0" * 16)  # one digit more than the schema's own
 
 
 def test_an_answer_pushed_to_write_digits_still_ends_as_valid_json(tiny_dir):
@@ -349,32 +352,45 @@ def test_a_schema_s_own_options_cannot_free_the_whitespace(tokenizer):
     assert accepts(grammar, tokenizer, "[1, 2]") and not accepts(grammar, tokenizer, "[1,  2]")
 
 
-HOSTILE_PATTERNS = ["[^a]{0,40}" * 6, "([^a]{0,40}){6}b", "(.{0,20}){0,20}x", "(.{1,9}){1,9}(.{1,9}){1,9}(.{1,9}){1,9}",
-                    "((.{0,20}){0,20}){0,5}x", "[^a]{0,40}[^b]{0,40}[^c]{0,40}[^d]{0,40}[^e]{0,40}[^f]{0,40}"]
+def test_objects_take_no_properties_their_schema_does_not_name_unless_it_says_so(tokenizer):
+    named = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = Grammar.from_response_format(schema_format(named), tokenizer)
+    assert accepts(closed, tokenizer, '{"a": 1}') and not accepts(closed, tokenizer, '{"a": 1, "b"')
+    open_ = Grammar.from_response_format(schema_format({**named, "additionalProperties": True}), tokenizer)
+    assert accepts(open_, tokenizer, '{"a": 1, "b": [true]}')
+    merged = {"allOf": [named, {"properties": {"b": {"type": "string"}}}]}  # each part's properties, together
+    assert accepts(Grammar.from_response_format(schema_format(merged), tokenizer), tokenizer, '{"a": 1, "b": "x"}')
 
 
-@pytest.mark.parametrize("pattern", HOSTILE_PATTERNS)
-def test_a_costly_pattern_is_refused_or_bounded_at_each_step(tokenizer, pattern):
-    """Regexes whose automata grow with each counted repetition: either a clear error at once (llguidance's lexer
-    ran past its fuel), or a grammar whose every step stays within that fuel. Never a hang."""
+# Regexes whose automata grow with each counted repetition: those llguidance's lexer cannot start within its fuel,
+# and those it builds as tokens come, each step within that fuel.
+REFUSED_PATTERNS = ["[^a]{0,40}[^b]{0,40}[^c]{0,40}[^d]{0,40}[^e]{0,40}[^f]{0,40}", "((.{0,20}){0,20}){0,5}x"]
+BOUNDED_PATTERNS = ["[^a]{0,40}" * 6, "([^a]{0,40}){6}b", "(.{0,20}){0,20}x", "(.{1,9}){1,9}(.{1,9}){1,9}(.{1,9}){1,9}"]
+
+
+@pytest.mark.parametrize("pattern", REFUSED_PATTERNS)
+def test_a_pattern_too_costly_to_start_is_refused_at_once(tokenizer, pattern):
+    with pytest.raises(SmolError, match="response_format regex: lexer error: too many expressions"):
+        Grammar.from_response_format({"type": "regex", "pattern": pattern}, tokenizer)
+
+
+@pytest.mark.parametrize("response_format", [{"type": "regex", "pattern": p} for p in BOUNDED_PATTERNS] + [
+    schema_format({"type": "string", "pattern": p}) for p in BOUNDED_PATTERNS + REFUSED_PATTERNS])
+def test_a_costly_pattern_is_bounded_at_each_step(tokenizer, response_format):
+    """Inside a JSON string the same patterns start within the fuel: their every step stays within it too (or
+    the grammar gives up, and the answer ends cut short). Never a hang."""
     import time
 
     rng = torch.Generator().manual_seed(0)
-    for response_format in ({"type": "regex", "pattern": pattern},
-                            schema_format({"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}})):
-        start = time.perf_counter()
-        try:
-            matcher = Grammar.from_response_format(response_format, tokenizer).matcher()
-        except SmolError as e:
-            assert "response_format" in str(e) and "too many expressions" in str(e)
-            continue
-        for _ in range(32):
-            allowed = matcher.mask().nonzero()[:, 0]
-            token = allowed[torch.randint(len(allowed), (1,), generator=rng)].item()
-            if token == tokenizer.eos_token_id:
-                break
-            matcher.accept(token)
-        assert time.perf_counter() - start < 10  # a step's fuel is ~15 ms of one core; 10 s is a hang
+    start = time.perf_counter()
+    matcher = Grammar.from_response_format(response_format, tokenizer).matcher()
+    for _ in range(32):
+        allowed = matcher.mask().nonzero()[:, 0]
+        token = allowed[torch.randint(len(allowed), (1,), generator=rng)].item()
+        if token == tokenizer.eos_token_id:
+            break
+        matcher.accept(token)
+    assert time.perf_counter() - start < 10  # a step's fuel is ~15 ms of one core; 10 s is a hang
 
 
 def test_a_grammar_that_gives_up_ends_its_answer_with_length(tokenizer):
@@ -389,3 +405,20 @@ def test_a_grammar_that_gives_up_ends_its_answer_with_length(tokenizer):
     allowed = sequence.matcher.mask()
     assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
     assert sequence.accept(tokenizer.eos_token_id).finish_reason == "length"
+
+
+def test_structured_output_needs_only_the_package_s_own_dependencies(tokenizer, monkeypatch):
+    """`pip install smollm2` alone: llguidance is a base dependency, and a grammar compiles and masks with neither
+    transformers nor xgrammar importable."""
+    import pathlib
+    import re
+    import sys
+
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    base = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M).group(1)
+    assert '"llguidance' in base and "xgrammar" not in pyproject
+    for name in ("transformers", "xgrammar"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails
+    grammar = Grammar.from_response_format(schema_format({"type": "object", "properties": {
+        "unseen": {"type": "boolean"}}, "required": ["unseen"]}), tokenizer)
+    assert accepts(grammar, tokenizer, '{"unseen": true}')
