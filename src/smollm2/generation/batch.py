@@ -61,12 +61,12 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     log-probability (log-softmax of the raw logits, before any sampling transform) and the `logprobs` most
     likely tokens at its position with theirs.
     response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}},
-    or {"type": "choice", "choices": [...]} or {"type": "regex", "pattern": ...} (needs `tokenizer` and the
-    `structured` extra): each row may only write text that fits it, then its EOS.
+    or {"type": "choice", "choices": [...]} or {"type": "regex", "pattern": ...} (needs `tokenizer`): each row
+    may only write text that fits it, then its EOS.
     speculative: None, or "ngram": each row guesses its next tokens by prompt lookup and the model checks them
     in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
-    tools: a smollm2.tools.Tools (needs `tokenizer` and the `structured` extra): each row's tool calls, where its
-    tool_choice lets it make them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
+    tools: a smollm2.tools.Tools (needs `tokenizer`): each row's tool calls, where its tool_choice lets it make
+    them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
     hooks: (hook point name, function) pairs (smollm2.generation.hooks, as TransformerLens's fwd_hooks; steering()
     makes a steering vector's): every row's passes run op by op through them, reading or changing activations.
     """
