@@ -215,7 +215,7 @@ def test_cache_is_bounded_and_keyed_by_schema(tokenizer, monkeypatch):
         f"p{i}": {"type": "string", "description": "x" * 100} for i in range(1000)}}}}, "characters, more than"),
     ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/definitions/missing"}}}, "missing"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(unclosed"}}}, "json_schema"),
-    ({"type": "json_schema", "json_schema": {"schema": False}}, "json_schema: Unsatisfiable schema"),
+    ({"type": "json_schema", "json_schema": {"schema": False}}, "Unsatisfiable schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "colour"}}}, "format: colour"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "array", "contains": {}}}}, "contains"),
 ])

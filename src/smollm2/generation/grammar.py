@@ -115,14 +115,14 @@ class Grammar:
             choices = response_format.get("choices")
             _check_choices(choices)
             return cls._get(tokenizer, "choice " + json.dumps(choices), "response_format choice",
-                            lambda: llguidance.grammar_from("choice", choices))
+                            lambda: _lark("start: " + " | ".join(json.dumps(c) for c in choices)))
         if kind == "regex":
             pattern = response_format.get("pattern")
             if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
                 raise SmolError(f'response_format regex needs "pattern": a regular expression of 1 to '
                                 f"{MAX_PATTERN_CHARS} characters")
             return cls._get(tokenizer, "regex " + pattern, "response_format regex",
-                            lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
+                            lambda: _lark(f"start: /{llguidance.regex_to_lark(pattern)}/"))
         raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema', "
                         f"'choice', 'regex'")
 
@@ -358,17 +358,24 @@ def _reason(message: str) -> str:
     return f"{head} {detail}".strip()
 
 
+def _lark(grammar: str) -> str:
+    """llguidance's grammar from Lark's text, with no_forcing: the model writes a stretch of text the grammar fixes
+    in any tokens that spell it. Else llguidance allows only its own tokens there, chosen before the text after the
+    stretch is known: `"` then `}}` where the model (and the tokenizer) would write `"}` then `},`."""
+    return llguidance.LLMatcher.grammar_from_lark('%llguidance {"no_forcing": true}\n' + grammar)
+
+
 def _json_grammar(schema) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_with_options(schema)))
+    return _lark(f"start: %json {json.dumps(_with_options(schema))}")
 
 
 def _tagged_grammar(schema, begin: str, end: str, anywhere: bool) -> str:
     """Lark: the JSON between begin and end (compact, as response_format's), after free text without `begin`."""
     tagged = f"%json {json.dumps(_with_options(schema))} {json.dumps(end)}"
     if not anywhere:
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(begin)} {tagged}")
+        return _lark(f"start: {json.dumps(begin)} {tagged}")
     # The text before the tag is one lexeme, and lazy: it ends at the first `begin`, which text alone never writes.
-    return llguidance.LLMatcher.grammar_from_lark(
+    return _lark(
         f"start: TEXT | head {tagged}\n"
         f"head[lazy]: TEXT {json.dumps(begin)}\n"
         f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(begin)}(?s:.*)/\n")
