@@ -22,11 +22,11 @@ whose leading digits would make the number's run of digits longer than the bound
 The grammar engine is llguidance: it has no dependencies, so `pip install smollm2` alone answers
 response_format and tools (xgrammar, faster on its own, ~4 us a token against llguidance's ~25 when they were
 measured side by side, pulls transformers, pydantic and triton along, ~1 GB). benchmarks/constrained.py, on 2 CPU
-cores shared with other work (load ~10; the model's decode step took 153 ms there, ~6 ms on idle cores),
-replaying valid answers to five JSON grammars: llguidance's mask, the bound on digits and the advance took 0.27 ms
-a token on average (p99 2.3 ms), allowed() with the mask applied to the 49152-wide row 0.54 ms (p99 6.6 ms): 0.35%
-of that step. A JSON schema compiles in ~1.5 ms (llguidance builds its automata as tokens come, and the first
-mask is part of the compile), its tokenizer tables in ~0.75 s, once per tokenizer.
+cores shared with other work (load ~9), replaying valid answers to five JSON grammars: llguidance's mask, the bound
+on digits and the advance took 0.20 ms a token on average (p99 0.37 ms; 14-21 us for two of the grammars), and
+allowed() with the mask applied to the 49152-wide row 0.43 ms (p99 12 ms), while stream() took 75 ms a token in the
+same run: ~0.6% of a step. A JSON schema compiles in 1-5 ms (llguidance builds its automata as tokens come, and the
+first mask is part of the compile), its tokenizer tables in ~0.6 s, once per tokenizer.
 """
 
 from __future__ import annotations
