@@ -276,3 +276,14 @@ def test_sampled_with_a_draft_the_tokens_follow_the_models_distribution():
     p_value = torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2), torch.tensor(chi2 / 2)).item()
     assert sum(counts.values()) == draws and p_value > 1e-3, (chi2, counts)
     assert 0.2 * guessed < kept < 0.8 * guessed  # the draft's guesses both stood and fell, often
+
+
+def test_bench_reports_tokens_per_pass_and_acceptance(tiny_dir, capsys):
+    args = ["bench", "--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "12", "--repeats", "1", "--json"]
+    assert main([*args, "--speculative", f"draft:{tiny_dir}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["speculative"] == f"draft:{tiny_dir}" and result["tokens_per_pass"] > 1  # a model drafting for
+    assert result["acceptance"] == 1.0  # itself: every guess stands
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens_per_pass"] == 1.0 and result["acceptance"] is None
