@@ -20,7 +20,7 @@ import torch
 
 from smollm2 import Tokenizer, load_model
 from smollm2.generation import stream
-from smollm2.generation.engine import Engine
+from smollm2.generation.engine import PassCounts
 
 PARAGRAPH = ("The city council met on Tuesday evening to discuss the new budget. After a long debate, the members "
              "agreed to increase spending on public libraries by ten percent and to keep the parks budget at last "
@@ -59,26 +59,17 @@ OPEN = [
 ]
 
 
-def answer(model, ids: list[int], new_tokens: int, speculative: str | None) -> tuple[list[int], float, float, tuple]:
-    """Its tokens, seconds to the first token, seconds for the rest, and (passes, tokens, guessed, kept)."""
-    engines = []
-    original = Engine.__init__
-
-    def kept_engine(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        engines.append(self)
-
-    Engine.__init__ = kept_engine
-    try:
-        tokens, start, first = [], time.perf_counter(), None
-        for (step,) in stream(model, [ids], new_tokens, speculative=speculative):
-            first = first or time.perf_counter()
-            tokens.append(step.token)
-        end = time.perf_counter()
-    finally:
-        Engine.__init__ = original
-    e = engines[-1]
-    return tokens, first - start, end - first, (e.passes, e.decoded, e.guessed, e.kept)
+def answer(model, ids: list[int], new_tokens: int, speculative) -> tuple[list[int], float, float, PassCounts]:
+    """Its tokens, seconds to the first token, seconds for the rest, and what the decoding passes did."""
+    tokens, start, first = [], time.perf_counter(), None
+    steps = stream(model, [ids], new_tokens, speculative=speculative)
+    while True:
+        try:
+            (step,) = next(steps)
+        except StopIteration as end:
+            return tokens, first - start, time.perf_counter() - first, end.value
+        first = first or time.perf_counter()
+        tokens.append(step.token)
 
 
 def main() -> int:
@@ -106,13 +97,14 @@ def main() -> int:
                     tokens, _, decode_s, counts = answer(model, ids, args.new_tokens, mode)
                     best[mode] = min(best[mode], decode_s)
                     runs[mode] = tokens, counts
-            (plain, _), (fast, (passes, decoded, guessed, kept)) = runs[None], runs["ngram"]
+            (plain, _), (fast, counts) = runs[None], runs["ngram"]
             if fast != plain:
                 failures.append(f"{name}: {text[:40]!r}: tokens differ with speculation")
             n = len(plain) - 1  # after the first token
             totals[None], totals["ngram"] = totals[None] + best[None], totals["ngram"] + best["ngram"]
             print(f"{text[:42].replace(chr(10), ' '):<44}{len(plain):>7}{n / best[None]:>9.1f}{n / best['ngram']:>9.1f}"
-                  f"{best[None] / best['ngram']:>7.2f}x{decoded / max(passes, 1):>10.2f}{f'{kept}/{guessed}':>10}")
+                  f"{best[None] / best['ngram']:>7.2f}x{counts.decoded / max(counts.passes, 1):>10.2f}"
+                  f"{f'{counts.kept}/{counts.guessed}':>10}")
         ratio = totals[None] / totals["ngram"]
         print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x)")
         if ratio < bar:

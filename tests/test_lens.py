@@ -164,7 +164,7 @@ def steered_batch(model, prompts, steered: set[int], vector, **options) -> list[
     return list(answers.values())
 
 
-@pytest.mark.parametrize("options", [{}, {"speculative": True}], ids=["plain", "speculative"])
+@pytest.mark.parametrize("options", [{}, {"speculative": "ngram"}], ids=["plain", "speculative"])
 def test_a_steered_row_leaves_the_other_rows_bits(variant, options):
     config = TINY["gqa"]
     model = as_variant(tiny_model(config), variant)

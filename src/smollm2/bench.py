@@ -161,10 +161,16 @@ def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torc
     return torch.randint(0, vocab_size, (batch_size, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None):
-    """smollm2's run(mark): greedy, no EOS stop."""
+def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None, speculative=None):
+    """smollm2's run(mark): greedy, no EOS stop; speculative as stream takes it. run returns what its decoding
+    passes did (PassCounts)."""
     def run(mark):
-        for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile):
+        steps = stream(model, prompt, new_tokens, eos_token_id=None, compile=compile, speculative=speculative)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
             mark()
 
     return run

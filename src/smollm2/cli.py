@@ -111,6 +111,31 @@ def load(args):
     return load_model(args), Tokenizer.from_pretrained(args.model)
 
 
+def speculative_flag(text: str) -> str:
+    """An argparse type: --speculative ngram, off, draft (the embedded model drafts) or draft:SRC (any source
+    --model takes)."""
+    if text in ("ngram", "off", "draft") or (text.startswith("draft:") and text != "draft:"):
+        return text
+    raise argparse.ArgumentTypeError(f"must be ngram, off, draft or draft:SRC, got {text!r}")
+
+
+def speculation(args, tokenizer):
+    """What --speculative asks generation for: None, "ngram", or the draft model, loaded as --model is (its
+    --dtype, --device, --quantize, kernels), whose tokenizer must be the model's."""
+    from . import loading
+    from .tokenizer import Tokenizer
+
+    if args.speculative in (None, "off", "ngram"):
+        return None if args.speculative == "off" else args.speculative
+    src = args.speculative.partition(":")[2] or None
+    vocab = Tokenizer.from_pretrained(src).backend.get_vocab(with_added_tokens=True)
+    if vocab != tokenizer.backend.get_vocab(with_added_tokens=True):
+        raise SmolError(f"--speculative {args.speculative}: the draft's tokenizer is not the model's; a draft must "
+                        f"share its vocabulary")
+    return loading.load_model(src, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
+                              kernels=args.kernels)
+
+
 def sampling(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -159,6 +184,7 @@ def generate(args):
     utf8(args.prompt, "the prompt")
     args.response_format = response_format(args)  # a bad schema file fails before the model loads
     model, tokenizer = load(args)
+    args.speculative = speculation(args, tokenizer)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SmolError("the prompt is empty")
@@ -172,6 +198,7 @@ def chat(args):
     utf8(args.prompt or "", "--prompt")
     args.response_format = response_format(args)
     model, tokenizer = load(args)
+    args.speculative = speculation(args, tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     # Each turn sends the whole history again; the prefix cache keeps its prompts' whole prefill chunks, so a
     # turn prefills only from the first chunk that holds something new (the previous answer, say), and
@@ -296,16 +323,24 @@ def bench_ours(args):
     from . import bench
     from .kernels import weight_format
 
-    model = load_model(args)
+    model, tokenizer = load(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
+    run = bench.ours(model, prompt, args.new_tokens, args.compile, speculation(args, tokenizer))
+    counts = []
+
+    def counted(mark):
+        counts.append(run(mark))
 
     def facts():  # after the warm-up run, which chose between the kernels and torch
         accelerator = getattr(model, "accelerator", None)  # none: --no-kernels, another device, no C compiler
+        c = counts[-1]
         return dict(weights_read=weight_format(model),  # what our decoding steps read
                     kernels=accelerator.mode if accelerator else "off",
-                    kernel_choices=accelerator.report() if accelerator else [])
+                    kernel_choices=accelerator.report() if accelerator else [],
+                    tokens_per_pass=round(c.decoded / max(c.passes, 1), 2),
+                    acceptance=round(c.kept / c.guessed, 3) if c.guessed else None)
 
-    return bench.ours(model, prompt, args.new_tokens, args.compile), facts
+    return counted, facts
 
 
 def bench_torch(args):
@@ -337,7 +372,8 @@ def bench(args):
     rows, facts = bench.timed_apart(systems, (args.batch_size, args.prompt_tokens), args.new_tokens, args.repeats,
                                     args.device)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
-                 weights_read=facts["weights_read"], compile=args.compile,
+                 weights_read=facts["weights_read"], compile=args.compile, speculative=args.speculative,
+                 tokens_per_pass=facts["tokens_per_pass"], acceptance=facts["acceptance"],
                  device=args.device, threads=torch.get_num_threads(), kernels=facts["kernels"],
                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
@@ -377,12 +413,13 @@ def serve(args):
     # makes no OpenMP pool of its own to slow theirs (see Scheduler).
     threads = args.threads or torch.get_num_threads()
     model, tokenizer = load(argparse.Namespace(**{**vars(args), "threads": 1}))
+    speculative = speculation(args, tokenizer)
     name = args.model or "SmolLM2-135M-Instruct"
     adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
-                     speculative=args.speculative == "ngram")
+                     speculative=speculative)
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
     # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -553,9 +590,10 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
                         help="after the text, one line per token: its id and text, its log-probability and the N "
                              "most likely tokens'")
-    sample.add_argument("--speculative", choices=("ngram",),
-                        help="ngram: guess tokens by prompt lookup and check them in one pass (same answer, faster "
-                             "where it repeats its input)")
+    sample.add_argument("--speculative", type=speculative_flag, metavar="ngram|draft[:SRC]",
+                        help="guess tokens and check them in one pass (the same answer): ngram by prompt lookup "
+                             "(faster where it repeats its input); draft:SRC with a smaller model of the same "
+                             "tokenizer, loaded as --model (draft alone: the embedded model)")
     structured = sample.add_mutually_exclusive_group()
     structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
     structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
@@ -599,6 +637,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=("torch", "transformers"), action="append", default=[],
                    help="time beside ours: transformers on the same weights, or torch (our model, every kernel off); "
                         "repeatable")
+    c.add_argument("--speculative", type=speculative_flag, metavar="ngram|draft[:SRC]",
+                   help="smollm2 speculates, as generate does: its tokens per decoding pass and acceptance rate "
+                        "(guesses kept) are reported")
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=bench)
 
@@ -611,9 +652,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
-    c.add_argument("--speculative", choices=("ngram", "off"), default="ngram",
+    c.add_argument("--speculative", type=speculative_flag, default="ngram", metavar="ngram|off|draft[:SRC]",
                    help="ngram (default): requests guess tokens by prompt lookup, checked in one pass (the same "
-                        "answers); a request's \"speculative\" field overrides it")
+                        "answers); draft:SRC: with a smaller model of the same tokenizer (draft alone: the embedded "
+                        "model); off: not. A request's \"speculative\" field overrides it (draft: only where the "
+                        "server has one)")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
                         "every weight it does not adapt with the base")

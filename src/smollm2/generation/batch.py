@@ -19,9 +19,11 @@ from .logprobs import check_top
 from .prefix_cache import PrefixCache
 from .sampling import Sampling
 from .sequence import Sequence, Step, check_request, prompt_rows
+from .speculative import check_speculative
 from .steps import compiled_decode_step, decode_step
 
 if TYPE_CHECKING:
+    from ..model import SmolLM2
     from ..tools import Tools
 
 MAX_NEW_TOKENS = 128
@@ -40,7 +42,7 @@ def eos_ids(eos_token_id, config) -> set[int]:
 def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
            stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
-           speculative: str | None = None, tools: Tools | None = None, hooks=None,
+           speculative: str | SmolLM2 | None = None, tools: Tools | None = None, hooks=None,
            **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
     tokens than another in a speculating step): its new token, the text that became final with it (decoded when
@@ -63,12 +65,16 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     response_format: OpenAI's, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}},
     or {"type": "choice", "choices": [...]} or {"type": "regex", "pattern": ...} (needs `tokenizer`): each row
     may only write text that fits it, then its EOS.
-    speculative: None, or "ngram": each row guesses its next tokens by prompt lookup and the model checks them
-    in one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
+    speculative: None; "ngram": each row guesses its next tokens by prompt lookup; or a draft model (a smaller
+    SmolLM2 with the same tokenizer): each row guesses them with it, greedily. The model checks a row's guesses in
+    one pass (smollm2.generation.speculative); the tokens are those of decoding without it.
     tools: a smollm2.tools.Tools (needs `tokenizer`): each row's tool calls, where its tool_choice lets it make
     them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
     hooks: (hook point name, function) pairs (smollm2.generation.hooks, as TransformerLens's fwd_hooks; steering()
     makes a steering vector's): every row's passes run op by op through them, reading or changing activations.
+
+    Its return value (StopIteration.value, or `yield from`'s) is the engine's PassCounts: its decoding passes,
+    the tokens they gave, and the tokens guessed and kept by speculation.
     """
     config, params = model.config, Sampling(**sampling)
     prompts = check_request(input_ids, max_new_tokens, stop, params, config.vocab_size, config.max_position_embeddings)
@@ -81,8 +87,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     hooks = None if hooks is None else Hooks(config.num_hidden_layers, hooks)
     sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
                  for prompt in prompts]
-    if speculative not in (None, "ngram"):
-        raise SmolError(f"speculative must be None or 'ngram', got {speculative!r}")
+    check_speculative(speculative, config.vocab_size)
     if compile is None:
         compile = device.type == "cuda" and speculative is None
     if max_new_tokens == 0:
@@ -90,7 +95,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
                     prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
                     whole_cache=compile)
-    rows = [engine.admit(sequence, speculative=speculative == "ngram", hooks=hooks) for sequence in sequences]
+    rows = [engine.admit(sequence, speculative=speculative, hooks=hooks) for sequence in sequences]
     while not all(sequence.finish_reason for sequence in sequences):
         # Every prompt is prefilled at the first step, so each step gives each row going a Step at least, and a
         # speculating row maybe more: its i-th goes in the i-th list.
@@ -99,6 +104,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
             taken[row].append(step)
         for i in range(max(map(len, taken.values()))):
             yield [steps[i] if i < len(steps) else None for steps in taken.values()]
+    return engine.counts
 
 
 def generate(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -> torch.LongTensor:

@@ -40,7 +40,7 @@ from .hooks import Hooks
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
 from .sequence import Sequence, Step, advance
-from .speculative import MAX_PASS_TOKENS, PromptLookup
+from .speculative import MAX_PASS_TOKENS, Guesser, check_speculative, new_guesser
 from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
 
 
@@ -51,12 +51,22 @@ class PromptLogprobs:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(frozen=True)
+class PassCounts:
+    """What an engine's decoding passes did: tokens per pass is decoded / passes, above 1 with speculation; its
+    acceptance rate is kept / guessed."""
+    passes: int  # decoding passes run
+    decoded: int  # the tokens they gave
+    guessed: int  # tokens speculating rows guessed
+    kept: int  # and those the model kept
+
+
 @dataclass(eq=False)
 class Row:
     """A sequence in the engine, and how far its prompt is in its cache row."""
     sequence: Sequence
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
-    guesser: PromptLookup | None = None  # speculates with it, or not
+    guesser: Guesser | None = None  # speculates with it, or not
     hooks: Hooks | None = None  # its passes run through these, alone (see above)
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
@@ -96,19 +106,25 @@ class Engine:
         self.guessed = self.kept = 0  # tokens speculating rows guessed, and those the model kept
 
     @property
+    def counts(self) -> PassCounts:
+        return PassCounts(self.passes, self.decoded, self.guessed, self.kept)
+
+    @property
     def free(self) -> int:
         """Cache rows that neither a row holds nor a queued row will take."""
         return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)
 
-    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative: bool = False,
+    def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative=None,
               hooks: Hooks | None = None) -> Row:
         """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs.
-        speculative: guess its next tokens by prompt lookup (speculative.py); its tokens are the same. hooks: run
-        its passes through these (see above)."""
-        if speculative and self.whole_cache:
+        speculative: None, or guess its next tokens by prompt lookup ("ngram") or with a draft model (a SmolLM2
+        of the same vocabulary; speculative.py); its tokens are the same. hooks: run its passes through these (see
+        above)."""
+        if speculative is not None and self.whole_cache:
             raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
-        row = Row(sequence, prompt_logprobs, PromptLookup() if speculative else None, hooks,
-                  blocks=None if hooks is not None else [])
+        check_speculative(speculative, self.model.config.vocab_size)
+        row = Row(sequence, prompt_logprobs, new_guesser(speculative, len(sequence.prompt) + sequence.max_new_tokens),
+                  hooks, blocks=None if hooks is not None else [])
         self.queued.append(row)
         return row
 

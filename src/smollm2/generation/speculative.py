@@ -7,17 +7,31 @@ once too, so every confirmed guess is a token for (almost) nothing. The engine c
 grammar, penalties, random generator), and the guess at i+1 stands only if it is the token drawn at i. So the
 answer is the one plain decoding gives, token for token, greedy or seeded: each position's logits have the bits
 of a decoding step's (the pass's rows and a step's are summed in the same order, see MAX_PASS_TOKENS), and each
-row draws once per position it keeps, as it would step by step. For a guess that is a fixed token (a lookup, not
-a sampled draft) this is the standard rejection rule: the guess stands with the probability the model gives it.
+row draws once per position it keeps, as it would step by step. For a guess that is a fixed token this is the
+standard rejection rule: accepting a guess x with probability min(1, p(x) / q(x)) and, rejected, drawing from
+p - q with its negative part cut off, is, where the guesser's q puts all its mass on x, accepting with
+probability p(x) and otherwise drawing from p without x: what "the guess stands if it is the token drawn" does.
 
-PromptLookup guesses by prompt lookup (n-grams): the tokens that followed the last place where the row's most
-recent tokens occurred before, in its prompt or its answer so far. Editing, extracting, summarising and code
-changes repeat long runs of their input; open-ended text rarely does, and then a row stops guessing for a while.
+Two guessers, one interface (guess, record), so the engine need not know which a row has:
+- PromptLookup guesses by prompt lookup (n-grams): the tokens that followed the last place where the row's most
+  recent tokens occurred before, in its prompt or its answer so far. Editing, extracting, summarising and code
+  changes repeat long runs of their input; open-ended text rarely does, and then a row stops guessing for a
+  while.
+- Draft guesses with a smaller model of the same vocabulary (a 135M drafting for a 360M or 1.7B; a quantized
+  base drafting for a fine-tune of it): its greedy tokens, from a KV cache of the row's own that it rolls back to
+  what the model kept. Greedy, not sampled: a fixed guess keeps the answer equal to plain decoding's token for
+  token, seeded runs included, where a sampled draft would give another sample of the same distribution; at
+  temperature 0, where the draft matters most, the two accept the same guesses.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from ..errors import SmolError
+from ..model import SmolLM2
+from .steps import cache_length, chunks, decode_step, prefill_chunk, untouched_cache
 
 MAX_PASS_TOKENS = 16  # positions in one pass, over every row: the most the CPU decoding kernel takes at once
 # (kernels.ops.MAX_ROWS), so a pass is summed as a decoding step is; past it the pass would run on other code
@@ -27,8 +41,9 @@ MAX_GUESS = 8  # tokens guessed at once: a pass of 9 positions costs about 1.5 d
 MAX_PAUSE = 32  # steps a row waits, at most, before guessing again after its guesses kept missing
 
 
-class PromptLookup:
-    """One row's guesses by prompt lookup, their length adapted to how many the model has kept lately."""
+class Guesser:
+    """One row's guesses, their length adapted to how many the model has kept lately; a subclass says how it
+    guesses (propose)."""
 
     def __init__(self):
         self.length = 3  # tokens to guess next
@@ -41,7 +56,10 @@ class PromptLookup:
         if self.pause:
             self.pause -= 1
             return []
-        return lookup(prompt + answer, min(self.length, room)) if room > 0 else []  # joined only when looked up
+        return self.propose(prompt + answer, min(self.length, room)) if room > 0 else []  # joined only if guessing
+
+    def propose(self, tokens: list[int], length: int) -> list[int]:
+        raise NotImplementedError
 
     def record(self, guessed: int, kept: int) -> None:
         """How many of the last guesses the model kept: all of them lengthens the next, fewer shortens it, and a
@@ -51,6 +69,13 @@ class PromptLookup:
         self.misses = self.misses + 1 if kept == 0 else 0
         if self.misses >= 2:
             self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
+
+
+class PromptLookup(Guesser):
+    """Guesses by prompt lookup (see above)."""
+
+    def propose(self, tokens: list[int], length: int) -> list[int]:
+        return lookup(tokens, length)
 
 
 def lookup(tokens: list[int], length: int) -> list[int]:
@@ -66,3 +91,56 @@ def lookup(tokens: list[int], length: int) -> list[int]:
             after = int(starts[-1]) + n
             return seen[after:after + length].tolist()
     return []
+
+
+class Draft(Guesser):
+    """Guesses with a draft model (see above), through the steps the engine runs its model with: the tokens it
+    has not seen yet (the prompt at first; then the model's correction, and guesses of its own that it did not
+    feed) in one prefill, whose last position gives the first guess; then a decoding step per further guess."""
+
+    def __init__(self, model: SmolLM2, length: int):
+        """length: the most tokens the row will hold (its prompt and answer), guesses included."""
+        super().__init__()
+        self.model = model
+        self.device = model.model.embed_tokens.weight.device
+        self.cache = untouched_cache(model, 1, cache_length(length, model.config.max_position_embeddings))
+        self.seen: list[int] = []  # the tokens whose keys and values the cache holds, slot by slot
+        self.given = 0  # how many tokens the row had when it last guessed
+
+    def propose(self, tokens: list[int], length: int) -> list[int]:
+        # The last guess is never fed, so the cache takes len(tokens) + length - 1 slots.
+        length = min(length, self.cache.k.shape[3] + 1 - len(tokens))
+        if length <= 0:  # past the draft's context window
+            return []
+        # Keep what the cache holds of these tokens (from the first guess the model did not keep on, it is rolled
+        # back, to be overwritten), less the last token at least: its position's logits give the first guess. The
+        # row's tokens only grow, so those given last time are held still.
+        same = min(self.given, len(tokens) - 1)
+        while same < min(len(self.seen), len(tokens) - 1) and self.seen[same] == tokens[same]:
+            same += 1
+        for begin, end in chunks(same, len(tokens)):
+            h = prefill_chunk(self.model, torch.tensor([tokens[begin:end]], device=self.device), self.cache, begin)
+        guesses = [int(self.model.logits(h[:, -1]).argmax(-1))]
+        for slot in range(len(tokens), len(tokens) + length - 1):
+            ids = torch.tensor([[guesses[-1]]], device=self.device)
+            at = torch.tensor([[slot]], device=self.device)
+            guesses.append(int(decode_step(self.model, ids, at, self.cache.view(length=slot + 1), None).argmax(-1)))
+        self.seen, self.given = tokens + guesses[:-1], len(tokens)
+        return guesses
+
+
+def check_speculative(speculative, vocab_size: int) -> None:
+    """None, "ngram" (prompt lookup) or a draft model (a SmolLM2) of `vocab_size` tokens; else a SmolError."""
+    if isinstance(speculative, SmolLM2):
+        if speculative.config.vocab_size != vocab_size:
+            raise SmolError(f"speculative: the draft model's vocabulary ({speculative.config.vocab_size} tokens) "
+                            f"is not the model's ({vocab_size}): a draft must share its tokenizer")
+    elif speculative not in (None, "ngram"):
+        raise SmolError(f"speculative must be None, 'ngram' or a draft model (a SmolLM2), got {speculative!r}")
+
+
+def new_guesser(speculative, length: int) -> Guesser | None:
+    """A new row's guesser (see check_speculative), for a row of up to `length` tokens; None: no speculation."""
+    if speculative is None:
+        return None
+    return Draft(speculative, length) if isinstance(speculative, SmolLM2) else PromptLookup()

@@ -87,7 +87,7 @@ class Body(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema" | "choice" | "regex",
     # ...}: see grammar.py
-    speculative: Literal["ngram", "off"] | None = None  # our extension: None is the server's --speculative
+    speculative: Literal["ngram", "draft", "off"] | None = None  # our extension: None is the server's --speculative
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[TokenKey, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = \
@@ -161,14 +161,16 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None,
-               threads: int | None = None, speculative: bool = False) -> FastAPI:
+               threads: int | None = None, speculative=None) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
     model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
     field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
     weight with it. Each model has a scheduler (a thread and a KV cache) of its own, running it with `threads`
-    CPU threads (default: as many as this thread's; see Scheduler). speculative: whether requests guess tokens
-    by prompt lookup unless they say otherwise (generation.speculative; the same answers either way)."""
+    CPU threads (default: as many as this thread's; see Scheduler). speculative: how requests guess tokens
+    unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
+    with the same tokenizer, which every model served shares (generation.speculative; the same answers either
+    way)."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
@@ -324,7 +326,7 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
     ask = Ask(prompts, max_tokens, sampling, stop=[*(body.stop or []), *body.stop_token_ids], n=body.n,
               grammar=await grammar(body.response_format, reply.tokenizer, "response_format", reply.tools),
               logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
-              speculative=None if body.speculative is None else body.speculative == "ngram",
+              speculative=body.speculative,
               hooks=await inspect.steering_hooks(body.steering, scheduler, reply.tokenizer))
     requests = submit(scheduler, ask)
     if body.stream:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SmolError
+from ..errors import FieldError, SmolError
 from ..generation import steps
 from ..generation.engine import Engine, PromptLogprobs, Row
 from ..generation.grammar import Grammar
@@ -38,6 +38,7 @@ from ..generation.logprobs import TokenLogprob, check_top
 from ..generation.prefix_cache import PrefixCache
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, check_request
+from ..generation.speculative import check_speculative
 from ..generation.steps import decode_step
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,11 @@ class Request:
     """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
 
     def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None,
-                 on_end: abc.Callable[[Request], None] | None = None, speculative: bool = False,
-                 hooks: Hooks | None = None):
+                 on_end: abc.Callable[[Request], None] | None = None, speculative=None, hooks: Hooks | None = None):
         self.sequence, self.on_end = sequence, on_end  # on_end(request): told as it ends, however it ends
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
         self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
-        self.speculative = speculative  # guess tokens by prompt lookup (generation.speculative)
+        self.speculative = speculative  # None, or guess tokens by "ngram" or a draft model (generation.speculative)
         self.hooks = hooks  # its passes run through these, alone (generation.hooks: steering)
         self.cancelled = False  # set from the HTTP side; the scheduler drops the request at its next step
         self.done = False  # its last event is sent
@@ -125,10 +125,11 @@ class Request:
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
                  max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
-                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative: bool = False):
+                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative=None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
-        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: whether
-        a request speculates (prompt lookup) unless it says otherwise. threads: the
+        prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
+        request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
+        SmolLM2 of the same vocabulary, run on this thread too; generation.speculative). threads: the
         CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
 
         Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
@@ -148,6 +149,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.on_end = on_end
         self.threads = threads or torch.get_num_threads()
+        check_speculative(speculative, model.config.vocab_size)
         self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
@@ -174,20 +176,21 @@ class Scheduler:
     def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
                stop: abc.Sequence[str | int] = (), logprobs: int | None = None,
                prompt_logprobs: int | None = None, grammar: Grammar | None = None,
-               speculative: bool | None = None, hooks: Hooks | None = None) -> Request:
+               speculative: str | None = None, hooks: Hooks | None = None) -> Request:
         """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
         stop: strings and token ids that end the answer (see Sequence);
         logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
         prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
         grammar: None, or what the answer must fit (response_format); speculative: None for the scheduler's
-        default, or whether this request guesses tokens by prompt lookup (the same tokens either way); hooks: None,
-        or the hooks its passes run through (steering), alone: the other requests' tokens are what they would be."""
+        default, or "off", "ngram" (prompt lookup) or "draft" (the scheduler's draft model; the same tokens either
+        way); hooks: None, or the hooks its passes run through (steering), alone: the other requests' tokens are what
+        they would be."""
         config = self.model.config
         (prompt,) = check_request([prompt], max_tokens, stop, sampling, config.vocab_size, self.max_seq_len)
         sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
                             logprobs, grammar)
         request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
-                          self.on_end, self.speculative if speculative is None else speculative, hooks)
+                          self.on_end, self.speculation(speculative), hooks)
         if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
             request.finish()
             return request
@@ -198,6 +201,24 @@ class Scheduler:
             self.waiting.append(request)
             self._wake.notify()
         return request
+
+    @property
+    def draft(self):
+        """The draft model requests may ask for ("draft"), or None."""
+        return None if self.speculative in (None, "ngram") else self.speculative
+
+    def speculation(self, asked: str | None):
+        """What a request that asks `asked` (see submit) speculates with: None, "ngram" or the draft model."""
+        if asked is None:
+            return self.speculative
+        if asked == "draft":
+            if self.draft is None:
+                raise FieldError("speculative", "'draft' needs a server started with a draft model "
+                                 "(--speculative draft:SRC)")
+            return self.draft
+        if asked not in ("off", "ngram"):
+            raise FieldError("speculative", f"must be 'off', 'ngram' or 'draft', got {asked!r}")
+        return None if asked == "off" else asked
 
     def call(self, function: abc.Callable[[], Any]) -> asyncio.Future:
         """Run function() on the scheduler's thread between two steps; returns a future of its result (or of

@@ -182,7 +182,7 @@ class Ask:
     grammar: Grammar | None = None  # what the answer must fit (structured output)
     logprobs: int | None = None  # each generated token's log-probability, with this many top tokens
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
-    speculative: bool | None = None  # guess tokens by prompt lookup; None: as the server does
+    speculative: str | None = None  # "off", "ngram" or "draft" (the server's draft model); None: as the server does
     hooks: Hooks | None = None  # what its passes run through (steering), each choice's alone
 
 
