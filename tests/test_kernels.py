@@ -116,14 +116,17 @@ def accelerated(model: SmolLM2) -> SmolLM2:
     return accelerate(copy.deepcopy(model))
 
 
-def decode(model, ids, attention_mask, T):
+def decode(model, ids, attention_mask, T, kv_dtype=None):
     """The logits of the last T tokens, decoded in one step after the others went in as a prompt, and the
-    keys and values in the cache then."""
+    keys and values in the cache (of kv_dtype) then, as attention reads them."""
     B, S = ids.shape
     P = S - T
-    cache = model.new_cache(B, 64)
+    cache = model.new_cache(B, 64, kv_dtype)
     model(ids[:, :P], torch.arange(P), cache.view(length=P), attention_mask[:, :P])
     logits = model(ids[:, P:], torch.arange(P, S), cache.view(length=S), attention_mask)
+    if cache.k_scale is not None:
+        return logits, [(t.float() * scale)[..., :S, :] for t, scale in ((cache.k, cache.k_scale),
+                                                                         (cache.v, cache.v_scale))]
     return logits, [t[..., :S, :] for t in (cache.k, cache.v)]
 
 
@@ -131,9 +134,10 @@ def decode(model, ids, attention_mask, T):
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", ["gqa", "mqa", "mha"])
-def test_decoding_blocks_match_torch(name, dtype, T, padded):
+@pytest.mark.parametrize("kv_dtype", [None, "bf16", "int8"])
+def test_decoding_blocks_match_torch(name, dtype, T, padded, kv_dtype):
     """A decoding step of the whole model, each block one kernel call, against the reference model's: logits,
-    and the keys and values it wrote into the cache (after RoPE)."""
+    and the keys and values it wrote into the cache (after RoPE), in the model's dtype or another."""
     reference = tiny(name, dtype)
     model = accelerated(reference)
     activations = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -142,10 +146,11 @@ def test_decoding_blocks_match_torch(name, dtype, T, padded):
     attention_mask = torch.ones_like(ids)
     if padded:
         attention_mask[1, :10] = 0  # row 1 left-padded
-    (fast, fast_cache), (slow, slow_cache) = decode(model, ids, attention_mask, T), decode(reference, ids,
-                                                                                         attention_mask, T)
-    # bf16: the products' float32 sums are added in another order, so a rounding may land one ulp away.
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype != "bfloat16" else dict(atol=2 ** -6, rtol=2 ** -7)
+    (fast, fast_cache), (slow, slow_cache) = (decode(m, ids, attention_mask, T, kv_dtype) for m in (model, reference))
+    # bf16: the products' float32 sums are added in another order, so a rounding may land one ulp away (and a
+    # bf16 cache's values with them).
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype != "bfloat16" and kv_dtype != "bf16" else dict(atol=2 ** -6,
+                                                                                              rtol=2 ** -7)
     torch.testing.assert_close(fast.float(), slow.float(), **tol)
     for got, want in zip(fast_cache, slow_cache):
         torch.testing.assert_close(got.float(), want.float(), **tol)
@@ -191,11 +196,12 @@ def test_prompt_attention_leaves_what_it_cannot_run_to_torch():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_a_rows_block_does_not_depend_on_its_batch(dtype):
+@pytest.mark.parametrize("kv_dtype", [None, "bf16", "int8"])
+def test_a_rows_block_does_not_depend_on_its_batch(dtype, kv_dtype):
     model = accelerated(tiny("gqa", dtype))
     ids = torch.randint(0, model.config.vocab_size, (3, 20))
-    batched, _ = decode(model, ids, torch.ones_like(ids), 1)
-    alone, _ = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 1)
+    batched, _ = decode(model, ids, torch.ones_like(ids), 1, kv_dtype)
+    alone, _ = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 1, kv_dtype)
     assert torch.equal(alone[0], batched[1])
 
 
