@@ -121,15 +121,17 @@ def test_sixteen_concurrent_chats_are_bit_identical_with_and_without_the_cache(t
     assert metric(metrics, "smollm2_prefix_cache_bytes") > 0
 
 
-def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks):
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks, kv_cache_dtype):
     """The same request twice, and n=3: after the first, each prompt is found whole; answers equal those
-    without the cache."""
+    without the cache. An int8 KV cache's blocks keep its values and scales as they are."""
     model, tokenizer = tiny
     body = dict(model=NAME, messages=[{"role": "user", "content": "Write about " + " and ".join(TOPICS)}],
                 max_tokens=8, temperature=0.8, seed=5, logprobs=True)
     answers, hits = [], []
     for cache_bytes in (0, 64 << 20):
-        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes)
+        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes,
+                         kv_cache_dtype=kv_cache_dtype)
         with running(app) as url:
             answers.append([httpx.post(f"{url}/v1/chat/completions", json=dict(body, n=n)).json()["choices"]
                             for n in (1, 1, 3)])

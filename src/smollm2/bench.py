@@ -161,10 +161,11 @@ def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torc
     return torch.randint(0, vocab_size, (batch_size, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None):
-    """smollm2's run(mark): greedy, no EOS stop."""
+def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None,
+         kv_cache_dtype: str | None = None):
+    """smollm2's run(mark): greedy, no EOS stop; its KV cache storing kv_cache_dtype (None: the model's)."""
     def run(mark):
-        for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile):
+        for _ in stream(model, prompt, new_tokens, eos_token_id=None, compile=compile, kv_cache_dtype=kv_cache_dtype):
             mark()
 
     return run

@@ -93,13 +93,19 @@ def release_slots(cache, row: int, first: int) -> None:
     for memory, part in zip(pages, cache.parts):
         L, B, H, S, D = part.shape
         size = part.element_size()
+        spans = []  # byte ranges; a whole row's heads of a layer are one (less than a page each, int8's scales)
         for layer in range(L):
             for head in range(H):
                 base = ((layer * B + row) * H + head) * S * D * size  # where this layer and head's slots start
-                begin = -(-(base + first * D * size) // mmap.PAGESIZE) * mmap.PAGESIZE
-                end = (base + S * D * size) // mmap.PAGESIZE * mmap.PAGESIZE
-                if end > begin:
-                    memory.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+                begin, end = base + first * D * size, base + S * D * size
+                if spans and spans[-1][1] == begin:
+                    spans[-1][1] = end
+                else:
+                    spans.append([begin, end])
+        for begin, end in spans:
+            begin, end = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > begin:
+                memory.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 def cache_length(n: int, limit: int) -> int:
