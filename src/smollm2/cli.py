@@ -26,8 +26,7 @@ MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; f
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
 MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
 # serve's KV cache: bf16 holds a row's slots in half the memory of fp32 and moves the embedded model's perplexity by
-# 0.01% (benchmarks/kv_cache.py), where int8 moves it by 0.6% (and decodes no faster: its scales cost what its
-# bytes save)
+# 0.006%, where int8 (a quarter) moves it by 0.6% (benchmarks/kv_cache.py)
 SERVE_KV_CACHE_DTYPE = "bf16"
 MAX_BATCH_SIZE = 256  # serve's rows: each holds a KV cache of the whole context window
 
