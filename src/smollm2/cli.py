@@ -181,7 +181,7 @@ def chat(args):
     # Each turn sends the whole history again; the prefix cache keeps its prompts' whole prefill chunks, so a
     # turn prefills only from the first chunk that holds something new (the previous answer, say), and
     # answers as the same prompt sent fresh would.
-    prefix_cache = PrefixCache(2**30)  # as serve's --prefix-cache: more than a 135M model's whole window takes
+    prefix_cache = PrefixCache(2**30)  # more than a 135M model's whole window takes in float32
     turns = [args.prompt] if args.prompt is not None else None
     if turns is None:
         print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -631,9 +631,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
                         f"{SERVE_KV_CACHE_DTYPE})")
-    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=1024, metavar="MIB",
+    # 256 MiB: a 135M model's whole window in bf16 (188 MiB), where a server's resident memory is its weights
+    # (~1 GB up) plus this once many long prompts have passed
+    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=256, metavar="MIB",
                    help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
-                        "1024 MiB; 0: none)")
+                        "256 MiB; 0: none)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "
