@@ -37,9 +37,14 @@ struct block {  /* kernels.c's struct block, field for field */
     long C, H, KVH, D, I;
     float eps;
 };
+struct cache {  /* kernels.c's struct cache, field for field */
+    void *const *k, *const *v;
+    float *const *k_scale, *const *v_scale;
+    int type;
+    long S, stride_b, stride_h, scale_stride_b, scale_stride_h;
+};
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, void *const *k_cache, void *const *v_cache, long S, long stride_b,
-           long stride_h, const uint8_t *mask);
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
 
 static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0"};
 static int passed, failed;
@@ -433,8 +438,9 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     int64_t *slots = malloc(sizeof(int64_t) * B * T);
     for (long i = 0; i < B * T; i++) slots[i] = PAST + i % T;
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
+    const struct cache layers = {k_caches, v_caches, NULL, NULL, type, S, cache, S * D, 0, 0};
     if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
-               (const char *)sines + first * T * D * size, slots, T, k_caches, v_caches, S, cache, S * D, NULL))
+               (const char *)sines + first * T * D * size, slots, T, &layers, NULL))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;

@@ -330,20 +330,24 @@ def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatc
     assert logprobs.prompt_logprobs(tiny, ids[:1]) == [None]
 
 
-def test_the_slots_rows_no_longer_hold_go_back_to_the_os():
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bf16", "int8"])
+def test_the_slots_rows_no_longer_hold_go_back_to_the_os(kv_cache_dtype):
     """A server's memory follows its load: once a row retires, its cache row's slots are handed back (they read as
-    zeros again), and a row that moves into a freed row leaves nothing of the one before past its own slots."""
+    zeros again), and a row that moves into a freed row leaves nothing of the one before past its own slots.
+    Whatever the cache stores: an int8 cache's scales go back with its values (whole pages: the tiny model's
+    whole window, 512 slots, makes a row's scales of a layer one page)."""
     from smollm2.generation.engine import Engine
 
     model = tiny_model(TINY["gqa"])
-    engine = Engine(model, 2, 64, prefill_budget=None)
+    engine = Engine(model, 2, 512, prefill_budget=None, kv_cache_dtype=kv_cache_dtype)
     long_, short = (Sequence(list(range(3, 3 + n)), new, Sampling(), ()) for n, new in ((20, 12), (5, 3)))
     rows = [engine.admit(long_), engine.admit(short)]
     with torch.inference_mode():
         while not short.finish_reason:
             engine.step()
-        held = engine.cache.k[:, 0, :, :rows[0].filled].clone()
-        assert engine.decoding == [rows[0]] and not engine.cache.k[:, 1].any()  # the short row's memory is back
+        held = [t[:, 0, :, :rows[0].filled].clone() for t in engine.cache.parts]
+        assert engine.decoding == [rows[0]]
+        assert not any(t[:, 1].any() for t in engine.cache.parts)  # the short row's memory is back
         while not long_.finish_reason:
             engine.step()
-    assert held.any() and not engine.cache.k.any() and not engine.cache.v.any()
+    assert all(t.any() for t in held) and not any(t.any() for t in engine.cache.parts)

@@ -33,50 +33,50 @@ def tiny(tiny_dir):
     return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
-def block(value: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block(value: float) -> list[torch.Tensor]:
+    """A chunk's keys and values, as KVCache.parts holds them."""
     k = torch.full((2, 1, steps.PREFILL_CHUNK, 4), float(value))
-    return k, -k
+    return [k, -k]
 
 
 def test_lookup_store_and_least_recently_used_eviction(small_chunks):
     size = 2 * block(0)[0].numel() * 4  # one block's keys and values, float32
     cache = PrefixCache(max_bytes=3 * size)
     a, b, c, d = (list(range(i * 16, i * 16 + 16)) for i in range(4))
-    first = cache.store([], a, *block(1))
-    second = cache.store([first], b, *block(2))
+    first = cache.store([], a, block(1))
+    second = cache.store([first], b, block(2))
     assert cache.lookup(a + b + [7]) == [first, second]
     assert cache.lookup(a + b) == [first]  # the last token is never taken from the cache: its logits are needed
     assert cache.lookup(b + a + [7]) == []  # a block is its prefix, not its tokens alone
-    assert torch.equal(second.k, block(2)[0]) and cache.looked_up == 33 + 32 + 33 and cache.found == 32 + 16
+    assert torch.equal(second.parts[0], block(2)[0]) and cache.looked_up == 33 + 32 + 33 and cache.found == 32 + 16
     # Full: the least recently used block goes, and blocks others extend are used after them.
-    other = cache.store([], c, *block(3))
+    other = cache.store([], c, block(3))
     cache.lookup(a + b + [7])
-    cache.store([], d, *block(4))
+    cache.store([], d, block(4))
     assert cache.lookup(c + [7]) == [] and cache.lookup(a + b + [7]) == [first, second]
     assert cache.bytes == 3 * size and other not in cache.blocks.values()
     # A block is evicted before the block it extends; a block after an evicted one is not kept.
     more = [list(range(i, i + 16)) for i in range(100, 500, 100)]
-    cache.store([], c, *block(3))  # evicts d
-    cache.store([], more[0], *block(5))  # evicts second, which extends first
+    cache.store([], c, block(3))  # evicts d
+    cache.store([], more[0], block(5))  # evicts second, which extends first
     assert cache.lookup(a + b + [7]) == [first]
     for tokens in more[1:]:  # evict c, more[0], then first
-        cache.store([], tokens, *block(6))
-    assert cache.lookup(a + b + [7]) == [] and cache.store([first], b, *block(2)) is None
-    assert PrefixCache(max_bytes=size - 1).store([], a, *block(1)) is None  # one block over the budget
+        cache.store([], tokens, block(6))
+    assert cache.lookup(a + b + [7]) == [] and cache.store([first], b, block(2)) is None
+    assert PrefixCache(max_bytes=size - 1).store([], a, block(1)) is None  # one block over the budget
 
 
 def test_a_prompt_seen_whole_before_needs_no_prefill(small_chunks):
     cache = PrefixCache(max_bytes=1 << 20)
     a, tail = list(range(16)), [1, 2, 3]
-    first = cache.store([], a, *block(1))
+    first = cache.store([], a, block(1))
     assert cache.lookup(a + tail) == [first]
     h = torch.ones(1, 1, 8)
-    k, v = block(2)
-    last = cache.store([first], tail, k[..., :3, :], v[..., :3, :], h)
+    last = cache.store([first], tail, [t[..., :3, :] for t in block(2)], h)
     assert cache.lookup(a + tail) == [first, last] and torch.equal(last.h, h)  # the whole prompt: 19 tokens
     assert cache.lookup(a + tail[:2]) == [first] and cache.lookup(a) == []  # a is a block, not a prompt's end
     assert cache.found == 16 + 19 + 16
-    cache.store([], a, *block(1), h)  # now a prompt ended with a too
+    cache.store([], a, block(1), h)  # now a prompt ended with a too
     assert cache.lookup(a) == [first] and cache.bytes == sum(b.bytes for b in cache.blocks.values())
 
 
@@ -121,15 +121,17 @@ def test_sixteen_concurrent_chats_are_bit_identical_with_and_without_the_cache(t
     assert metric(metrics, "smollm2_prefix_cache_bytes") > 0
 
 
-def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks):
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks, kv_cache_dtype):
     """The same request twice, and n=3: after the first, each prompt is found whole; answers equal those
-    without the cache."""
+    without the cache. An int8 KV cache's blocks keep its values and scales as they are."""
     model, tokenizer = tiny
     body = dict(model=NAME, messages=[{"role": "user", "content": "Write about " + " and ".join(TOPICS)}],
                 max_tokens=8, temperature=0.8, seed=5, logprobs=True)
     answers, hits = [], []
     for cache_bytes in (0, 64 << 20):
-        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes)
+        app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=cache_bytes,
+                         kv_cache_dtype=kv_cache_dtype)
         with running(app) as url:
             answers.append([httpx.post(f"{url}/v1/chat/completions", json=dict(body, n=n)).json()["choices"]
                             for n in (1, 1, 3)])

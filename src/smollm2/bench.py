@@ -161,11 +161,13 @@ def random_prompt(vocab_size: int, batch_size: int, tokens: int, device) -> torc
     return torch.randint(0, vocab_size, (batch_size, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None, speculative=None):
-    """smollm2's run(mark): greedy, no EOS stop; speculative as stream takes it. run returns what its decoding
-    passes did (PassCounts)."""
+def ours(model, prompt: torch.Tensor, new_tokens: int, compile: bool | None = None, speculative=None,
+         kv_cache_dtype: str | None = None):
+    """smollm2's run(mark): greedy, no EOS stop; speculative as stream takes it; its KV cache storing
+    kv_cache_dtype (None: the model's). run returns what its decoding passes did (PassCounts)."""
     def run(mark):
-        steps = stream(model, prompt, new_tokens, eos_token_id=None, compile=compile, speculative=speculative)
+        steps = stream(model, prompt, new_tokens, eos_token_id=None, compile=compile, speculative=speculative,
+                       kv_cache_dtype=kv_cache_dtype)
         while True:
             try:
                 next(steps)

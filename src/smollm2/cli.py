@@ -18,12 +18,16 @@ from pathlib import Path
 import torch
 
 from .errors import SmolError
+from .model import KV_CACHE_DTYPES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")  # as smollm2.checkpoints.gguf.SAVE_TYPES, without importing gguf here
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
 MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
+# serve's KV cache: bf16 holds a row's slots in half the memory of fp32 and moves the embedded model's perplexity by
+# 0.006%, where int8 (a quarter) moves it by 0.6% (benchmarks/kv_cache.py)
+SERVE_KV_CACHE_DTYPE = "bf16"
 MAX_BATCH_SIZE = 256  # serve's rows: each holds a KV cache of the whole context window
 
 
@@ -167,7 +171,8 @@ def print_stream(model, tokenizer, ids: list[int], args, prefix_cache=None) -> s
     stop = args.stop + args.stop_token_id  # strings and token ids
     for (step,) in stream(model, [ids], args.max_new_tokens, stop=stop, tokenizer=tokenizer, compile=args.compile,
                           prefix_cache=prefix_cache, logprobs=args.logprobs,
-                          response_format=args.response_format, speculative=args.speculative, **sampling(args)):
+                          response_format=args.response_format, speculative=args.speculative,
+                          kv_cache_dtype=args.kv_cache_dtype, **sampling(args)):
         print(step.text, end="", flush=True)
         text.append(step.text)
         logprobs.append(step.logprob)
@@ -203,7 +208,7 @@ def chat(args):
     # Each turn sends the whole history again; the prefix cache keeps its prompts' whole prefill chunks, so a
     # turn prefills only from the first chunk that holds something new (the previous answer, say), and
     # answers as the same prompt sent fresh would.
-    prefix_cache = PrefixCache(2**30)  # as serve's --prefix-cache: more than a 135M model's whole window takes
+    prefix_cache = PrefixCache(2**30)  # more than a 135M model's whole window takes in float32
     turns = [args.prompt] if args.prompt is not None else None
     if turns is None:
         print("Chatting with the model: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -307,7 +312,8 @@ def perplexity(args):
         raise SmolError(f"--stride must be in [1, --context - 1 = {window - 1}], got {stride}")
     start = time.perf_counter()
     with tqdm(total=len(ids) - 1, unit="tok", desc="perplexity", disable=None, file=sys.stderr) as bar:
-        measured = evaluate.perplexity(model, ids, window, stride, progress=bar.update)
+        measured = evaluate.perplexity(model, ids, window, stride, progress=bar.update,
+                                       kv_cache_dtype=args.kv_cache_dtype)
     seconds = time.perf_counter() - start
     result = dict(file=str(path), tokens=len(ids), perplexity=measured.perplexity, nll=measured.nll, window=window,
                   stride=stride, tokens_per_s=len(ids) / seconds)
@@ -325,7 +331,7 @@ def bench_ours(args):
 
     model, tokenizer = load(args)
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    run = bench.ours(model, prompt, args.new_tokens, args.compile, speculation(args, tokenizer))
+    run = bench.ours(model, prompt, args.new_tokens, args.compile, speculation(args, tokenizer), args.kv_cache_dtype)
     counts = []
 
     def counted(mark):
@@ -372,7 +378,8 @@ def bench(args):
     rows, facts = bench.timed_apart(systems, (args.batch_size, args.prompt_tokens), args.new_tokens, args.repeats,
                                     args.device)
     setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
-                 weights_read=facts["weights_read"], compile=args.compile, speculative=args.speculative,
+                 weights_read=facts["weights_read"], kv_cache_dtype=args.kv_cache_dtype or args.dtype,
+                 compile=args.compile, speculative=args.speculative,
                  tokens_per_pass=facts["tokens_per_pass"], acceptance=facts["acceptance"],
                  device=args.device, threads=torch.get_num_threads(), kernels=facts["kernels"],
                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
@@ -419,7 +426,7 @@ def serve(args):
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
-                     speculative=speculative)
+                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype)
     # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
     # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -567,6 +574,10 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
 
+    cache = argparse.ArgumentParser(add_help=False)
+    cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                       help="what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: --dtype)")
+
     sample = argparse.ArgumentParser(add_help=False)
     sample.add_argument("--max-new-tokens", type=int, default=256)
     sample.add_argument("--min-new-tokens", type=int, default=0,
@@ -598,11 +609,11 @@ def parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
     structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
 
-    c = commands.add_parser("generate", parents=[model, sample], help="complete a raw prompt, streamed")
+    c = commands.add_parser("generate", parents=[model, cache, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
     c.set_defaults(run=generate)
 
-    c = commands.add_parser("chat", parents=[model, sample], help="chat with the model (chat template)")
+    c = commands.add_parser("chat", parents=[model, cache, sample], help="chat with the model (chat template)")
     c.add_argument("-p", "--prompt", help="answer this one message and exit")
     c.add_argument("--system", help="a system message (default: the template's own)")
     c.set_defaults(run=chat)
@@ -613,7 +624,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print a JSON list of {text, tokens, embedding}")
     c.set_defaults(run=embed)
 
-    c = commands.add_parser("perplexity", parents=[model], help="perplexity of a text file")
+    c = commands.add_parser("perplexity", parents=[model, cache], help="perplexity of a text file")
     c.add_argument("file")
     c.add_argument("--context", type=int, default=1024, help="window length in tokens (default: 1024)")
     c.add_argument("--stride", type=int, help="tokens the window moves by (default: half the window)")
@@ -629,7 +640,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=evaluate_tasks)
 
-    c = commands.add_parser("bench", parents=[model], help="prefill and decode speed, optionally beside transformers")
+    c = commands.add_parser("bench", parents=[model, cache], help="prefill and decode speed, optionally beside transformers")
     c.add_argument("--prompt-tokens", type=int, default=512)
     c.add_argument("--new-tokens", type=int, default=128)
     c.add_argument("--batch-size", type=int, default=1)
@@ -660,9 +671,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
                         "every weight it does not adapt with the base")
-    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=1024, metavar="MIB",
+    c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
+                   help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
+                        f"{SERVE_KV_CACHE_DTYPE})")
+    # 256 MiB: a 135M model's whole window in bf16 (188 MiB), where a server's resident memory is its weights
+    # (~1 GB up) plus this once many long prompts have passed
+    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=256, metavar="MIB",
                    help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
-                        "1024 MiB; 0: none)")
+                        "256 MiB; 0: none)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "

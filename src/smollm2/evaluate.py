@@ -51,11 +51,12 @@ def device_of(model) -> torch.device:
 
 @torch.inference_mode()
 def perplexity(model, ids: Sequence[int], window: int, stride: int,
-               progress: Callable[[int], None] | None = None) -> Perplexity:
+               progress: Callable[[int], None] | None = None, kv_cache_dtype: str | None = None) -> Perplexity:
     """Sliding-window perplexity of ids: windows of up to `window` tokens, `stride` apart (less than the
     window: a window's first token is scored by the one before, which holds its predecessors); each scores only
     the tokens the previous one did not. progress(n), if given, is told the number of tokens each window
-    scored."""
+    scored. kv_cache_dtype: attention reads keys and values through a KV cache that stores this ("fp32",
+    "bf16", "int8"; see model.KVCache), as generation does; None: straight from the pass, unrounded."""
     ids = checked_ids(model, ids, "perplexity")
     if len(ids) < 2:
         raise SmolError(f"perplexity needs at least 2 tokens, has {len(ids)}")
@@ -69,7 +70,8 @@ def perplexity(model, ids: Sequence[int], window: int, stride: int,
     for begin in range(0, len(ids) - 1, stride):
         end = min(begin + window, len(ids))
         # Hidden state i of the window predicts tokens[begin + i + 1]; project only the unscored ones.
-        h = model.hidden_states(tokens[None, begin:end - 1])[0, scored - begin - 1:]
+        cache = None if kv_cache_dtype is None else model.new_cache(1, end - 1 - begin, kv_cache_dtype)
+        h = model.hidden_states(tokens[None, begin:end - 1], cache=cache)[0, scored - begin - 1:]
         nll += F.cross_entropy(model.logits(h).float(), tokens[scored:end], reduction="sum").item()
         if progress is not None:
             progress(end - scored)

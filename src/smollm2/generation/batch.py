@@ -43,7 +43,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
            stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
            speculative: str | SmolLM2 | None = None, tools: Tools | None = None, hooks=None,
-           **sampling) -> abc.Iterator[list[Step | None]]:
+           kv_cache_dtype: str | None = None, **sampling) -> abc.Iterator[list[Step | None]]:
     """Yield a Step for every row, a token at a time (None for a row that has finished, or that gained fewer
     tokens than another in a speculating step): its new token, the text that became final with it (decoded when
     a tokenizer is given), and on its last step why it finished.
@@ -72,6 +72,8 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     them, fit the tools' names and schemas; smollm2.tools.parse_tool_calls reads them.
     hooks: (hook point name, function) pairs (smollm2.generation.hooks, as TransformerLens's fwd_hooks; steering()
     makes a steering vector's): every row's passes run op by op through them, reading or changing activations.
+    kv_cache_dtype: what the KV cache stores: "fp32", "bf16" (half the memory), "int8" (a quarter, with a float32
+    scale per head and position), or None (the default) for the model's dtype; see smollm2.model.KVCache.
 
     Its return value (StopIteration.value, or `yield from`'s) is the engine's PassCounts: its decoding passes,
     the tokens they gave, and the tokens guessed and kept by speculation.
@@ -94,7 +96,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
         return
     engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
                     prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
-                    whole_cache=compile)
+                    whole_cache=compile, kv_cache_dtype=kv_cache_dtype)
     rows = [engine.admit(sequence, speculative=speculative, hooks=hooks) for sequence in sequences]
     while not all(sequence.finish_reason for sequence in sequences):
         # Every prompt is prefilled at the first step, so each step gives each row going a Step at least, and a

@@ -83,18 +83,21 @@ class Engine:
     """The rows of one KV cache and the sequences in them, stepped by a driver (see above)."""
 
     def __init__(self, model, rows: int, length: int, *, prefill_budget: int | None,
-                 prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False):
+                 prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False,
+                 kv_cache_dtype: str | None = None):
         """rows: how many sequences may hold a cache row at once; length: the most slots one takes (its prompt
         and new tokens). prefill_budget: the most prompt tokens prefilled a step (a chunk is never split, so a
         step prefills one at least), or None: every queued prompt at once. prefix_cache: where prompts' chunks
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
-        needs."""
+        needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (model.KVCache), None for the
+        model's dtype."""
         self.model, self.cache_rows = model, rows
         self.device = model.model.embed_tokens.weight.device
-        self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings))
+        self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings),
+                                     kv_cache_dtype)
         if whole_cache and self.device.type == "cuda":
-            for t in (self.cache.k, self.cache.v):  # a CUDA graph may update these in place only if they never move
+            for t in self.cache.parts:  # a CUDA graph may update these in place only if they never move
                 torch._dynamo.mark_static_address(t)
         self.prefill_budget, self.prefix_cache = prefill_budget, prefix_cache
         self.step_fn, self.whole_cache = step, whole_cache
@@ -247,9 +250,9 @@ class Engine:
         if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None:
             row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
             for block in row.blocks:
-                begin, end = row.filled, row.filled + block.k.shape[-2]
-                self.cache.k[:, at, :, begin:end] = block.k
-                self.cache.v[:, at, :, begin:end] = block.v
+                begin, end = row.filled, row.filled + block.length
+                for t, part in zip(self.cache.parts, block.parts):
+                    t[:, at, :, begin:end] = part
                 row.filled = end
         return row
 
@@ -267,8 +270,8 @@ class Engine:
             h = prefill_chunk(self.model, ids, cache, begin, hooks=row.hooks)
         row.filled = end
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
-            block = self.prefix_cache.store(row.blocks, prompt[begin:end], self.cache.k[:, at, :, begin:end],
-                                            self.cache.v[:, at, :, begin:end], h if ends else None)
+            block = self.prefix_cache.store(row.blocks, prompt[begin:end],
+                                            [t[:, at, :, begin:end] for t in self.cache.parts], h if ends else None)
             row.blocks = None if block is None else [*row.blocks, block]
         return h
 
@@ -307,5 +310,5 @@ class Engine:
 
     def _move(self, source: int, target: int, filled: int) -> None:
         # Only the filled slots; what the target row holds past them is hidden by the causal mask.
-        for t in (self.cache.k, self.cache.v):  # (L, B, n_kv, S, hd)
+        for t in self.cache.parts:  # (L, B, n_kv, S, ...)
             t[:, target, :, :filled] = t[:, source, :, :filled]

@@ -28,13 +28,17 @@ from . import steps
 class Block:
     id: int
     key: tuple  # (the id of the block before it, 0 for none; its tokens)
-    k: torch.Tensor  # (L, n_kv, n, hd), as KVCache.k[:, row, :, begin:end]
-    v: torch.Tensor
+    parts: list[torch.Tensor]  # each KVCache.parts[i][:, row, :, begin:end], (L, n_kv, n, ...): in the cache's dtype
     h: torch.Tensor | None = None  # where a prompt ended with this chunk: its last position's hidden state, (1, 1, C)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.h) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.parts, self.h) if t is not None)
+
+    @property
+    def length(self) -> int:
+        """The slots (tokens) it holds."""
+        return self.parts[0].shape[-2]
 
 
 class PrefixCache:
@@ -57,12 +61,12 @@ class PrefixCache:
             parent = block.id
         self._used(found)
         self.looked_up += len(prompt)
-        self.found += sum(block.k.shape[-2] for block in found)
+        self.found += sum(block.length for block in found)
         return found
 
-    def store(self, before: list[Block], tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+    def store(self, before: list[Block], tokens: Sequence[int], parts: list[torch.Tensor],
               h: torch.Tensor | None = None) -> Block | None:
-        """Keep a chunk's keys and values (copied), after the blocks `before` it, and where the chunk ends a
+        """Keep a chunk's keys and values (parts: its slots of each KVCache.parts, copied), after the blocks `before` it, and where the chunk ends a
         prompt, the last position's hidden state h; returns its block, or None where that prefix is no longer
         cached (evicted meanwhile) or the block exceeds the budget."""
         if before and self.blocks.get(before[-1].key) is not before[-1]:
@@ -70,7 +74,7 @@ class PrefixCache:
         key = (before[-1].id if before else 0, tuple(tokens))
         block = self.blocks.get(key)
         if block is None:
-            block = Block(next(self._ids), key, k.clone(), v.clone())
+            block = Block(next(self._ids), key, [t.clone() for t in parts])
             if block.bytes > self.max_bytes:
                 return None
             self.blocks[key] = block

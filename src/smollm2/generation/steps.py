@@ -57,47 +57,55 @@ def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True, hooks=N
     return model.hidden_states(ids, slots, cache, last_only=last_only)
 
 
-def untouched_cache(model, rows: int, length: int):
-    """model.new_cache(rows, length), but on the CPU in memory that the OS commits page by page as slots are first
-    written, and that a row hands back once it no longer holds its slots (release_slots): a server's cache is
-    sized for its longest request, and most of its slots are never written (at 8 rows of 8192 slots, the 135M
-    model's would commit 3 GiB at start), or were written by a request long gone."""
-    cache = model.new_cache(rows, 0)  # the layout, dtype and device, with no slots yet
+def untouched_cache(model, rows: int, length: int, kv_dtype: str | None = None):
+    """model.new_cache(rows, length, kv_dtype), but on the CPU in memory that the OS commits page by page as slots
+    are first written, and that a row hands back once it no longer holds its slots (release_slots): a server's
+    cache is sized for its longest request, and most of its slots are never written (at 8 rows of 8192 slots, the
+    135M model's would commit 3 GiB at start in float32), or were written by a request long gone."""
+    cache = model.new_cache(rows, 0, kv_dtype)  # the layout, dtypes and device, with no slots yet
     if cache.k.device.type != "cpu":
-        return model.new_cache(rows, length)
+        return model.new_cache(rows, length, kv_dtype)
     model.extend_rope(length)
-    shape = (*cache.k.shape[:3], length, cache.k.shape[4])
-    size = math.prod(shape) * cache.k.element_size()
-    # Private and anonymous: zeros, committed as written, and handed back by MADV_DONTNEED (a shared mapping, mmap's
-    # default, would keep what was written).
-    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    cache.pages = [mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size) for _ in "kv"]
-    for pages in cache.pages:
+    cache.pages, parts = [], []
+    for part in cache.parts:
+        shape = (*part.shape[:3], length, part.shape[4])
+        # Private and anonymous: zeros, committed as written, and handed back by MADV_DONTNEED (a shared mapping,
+        # mmap's default, would keep what was written).
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        size = math.prod(shape) * part.element_size()
+        pages = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
         # Not in huge pages: with them, the first slot a row writes in a layer would commit its whole window.
         with contextlib.suppress(AttributeError, OSError):  # no madvise (not Linux): committed as written anyway
             pages.madvise(mmap.MADV_NOHUGEPAGE)
-    cache.k, cache.v = (torch.frombuffer(pages, dtype=torch.uint8).view(cache.k.dtype).view(shape)
-                        for pages in cache.pages)
+        cache.pages.append(pages)
+        parts.append(torch.frombuffer(pages, dtype=torch.uint8).view(part.dtype).view(shape))
+    cache.parts = parts
     return cache
 
 
 def release_slots(cache, row: int, first: int) -> None:
-    """Hand the memory of row `row`'s slots first.. (every layer and head) back to the OS, where the cache is an
-    untouched_cache on an OS that takes it back; they read as zeros after. Whole pages only: a partly held page
-    stays."""
+    """Hand the memory of row `row`'s slots first.. (every layer and head, keys, values and int8 scales) back to
+    the OS, where the cache is an untouched_cache on an OS that takes it back; they read as zeros after. Whole
+    pages only: a partly held page stays."""
     pages = getattr(cache, "pages", None)
     if pages is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    L, B, H, S, D = cache.k.shape
-    size = cache.k.element_size()
-    for memory in pages:
+    for memory, part in zip(pages, cache.parts):
+        L, B, H, S, D = part.shape
+        size = part.element_size()
+        spans = []  # byte ranges; a whole row's heads of a layer are one (less than a page each, int8's scales)
         for layer in range(L):
             for head in range(H):
                 base = ((layer * B + row) * H + head) * S * D * size  # where this layer and head's slots start
-                begin = -(-(base + first * D * size) // mmap.PAGESIZE) * mmap.PAGESIZE
-                end = (base + S * D * size) // mmap.PAGESIZE * mmap.PAGESIZE
-                if end > begin:
-                    memory.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+                begin, end = base + first * D * size, base + S * D * size
+                if spans and spans[-1][1] == begin:
+                    spans[-1][1] = end
+                else:
+                    spans.append([begin, end])
+        for begin, end in spans:
+            begin, end = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > begin:
+                memory.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 def cache_length(n: int, limit: int) -> int:

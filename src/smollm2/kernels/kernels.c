@@ -559,15 +559,22 @@ static inline vf silu_times(int type, vf gate, vf up) {
     return round_lanes(type, round_lanes(type, gate / (1.0f + exp_lanes(-gate))) * up);  /* g / (1 + e^-g) */
 }
 
-/* n query heads (n, D) of one row against their shared K/V head's slots: scores into p (n, S), then the
- * weighted sums of V, in float32; p holds MAX_GROUP * padded(S) floats. Each slot's key and value are read
- * once for all n queries: at batch 16 the cache, not the weights, is most of what a step reads. Slot s is
- * seen where seen[s] != 0, or with no mask up to `last`. Inlined with constant type, D and n, so the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v, void *out,
-                                                         int out_type, const int type, long S, const long D,
-                                                         const int n, long last, const uint8_t *seen, float *p,
-                                                         float *qv) {
+/* LANES keys or values of a cache slot as the model's `type` reads them (KVCache.update): widened from kv_type;
+ * int8 times the slot's scale, rounded to `type`. */
+static inline vf cached(const void *kv, long i, const int kv_type, const int type, float scale) {
+    return kv_type == I8 ? round_lanes(type, load(kv, i, I8) * splat(scale)) : load(kv, i, kv_type);
+}
+
+/* n query heads (n, D) of one row, of `type`, against their shared K/V head's slots, of kv_type (int8: times
+ * k_scale[s] / v_scale[s]): scores into p (n, S), then the weighted sums of V, in float32; p holds MAX_GROUP *
+ * padded(S) floats. Each slot's key and value are read once for all n queries: at batch 16 the cache, not the
+ * weights, is most of what a step reads. Slot s is seen where seen[s] != 0, or with no mask up to `last`.
+ * Inlined with constant kv_type, type (for int8's rounding), D and n, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v,
+                                                         const float *k_scale, const float *v_scale, void *out,
+                                                         int out_type, const int type, const int kv_type, long S,
+                                                         const long D, const int n, long last, const uint8_t *seen,
+                                                         float *p, float *qv) {
     const float scale = 1.0f / sqrtf((float)D);
     const long P = padded(S);  /* p's rows, whole vectors: the slots past S score -inf */
     for (long d = 0; d < n * D; d++) qv[d] = element(q, d, type);
@@ -582,7 +589,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         }
         vf acc[MAX_GROUP] = {{0}};
         for (long d = 0; d < D; d += LANES) {
-            vf key = load(k, s * D + d, type);
+            vf key = cached(k, s * D + d, kv_type, type, kv_type == I8 ? k_scale[s] : 0);
             for (int j = 0; j < n; j++) acc[j] += load_f32(qv + j * D + d) * key;
         }
         for (int j = 0; j < n; j++) {
@@ -603,7 +610,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
     for (long s = 0; s < S; s++) {
         if (seen ? !seen[s] : s > last) continue;
         for (long d = 0; d < D; d += LANES) {
-            vf value = load(v, s * D + d, type);
+            vf value = cached(v, s * D + d, kv_type, type, kv_type == I8 ? v_scale[s] : 0);
             for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * P + s] * value;
         }
     }
@@ -612,20 +619,50 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
             store(out, j * D + d, out_type, round_to(type, o[j][d / LANES][d % LANES] / total[j]));
 }
 
-#define ATTEND(n)                                                                          \
-    (type == BF16 ? (D == 64 ? attend(q, k, v, out, out_type, BF16, S, 64, n, last, seen, p, qv)   \
-                             : attend(q, k, v, out, out_type, BF16, S, D, n, last, seen, p, qv))  \
-                  : (D == 64 ? attend(q, k, v, out, out_type, F32, S, 64, n, last, seen, p, qv)    \
-                             : attend(q, k, v, out, out_type, F32, S, D, n, last, seen, p, qv)))
+#define ATTEND_AS(n, type, kv_type)                                                                    \
+    (D == 64 ? attend(q, k, v, k_scale, v_scale, out, out_type, type, kv_type, S, 64, n, last, seen, p, qv) \
+             : attend(q, k, v, k_scale, v_scale, out, out_type, type, kv_type, S, D, n, last, seen, p, qv))
+/* Only int8 rounds to the model's type as it reads: float32 and bf16 caches hold values of it already. */
+#define ATTEND(n)                                                                                  \
+    (kv_type == I8 ? (type == BF16 ? ATTEND_AS(n, BF16, I8) : ATTEND_AS(n, F32, I8))               \
+                   : kv_type == BF16 ? ATTEND_AS(n, type, BF16) : ATTEND_AS(n, type, F32))
 
-static void attend_any(const void *q, const void *k, const void *v, void *out, int out_type, int type, long S, long D,
-                       int n, long last, const uint8_t *seen, float *p, float *qv) {
+static void attend_any(const void *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                       void *out, int out_type, int type, int kv_type, long S, long D, int n, long last,
+                       const uint8_t *seen, float *p, float *qv) {
     switch (n) {
     case 1: ATTEND(1); break;
     case 2: ATTEND(2); break;
     case 3: ATTEND(3); break;
     default: ATTEND(MAX_GROUP); break;
     }
+}
+
+/* Every layer's KV cache, as the Python side fills it in (same order): layer l's keys k[l] and values v[l],
+ * (B, KVH, S, D) of `type` (F32, BF16 or I8); with I8, their scales k_scale[l] and v_scale[l], (B, KVH, S): a
+ * key is its int8 values times its slot's scale. */
+struct cache {
+    void *const *k, *const *v;
+    float *const *k_scale, *const *v_scale;  /* NULL unless I8 */
+    int type;
+    long S, stride_b, stride_h;  /* the slots seen; the row and head strides of k and v (elements) */
+    long scale_stride_b, scale_stride_h;  /* and of the scales (their slots are contiguous) */
+};
+
+/* One head's D keys or values of `type` into a cache slot of kv_type, rounded as KVCache.update rounds them:
+ * to bf16; or to int8 of scale (into *scale) their largest magnitude / 127, each x / scale rounded to the
+ * nearest (ties to even, as torch.round) within +-127. */
+static void to_cache(const void *x, int type, void *slot, int kv_type, float *scale, long D) {
+    if (kv_type != I8) {
+        for (long d = 0; d < D; d += LANES) store_lanes(slot, d, kv_type, load(x, d, type));
+        return;
+    }
+    float most = 0;
+    for (long d = 0; d < D; d++) most = fmaxf(most, fabsf(element(x, d, type)));
+    *scale = most / 127.0f;
+    const float divisor = most == 0 ? 1.0f : *scale;
+    for (long d = 0; d < D; d++) ((int8_t *)slot)[d] = (int8_t)fmaxf(-127.0f, fminf(127.0f,
+                                                                       rintf(element(x, d, type) / divisor)));
 }
 
 /* What every layer of one decoding step shares: the rows, their rotary angles, slots and mask. */
@@ -636,7 +673,7 @@ struct step {
     const void *cos, *sin;  /* (B * T, D): the rotary angles of each row */
     const int64_t *slots;  /* row (b, t) goes to cache slot slots[b * slot_stride + t] */
     long slot_stride;
-    long S, stride_b, stride_h;  /* the cache's slots seen, its row and head strides (elements) */
+    const struct cache *cache;
     const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
 };
 
@@ -647,14 +684,14 @@ struct scratch { char *q, *k, *v, *h, *att, *a; };
 /* One transformer block, inside a parallel region (every thread calls it):
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
  *     x += down(silu(gate(h)) * up(h)), h = norm x
- * every step rounded as the torch model rounds it. k_cache, v_cache (B, KVH, S, D), slots contiguous. p:
+ * every step rounded as the torch model rounds it, into layer l of the cache; slots contiguous. p:
  * this thread's scores, MAX_GROUP * (padded(S) + D) floats, or NULL when it could not have them (its heads are
  * then skipped). */
-static void layer(const struct block *w, const struct step *s, void *k_cache, void *v_cache, const struct scratch *m,
-                  float *p) {
+static void layer(const struct block *w, const struct step *s, int l, const struct scratch *m, float *p) {
     const int type = s->type;
-    const long R = s->B * s->T, T = s->T, S = s->S, C = w->C, H = w->H, KVH = w->KVH, D = w->D, I = w->I;
-    const long size = size_of(type);
+    const struct cache *c = s->cache;
+    const long R = s->B * s->T, T = s->T, S = c->S, C = w->C, H = w->H, KVH = w->KVH, D = w->D, I = w->I;
+    const long size = size_of(type), kv_size = size_of(c->type);
 
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
@@ -678,9 +715,11 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         char *key = m->k + (r * KVH + head) * D * size;
         rope_head(key, cos, sin, key, type, D);
         long b = r / T, slot = s->slots[b * s->slot_stride + r % T];
-        long to = (b * s->stride_b + head * s->stride_h + slot * D) * size;
-        memcpy((char *)k_cache + to, key, D * size);
-        memcpy((char *)v_cache + to, m->v + (r * KVH + head) * D * size, D * size);
+        long to = (b * c->stride_b + head * c->stride_h + slot * D) * kv_size;
+        long scale = b * c->scale_stride_b + head * c->scale_stride_h + slot;
+        to_cache(key, type, (char *)c->k[l] + to, c->type, c->type == I8 ? c->k_scale[l] + scale : NULL, D);
+        to_cache(m->v + (r * KVH + head) * D * size, type, (char *)c->v[l] + to, c->type,
+                 c->type == I8 ? c->v_scale[l] + scale : NULL, D);
     }
 
     /* Attention: heads share K/V in groups of H / KVH, attended n at a time (one read of K/V for n queries),
@@ -692,9 +731,12 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
         if (!p) continue;
         long r = i / (KVH * parts), kv_head = i / parts % KVH, first = kv_head * G + i % parts * n;
         long count = first + n <= (kv_head + 1) * G ? n : (kv_head + 1) * G - first;
-        long b = r / T, kv = (b * s->stride_b + kv_head * s->stride_h) * size, at = (r * H + first) * D * size;
-        attend_any(m->q + at, (char *)k_cache + kv, (char *)v_cache + kv, m->att + at / size * size_of(in), in, type,
-                   S, D, count, S - T + r % T, s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
+        long b = r / T, kv = (b * c->stride_b + kv_head * c->stride_h) * kv_size, at = (r * H + first) * D * size;
+        long scale = b * c->scale_stride_b + kv_head * c->scale_stride_h;
+        attend_any(m->q + at, (char *)c->k[l] + kv, (char *)c->v[l] + kv,
+                   c->type == I8 ? c->k_scale[l] + scale : NULL, c->type == I8 ? c->v_scale[l] + scale : NULL,
+                   m->att + at / size * size_of(in), in, type, c->type, S, D, count, S - T + r % T,
+                   s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
@@ -721,13 +763,13 @@ static void layer(const struct block *w, const struct step *s, void *k_cache, vo
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
  * `type` updated in place; one parallel region for all of them, so the threads never go back to sleep
- * between layers. k_cache[l], v_cache[l]: layer l's (B, KVH, S, D) cache of `type`; the rest as struct
+ * between layers. cache: every layer's keys and values (struct cache), of any cache type; the rest as struct
  * step. D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of
  * memory. */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, void *const *k_cache, void *const *v_cache, long S, long stride_b,
-           long stride_h, const uint8_t *mask) {
-    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, S, stride_b, stride_h, mask};
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask) {
+    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask};
+    const long S = cache->S;
     const long R = B * T, size = size_of(type);
     long C = 0, QD = 0, KVD = 0, I = 0, D = 0;  /* the largest of any layer */
     for (int l = 0; l < layers; l++) {
@@ -744,7 +786,7 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     {
         float *p = malloc(sizeof(float) * MAX_GROUP * (padded(S) + D));
         if (!p) failed = 1;  /* any thread's failure is a failure: a benign race */
-        for (int l = 0; l < layers; l++) layer(&w[l], &s, k_cache[l], v_cache[l], &m, p);
+        for (int l = 0; l < layers; l++) layer(&w[l], &s, l, &m, p);
         free(p);
     }
     free(buffer);

@@ -116,6 +116,22 @@ class BlockWeights(ctypes.Structure):
                 + [("eps", ctypes.c_float)])
 
 
+class CacheLayers(ctypes.Structure):
+    """kernels.c's struct cache: where every layer's keys and values (and an int8 cache's scales) are, their type
+    and strides."""
+    _fields_ = ([(name, ctypes.POINTER(ctypes.c_void_p)) for name in ("k", "v", "k_scale", "v_scale")]
+                + [("type", ctypes.c_int)]
+                + [(name, ctypes.c_long) for name in ("S", "stride_b", "stride_h", "scale_stride_b", "scale_stride_h")])
+
+
+def layer_pointers(t: torch.Tensor | None):
+    """The address of each layer of t, (L, ...), as a C array (kept alive by the caller); None for None."""
+    if t is None:
+        return None
+    return (ctypes.c_void_p * t.shape[0])(*[t.data_ptr() + n * t.stride(0) * t.element_size()
+                                            for n in range(t.shape[0])])
+
+
 def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache,
            slots: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
@@ -125,13 +141,15 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
     runs instead where it is the faster.
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
-    cache: a KVCache (or a view of one), (L, B, KVH, S, D); slots: (T,) or (B, T) cache slots of the rows."""
+    cache: a KVCache (or a view of one), (L, B, KVH, S, D) of any of its dtypes; slots: (T,) or (B, T) cache slots
+    of the rows."""
     B, T, C = x.shape
-    k, v = cache.k, cache.v  # in place: a view's rows and slots of a larger cache, say
+    k, v, k_scale, v_scale = cache.k, cache.v, cache.k_scale, cache.v_scale  # in place: a view's rows and slots
     L, S, w = len(weights), cache.max_len, weights[0]
     cos, sin = rope
     if B * T > MAX_ROWS or not usable(choices, x) or not (
-            k.dtype == x.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
+            k.dtype in TYPES and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
+            and (k_scale is None or (k_scale.stride(-2) == 1 and k_scale.stride() == v_scale.stride()))
             and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
             and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C):
         return None
@@ -139,14 +157,15 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
         return None
     full_mask = None if mask is None else mask.expand(B, 1, T, S).contiguous()
-    k_layers, v_layers = ((ctypes.c_void_p * L)(*[t.data_ptr() + n * t.stride(0) * t.element_size() for n in range(L)])
-                          for t in (k, v))
+    layers = [layer_pointers(t) for t in (k, v, k_scale, v_scale)]
+    scale_strides = (0, 0) if k_scale is None else k_scale.stride()[1:3]
+    cache_layers = CacheLayers(*layers, TYPES[k.dtype], S, *k.stride()[1:3], *scale_strides)
 
     def kernel():
         y = x.contiguous().clone()  # the residual stream, updated in place
         if compiled().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
                              sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
-                             k_cache=k_layers, v_cache=v_layers, S=S, stride_b=k.stride(1), stride_h=k.stride(2),
+                             cache=ctypes.byref(cache_layers),
                              mask=None if full_mask is None else full_mask.data_ptr()):
             raise MemoryError("out of memory in the decoding kernel")
         return y
@@ -156,7 +175,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
             return plain()
 
     return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
-                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I)), kernel, torch_loop)
+                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I, TYPES[k.dtype])), kernel,
+                        torch_loop)
 
 
 def prompt_rows(choices: Choices, *tensors: torch.Tensor) -> bool:

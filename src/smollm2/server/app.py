@@ -161,7 +161,7 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 1 << 30, adapters: dict | None = None,
-               threads: int | None = None, speculative=None) -> FastAPI:
+               threads: int | None = None, speculative=None, kv_cache_dtype: str | None = None) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
     model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
@@ -170,13 +170,14 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     CPU threads (default: as many as this thread's; see Scheduler). speculative: how requests guess tokens
     unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
     with the same tokenizer, which every model served shares (generation.speculative; the same answers either
-    way)."""
+    way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" or "int8" (smollm2.model.KVCache), None for
+    the model's dtype."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
                                   on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes,
-                                  threads=threads, speculative=speculative)
+                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
                   for name, m in models.items()}
     metrics = Metrics(list(schedulers.values()))
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],

@@ -125,11 +125,13 @@ class Request:
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
                  max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
-                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative=None):
+                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative=None,
+                 kv_cache_dtype: str | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
         prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
         request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
-        SmolLM2 of the same vocabulary, run on this thread too; generation.speculative). threads: the
+        SmolLM2 of the same vocabulary, run on this thread too; generation.speculative). kv_cache_dtype: what
+        the KV cache stores (Engine), None for the model's dtype. threads: the
         CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
 
         Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
@@ -153,7 +155,7 @@ class Scheduler:
         self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
-                             prefix_cache=self.prefix_cache, step=decode_step)
+                             prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype)
         self.requests: dict[Row, Request] = {}  # in flight: each holds (or is queued for) a row of the engine
         self.waiting: collections.deque[Request] = collections.deque()
         self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
