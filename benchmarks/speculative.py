@@ -2,17 +2,19 @@
 
     .venv/bin/python benchmarks/speculative.py [--new-tokens 128] [--rounds 3] [--threads 2]
 
-Two sets of chat prompts: input-grounded ones (rewrite, extract, summarise, edit code in a given text), where an
-answer repeats long runs of its input, and open-ended ones, where it rarely does. Each prompt is answered
-without speculation and with it, in turns (a noisy stretch of the machine falls on both), and the best round of
-each counts. Prints each prompt's decode tok/s both ways, tokens per decoding pass and how many guesses stood,
-and checks that the tokens are identical; exits 1 if they differ anywhere, or if a set's speed-up (total decode
-time without over total with) is under its bar: --grounded-at-least 2.0 and --open-at-least 0.95.
+Two sets of chat prompts: input-grounded ones (rewrite, correct, extract, summarise, edit code, reformat a given
+text), where an answer may repeat long runs of its input, and open-ended ones, where it rarely does. Each prompt
+is answered without speculation and with it, in turns (a noisy stretch of the machine falls on both), and the
+best round of each counts. Prints each prompt's decode tok/s both ways, tokens per decoding pass, how many
+guesses stood and the machine's load (1-minute average) while it ran, and checks that the tokens are identical;
+exits 1 if they differ anywhere, or if a set's speed-up (total decode time without over total with) is under
+its bar: --grounded-at-least 2.0 and --open-at-least 0.95.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -41,6 +43,11 @@ def cheapest(items):
             best = item
     return best
 '''
+TYPOS = ("The city councel met on Tuesday evening to discus the new budget. After a long debate, the members "
+         "agreed to increese spending on public libraries by ten percent and to keep the parks budget at last "
+         "year's level.")
+STEPS = ("- Preheat the oven to 200 degrees.\n- Mix the flour, sugar and butter in a large bowl.\n- Add two eggs and "
+         "stir until smooth.\n- Pour the batter into a greased tin.\n- Bake for 25 minutes, until golden.")
 GROUNDED = [
     f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
     f"Rewrite this text, replacing 'council' with 'committee' and changing nothing else:\n\n{PARAGRAPH}",
@@ -50,6 +57,10 @@ GROUNDED = [
     f"Add a docstring to each function of this code and give the whole code back:\n\n{CODE}",
     f"Rewrite this code to use the name 'products' instead of 'items', giving the whole code:\n\n{CODE}",
     f"Summarise this text in two sentences, reusing its own words:\n\n{PARAGRAPH}",
+    f"Correct the spelling mistakes in this text and give it back:\n\n{TYPOS}",
+    f"Extract every sentence of this text that mentions money or spending, word for word:\n\n{PARAGRAPH}",
+    f"Add type hints to this code and give the whole code back:\n\n{CODE}",
+    f"Turn these steps into a numbered list:\n\n{STEPS}",
 ]
 OPEN = [
     "Write a short poem about the sea.",
@@ -86,7 +97,7 @@ def main() -> int:
     failures = []
     print(f"batch 1, greedy, up to {args.new_tokens} new tokens, {args.threads} threads; decode tok/s, best of "
           f"{args.rounds} rounds taken in turns")
-    print(f"{'prompt':<44}{'tokens':>7}{'plain':>9}{'ngram':>9}{'ratio':>8}{'tok/pass':>10}{'kept':>10}")
+    print(f"{'prompt':<44}{'tokens':>7}{'plain':>9}{'ngram':>9}{'ratio':>8}{'tok/pass':>10}{'kept':>10}{'load':>6}")
     for name, prompts, bar in (("grounded", GROUNDED, args.grounded_at_least), ("open", OPEN, args.open_at_least)):
         totals = {None: 0.0, "ngram": 0.0}
         for text in prompts:
@@ -104,9 +115,10 @@ def main() -> int:
             totals[None], totals["ngram"] = totals[None] + best[None], totals["ngram"] + best["ngram"]
             print(f"{text[:42].replace(chr(10), ' '):<44}{len(plain):>7}{n / best[None]:>9.1f}{n / best['ngram']:>9.1f}"
                   f"{best[None] / best['ngram']:>7.2f}x{counts.decoded / max(counts.passes, 1):>10.2f}"
-                  f"{f'{counts.kept}/{counts.guessed}':>10}")
+                  f"{f'{counts.kept}/{counts.guessed}':>10}{os.getloadavg()[0]:>6.1f}")
         ratio = totals[None] / totals["ngram"]
-        print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x)")
+        print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x), load {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs")
         if ratio < bar:
             failures.append(f"{name}: {ratio:.2f}x is under {bar:.2f}x")
     for failure in failures:

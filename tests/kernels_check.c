@@ -231,12 +231,13 @@ static void check_linear(int x_type, int w_type, long K) {
     snprintf(name, sizeof name, "linear x=%s w=%s K=%ld rows=%ld: values", label, w_label, K, B);
     compare(name, y, x_type, ref, scale, B * total, 1e-5);
 
-    /* each row's bits the same alone as among 3, among 16 (two sets), among 70 (rows 64.. in a second block) */
+    /* each row's bits the same alone as among 3, 6, 9 (a first tile of 4 rows, then 2 or 4 + 1 from its widened
+     * weights), among 16 (two sets), among 70 (rows 64.. in a second block) */
     void *alone[MAX_B];
     for (long r = 0; r < B; r++) alone[r] = call_linear(x, x_type, r, 1, K, w, w_type);
-    const long calls[][2] = {{0, 3}, {0, 16}, {54, 16}, {0, B}};  /* first row, rows */
+    const long calls[][2] = {{0, 3}, {0, 6}, {0, 9}, {0, 16}, {54, 16}, {0, B}};  /* first row, rows */
     int same = 1;
-    for (int c = 0; c < 4 && same; c++) {
+    for (int c = 0; c < 6 && same; c++) {
         void *got = call_linear(x, x_type, calls[c][0], calls[c][1], K, w, w_type);
         for (long r = 0; r < calls[c][1] && same; r++)
             for (int m = 0; m < COUNT && same; m++) {
@@ -252,7 +253,7 @@ static void check_linear(int x_type, int w_type, long K) {
         free(got);
     }
     if (same) {
-        printf("ok   linear x=%s w=%s K=%ld: each row's bits alone = among 3, 16, 70 rows\n", label, w_label, K);
+        printf("ok   linear x=%s w=%s K=%ld: each row's bits alone = among 3, 6, 9, 16, 70 rows\n", label, w_label, K);
         passed++;
     }
 

@@ -18,7 +18,7 @@ from smollm2.generation import stream
 from smollm2.generation.engine import Engine
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
-from smollm2.generation.speculative import MAX_GUESS, PromptLookup, lookup
+from smollm2.generation.speculative import MAX_GUESS, MIN_GUESS, PromptLookup, lookup
 from smollm2.server import create_app
 
 TEXT = ("The committee met on Tuesday to review the budget. The budget for the library grew by ten percent, "
@@ -27,27 +27,28 @@ COPY = f"Repeat this text exactly, word for word:\n\n{TEXT}"
 OPEN = "Write a short poem about the sea."
 
 
-def test_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
+def test_lookup_continues_the_longest_ngram_where_the_match_runs_furthest_back():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # "2 3" last seen before 7 8
     assert lookup([5, 1, 2, 3, 4, 6, 2, 3, 8, 1, 2, 3], 3) == [4, 6, 2]  # "1 2 3" beats the later "2 3"
+    assert lookup([1, 2, 3, 4, 5, 6, 8, 3, 4, 5, 7, 2, 3, 4, 5], 1) == [6]  # "2 3 4 5" ran before 6, not before 7
     assert lookup([4, 5, 6], 3) == [] and lookup([7], 3) == [] and lookup([1, 2, 1, 2], 5) == [1, 2]
     assert lookup([1, 2, 3, 1], 2) == []  # one token alone is no match (MIN_NGRAM)
 
 
-def test_the_guess_length_follows_what_was_kept_and_misses_pause_it():
+def test_the_guess_is_as_long_as_the_match_has_run_and_misses_pause_it():
+    text = list(range(100, 160))
+    for copied in (2, 5, 12, 30):  # the answer so far repeats text[:copied]
+        guess = lookup(text + text[:copied], 60)
+        assert guess == text[copied:copied + min(max(copied, MIN_GUESS), MAX_GUESS)]
+    assert lookup(text + text[:30], 4) == text[30:34]  # within the room left
     guesser = PromptLookup()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
     assert guesser.guess(tokens, [], 20) == [3, 4, 5]
-    guesser.record(3, 3)
-    assert len(guesser.guess(tokens, [], 20)) == 5 and guesser.guess(tokens, [], 2) == [3, 4]
-    guesser.record(5, 1)
-    assert guesser.length == 2
-    guesser.record(2, 0)
-    guesser.record(1, 0)  # two first guesses missed running: a pause
-    assert guesser.guess(tokens, [], 20) == [] and guesser.pause == 1
-    for _ in range(10):
-        guesser.record(1, 1)
-    assert guesser.length == MAX_GUESS
+    guesser.record(3, 0)
+    guesser.record(3, 0)  # two first guesses missed running: a pause of 2 steps
+    assert [guesser.guess(tokens, [], 20) for _ in range(3)] == [[], [], [3, 4, 5]]
+    guesser.record(3, 1)
+    assert guesser.misses == 0 and (guesser.guessed, guesser.kept) == (9, 1)
 
 
 def answers(model, tok, prompts, speculative, **kwargs):

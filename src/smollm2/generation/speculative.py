@@ -2,7 +2,7 @@
 the longest run of guesses that the model's own choices confirm.
 
 At batch 1 a decoding step reads every weight to make one token; a pass over a few more positions reads them
-once too, so every confirmed guess is a token for (almost) nothing. The engine checks the guesses in order
+once too, so a confirmed guess costs a fraction of a step (see below). The engine checks the guesses in order
 (engine.py): position i's logits go through the same sampling call a decoding step would make (the row's
 grammar, penalties, random generator), and the guess at i+1 stands only if it is the token drawn at i. So the
 answer is the one plain decoding gives, token for token, greedy or seeded: each position's logits have the bits
@@ -13,15 +13,20 @@ p - q with its negative part cut off, is, where the guesser's q puts all its mas
 probability p(x) and otherwise drawing from p without x: what "the guess stands if it is the token drawn" does.
 
 Two guessers, one interface (guess, record), so the engine need not know which a row has:
-- PromptLookup guesses by prompt lookup (n-grams): the tokens that followed the last place where the row's most
-  recent tokens occurred before, in its prompt or its answer so far. Editing, extracting, summarising and code
-  changes repeat long runs of their input; open-ended text rarely does, and then a row stops guessing for a
-  while.
+- PromptLookup guesses by prompt lookup (n-grams): the tokens that followed an earlier place where the row's most
+  recent tokens occurred, in its prompt or its answer so far. Editing, extracting, summarising and code changes
+  repeat long runs of their input; open-ended text rarely does, and then a row stops guessing for a while. It
+  guesses as many tokens as the match has run so far. A pass costs about a decoding step up to 4 positions (the
+  products' tile of 4 rows reads each weight once for them all), then about 0.28 of a step more per position (at
+  5 and over, each position is its own multiply-adds: the CPU's arithmetic, not its memory, bounds the pass). A
+  3-token match of common words is often wrong after a token or two; a run copied for 12 tokens mostly goes on.
 - Draft guesses with a smaller model of the same vocabulary (a 135M drafting for a 360M or 1.7B; a quantized
   base drafting for a fine-tune of it): its greedy tokens, from a KV cache of the row's own that it rolls back to
-  what the model kept. Greedy, not sampled: a fixed guess keeps the answer equal to plain decoding's token for
-  token, seeded runs included, where a sampled draft would give another sample of the same distribution; at
-  temperature 0, where the draft matters most, the two accept the same guesses.
+  what the model kept. Each guess costs it a decoding step of its own, so it guesses as many as the model has
+  kept lately: all of the last ones kept lengthens the next run, fewer shortens it. Greedy, not sampled: a fixed
+  guess keeps the answer equal to plain decoding's token for token, seeded runs included, where a sampled draft
+  would give another sample of the same distribution; at temperature 0, where the draft matters most, the two
+  accept the same guesses.
 """
 
 from __future__ import annotations
@@ -37,16 +42,16 @@ MAX_PASS_TOKENS = 16  # positions in one pass, over every row: the most the CPU 
 # (kernels.ops.MAX_ROWS), so a pass is summed as a decoding step is; past it the pass would run on other code
 MAX_NGRAM = 3  # the longest run of recent tokens looked up; shorter ones are tried after it, down to MIN_NGRAM
 MIN_NGRAM = 2  # a single token recurs too often in any text: its continuations are mostly wrong guesses
-MAX_GUESS = 8  # tokens guessed at once: a pass of 9 positions costs about 1.5 decoding steps on the CPU
+MIN_GUESS = 3  # tokens guessed from any match: a pass of 4 positions costs little more than a decoding step
+MAX_GUESS = MAX_PASS_TOKENS - 1  # a row alone fills a pass; a longer match guesses no further
 MAX_PAUSE = 32  # steps a row waits, at most, before guessing again after its guesses kept missing
 
 
 class Guesser:
-    """One row's guesses, their length adapted to how many the model has kept lately; a subclass says how it
-    guesses (propose)."""
+    """One row's guesses; guesses whose first token keeps missing pause it. A subclass says how it guesses
+    (propose)."""
 
     def __init__(self):
-        self.length = 3  # tokens to guess next
         self.pause = 0  # steps still to wait before guessing again
         self.misses = 0  # passes in a row whose first guess missed
         self.guessed = self.kept = 0  # over the row's life: tokens guessed, and kept
@@ -56,16 +61,16 @@ class Guesser:
         if self.pause:
             self.pause -= 1
             return []
-        return self.propose(prompt + answer, min(self.length, room)) if room > 0 else []  # joined only if guessing
+        return self.propose(prompt + answer, room) if room > 0 else []  # joined only if guessing
 
-    def propose(self, tokens: list[int], length: int) -> list[int]:
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        """Up to `room` tokens that may come after `tokens`."""
         raise NotImplementedError
 
     def record(self, guessed: int, kept: int) -> None:
-        """How many of the last guesses the model kept: all of them lengthens the next, fewer shortens it, and a
-        first guess missed several passes running pauses the guessing (for 2, 4, 8... steps)."""
+        """How many of the last guesses the model kept: a first guess missed several passes running pauses the
+        guessing (for 2, 4, 8... steps)."""
         self.guessed, self.kept = self.guessed + guessed, self.kept + kept
-        self.length = min(self.length + 2, MAX_GUESS) if kept == guessed else max(kept + 1, 1)
         self.misses = self.misses + 1 if kept == 0 else 0
         if self.misses >= 2:
             self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
@@ -74,13 +79,14 @@ class Guesser:
 class PromptLookup(Guesser):
     """Guesses by prompt lookup (see above)."""
 
-    def propose(self, tokens: list[int], length: int) -> list[int]:
-        return lookup(tokens, length)
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        return lookup(tokens, room)
 
 
-def lookup(tokens: list[int], length: int) -> list[int]:
-    """The `length` tokens after the latest earlier occurrence of the last n tokens (n = MAX_NGRAM, then shorter,
-    down to MIN_NGRAM); [] where none occurs."""
+def lookup(tokens: list[int], room: int) -> list[int]:
+    """The tokens after the earlier occurrence of the last n tokens (n = MAX_NGRAM, then shorter, down to
+    MIN_NGRAM) whose match runs furthest back (the latest of equals): as many as the match has run, from
+    MIN_GUESS to MAX_GUESS, and at most `room`; [] where none occurs."""
     seen = np.asarray(tokens)
     for n in range(min(MAX_NGRAM, len(seen) - 1), MIN_NGRAM - 1, -1):
         tail = seen[-n:]
@@ -88,9 +94,19 @@ def lookup(tokens: list[int], length: int) -> list[int]:
         for j in range(1, n):
             starts = starts[seen[starts + j] == tail[j]]
         if starts.size:
-            after = int(starts[-1]) + n
-            return seen[after:after + length].tolist()
+            run = n + matched_before(seen, starts, len(seen) - n, MAX_GUESS - n)
+            best = int(np.flatnonzero(run == run.max())[-1])
+            after = int(starts[best]) + n
+            return seen[after:after + min(max(int(run[best]), MIN_GUESS), MAX_GUESS, room)].tolist()
     return []
+
+
+def matched_before(seen: np.ndarray, starts: np.ndarray, end: int, most: int) -> np.ndarray:
+    """For each start, how many tokens just before it equal those just before `end` (up to `most`)."""
+    back = np.arange(1, most + 1)
+    ours, theirs = end - back, starts[:, None] - back  # each candidate's tokens before it, nearest first
+    same = (theirs >= 0) & (seen[np.maximum(theirs, 0)] == seen[np.maximum(ours, 0)]) & (ours >= 0)
+    return np.where(same.all(axis=1), most, np.argmin(same, axis=1))
 
 
 class Draft(Guesser):
@@ -101,15 +117,20 @@ class Draft(Guesser):
     def __init__(self, model: SmolLM2, length: int):
         """length: the most tokens the row will hold (its prompt and answer), guesses included."""
         super().__init__()
+        self.length = 3  # tokens to guess next
         self.model = model
         self.device = model.model.embed_tokens.weight.device
         self.cache = untouched_cache(model, 1, cache_length(length, model.config.max_position_embeddings))
         self.seen: list[int] = []  # the tokens whose keys and values the cache holds, slot by slot
         self.given = 0  # how many tokens the row had when it last guessed
 
-    def propose(self, tokens: list[int], length: int) -> list[int]:
+    def record(self, guessed: int, kept: int) -> None:
+        super().record(guessed, kept)
+        self.length = min(self.length + 2, MAX_GUESS) if kept == guessed else max(kept + 1, 1)
+
+    def propose(self, tokens: list[int], room: int) -> list[int]:
         # The last guess is never fed, so the cache takes len(tokens) + length - 1 slots.
-        length = min(length, self.cache.k.shape[3] + 1 - len(tokens))
+        length = min(self.length, room, self.cache.k.shape[3] + 1 - len(tokens))
         if length <= 0:  # past the draft's context window
             return []
         # Keep what the cache holds of these tokens (from the first guess the model did not keep on, it is rolled

@@ -48,6 +48,7 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
  * decoded (d * q needs at most 19 bits; adding m rounds once, as there), so streaming the blocks gives a
  * float32 model's results from 4-5x fewer bytes than its float32 weights. */
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
+enum { WIDE = 5 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights per Q4_1 / Q8_0 block, */
 enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36 };  /* in this many bytes */
 #define ROWS 4  /* weight rows per inner step, times */
@@ -313,26 +314,29 @@ static inline long offset_of(long i, int type) {  /* where element i's bytes are
 }
 
 static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahead of element i, into L2 */
-    __builtin_prefetch((const char *)w + offset_of(i, w_type) + PREFETCH, 0, 1);  /* locality 1: prefetcht2 */
+    if (w_type != WIDE) __builtin_prefetch((const char *)w + offset_of(i, w_type) + PREFETCH, 0, 1);  /* prefetcht2 */
 }
 
-/* Sums of weight rows n..n+ROWS-1 against activation rows b..b+c-1, into sums (B, LANES), its first ROWS columns. Inlined with
- * constant c and types, so the accumulators live in registers and the loads are specialized. */
+/* Sums of weight rows 0..ROWS-1 of w against activation rows 0..c-1 of x, into sums (c, LANES), its first ROWS
+ * columns; the weights as float32 also into `keep` (ROWS, K), unless NULL. Inlined with constant c and types, so
+ * the accumulators live in registers and the loads are specialized. */
 static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
-                                                            const int w_type, long b, const int c, long n, long K,
-                                                            float *sums) {
+                                                            const int w_type, const int c, long K, float *sums,
+                                                            float *keep) {
     vf acc[COLS][ROWS] = {{{0}}};
     if (w_type == Q4_1 || w_type == Q8_0) {  /* a block at a time: each lane's sums in the float32 weights' order */
         for (long k = 0; k < K; k += BLOCK)
             for (int j0 = 0; j0 < ROWS; j0 += HELD) {
                 vf wv[HELD][BLOCK / LANES];
                 for (int j = 0; j < HELD; j++) {
-                    prefetch_weights(w, (n + j0 + j) * K + k, w_type);
-                    load_block(w, ((n + j0 + j) * K + k) / BLOCK, w_type, wv[j]);
+                    prefetch_weights(w, (j0 + j) * K + k, w_type);
+                    load_block(w, ((j0 + j) * K + k) / BLOCK, w_type, wv[j]);
+                    if (keep)
+                        for (int v = 0; v < BLOCK / LANES; v++) *(vf *)(keep + (j0 + j) * K + k + v * LANES) = wv[j][v];
                 }
                 for (int i = 0; i < c; i++)
                     for (int v = 0; v < BLOCK / LANES; v++) {
-                        vf xv = load(x, (b + i) * K + k + v * LANES, x_type);
+                        vf xv = load(x, i * K + k + v * LANES, x_type);
                         IN_REGISTER(xv);
                         for (int j = 0; j < HELD; j++) acc[i][j0 + j] += xv * wv[j][v];
                     }
@@ -343,11 +347,11 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             const int full = k + 2 * LANES <= K;
             __m512bh wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
-                prefetch_weights(w, (n + j) * K + k, w_type);
-                wv[j] = load_pairs((const uint16_t *)w + (n + j) * K + k, full);
+                prefetch_weights(w, j * K + k, w_type);
+                wv[j] = load_pairs((const uint16_t *)w + j * K + k, full);
             }
             for (int i = 0; i < c; i++) {
-                __m512bh xv = load_pairs((const uint16_t *)x + (b + i) * K + k, full);
+                __m512bh xv = load_pairs((const uint16_t *)x + i * K + k, full);
                 for (int j = 0; j < ROWS; j++) acc[i][j] = (vf)_mm512_dpbf16_ps((__m512)acc[i][j], xv, wv[j]);
             }
         }
@@ -356,12 +360,13 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (long k = 0; k < K; k += LANES) {
             vf wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
-                prefetch_weights(w, (n + j) * K + k, w_type);
-                wv[j] = load(w, (n + j) * K + k, w_type);
+                prefetch_weights(w, j * K + k, w_type);
+                wv[j] = load(w, j * K + k, w_type);
                 IN_REGISTER(wv[j]);
+                if (keep) *(vf *)(keep + j * K + k) = wv[j];
             }
             for (int i = 0; i < c; i++) {
-                vf xv = load(x, (b + i) * K + k, x_type);
+                vf xv = load(x, i * K + k, x_type);
                 IN_REGISTER(xv);
                 for (int j = 0; j < ROWS; j++) acc[i][j] += xv * wv[j];
             }
@@ -370,66 +375,53 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
 #if SUM_ALL
     if (c == COLS) {  /* all at once: the same additions as sum_lanes, in a third of the instructions */
         vf all = sum_lanes_of((const vf *)acc);
-        for (int i = 0; i < c; i++) memcpy(sums + (b + i) * LANES, (const float *)&all + i * ROWS, sizeof(float) * ROWS);
+        for (int i = 0; i < c; i++) memcpy(sums + i * LANES, (const float *)&all + i * ROWS, sizeof(float) * ROWS);
         return;
     }
 #endif
     for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) sums[(b + i) * LANES + j] = sum_lanes(acc[i][j]);
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[i][j]);
 }
 
-/* Weight rows n..n+ROWS-1 as float32, into wide (ROWS, K): the values dot_block computes from them. */
-static inline __attribute__((always_inline)) void widen_rows(const void *w, const int w_type, long n, long K,
-                                                             float *wide) {
-    for (int j = 0; j < ROWS; j++)
-        if (w_type == Q4_1 || w_type == Q8_0) {
-            for (long k = 0; k < K; k += BLOCK) {
-                prefetch_weights(w, (n + j) * K + k, w_type);
-                load_block(w, ((n + j) * K + k) / BLOCK, w_type, (vf *)(wide + j * K + k));
-            }
-        } else {
-            for (long k = 0; k < K; k += LANES) {
-                prefetch_weights(w, (n + j) * K + k, w_type);
-                *(vf *)(wide + j * K + k) = load(w, (n + j) * K + k, w_type);
-            }
-        }
-}
-
-/* sums (B, LANES), its first ROWS columns: every activation row against weight rows n..n+ROWS-1. */
+/* sums (B, LANES), its first ROWS columns: every activation row of x (B, K) against weight rows 0..ROWS-1 of w. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
-                                                              const int w_type, long B, long n, long K, float *sums) {
-    if (w_type != F32 && B > COLS && !as_pairs(x_type, w_type)) {
-        /* widened once for the whole batch, not once per COLS activation rows */
+                                                              const int w_type, long B, long K, float *sums) {
+    const long row = K * size_of(x_type);
+    if (w_type != F32 && w_type != WIDE && B > COLS && !as_pairs(x_type, w_type)) {
+        /* Widened once for the whole batch, not once per COLS activation rows: by the first COLS rows, whose
+         * multiply-adds hide the widening, and kept in L1 for the others (the same values, so the same sums). */
         float wide[ROWS * K] __attribute__((aligned(64)));
-        widen_rows(w, w_type, n, K, wide);
-        dot_rows_of(x, x_type, wide, F32, B, 0, K, sums);
+        dot_block(x, x_type, w, w_type, COLS, K, sums, wide);
+        dot_rows_of((const char *)x + COLS * row, x_type, wide, WIDE, B - COLS, K, sums + COLS * LANES);
         return;
     }
     long b = 0;
     for (; b + COLS <= B; b += COLS)  /* this block of weights stays in L1 across the batch */
-        dot_block(x, x_type, w, w_type, b, COLS, n, K, sums);
+        dot_block((const char *)x + b * row, x_type, w, w_type, COLS, K, sums + b * LANES, NULL);
     switch (B - b) {  /* the rest, fewer than COLS */
-    case 1: dot_block(x, x_type, w, w_type, b, 1, n, K, sums); break;
+    case 1: dot_block((const char *)x + b * row, x_type, w, w_type, 1, K, sums + b * LANES, NULL); break;
 #if COLS == 4
-    case 2: dot_block(x, x_type, w, w_type, b, 2, n, K, sums); break;
-    case 3: dot_block(x, x_type, w, w_type, b, 3, n, K, sums); break;
+    case 2: dot_block((const char *)x + b * row, x_type, w, w_type, 2, K, sums + b * LANES, NULL); break;
+    case 3: dot_block((const char *)x + b * row, x_type, w, w_type, 3, K, sums + b * LANES, NULL); break;
 #endif
     }
 }
 
 /* sums (B, LANES): every activation row of x (B, K) against weight rows n..n+LANES-1, ROWS at a time. */
 static void dot_rows(const void *x, int x_type, const void *w, int w_type, long B, long n, long K, float *sums) {
+#define AT(w, n, type) ((const char *)(w) + offset_of((n) * K, type))  /* weight row n */
 #define DOT_ROWS(X)                                                                                   \
     for (int j = 0; j < LANES; j += ROWS)                                                             \
         switch (w_type) {                                                                             \
-        case F32: dot_rows_of(x, X, w, F32, B, n + j, K, sums + j); break;                            \
-        case BF16: dot_rows_of(x, X, w, BF16, B, n + j, K, sums + j); break;                          \
-        case I8: dot_rows_of(x, X, w, I8, B, n + j, K, sums + j); break;                              \
-        case Q4_1: dot_rows_of(x, X, w, Q4_1, B, n + j, K, sums + j); break;                          \
-        case Q8_0: dot_rows_of(x, X, w, Q8_0, B, n + j, K, sums + j); break;                          \
+        case F32: dot_rows_of(x, X, AT(w, n + j, F32), F32, B, K, sums + j); break;                   \
+        case BF16: dot_rows_of(x, X, AT(w, n + j, BF16), BF16, B, K, sums + j); break;                \
+        case I8: dot_rows_of(x, X, AT(w, n + j, I8), I8, B, K, sums + j); break;                      \
+        case Q4_1: dot_rows_of(x, X, AT(w, n + j, Q4_1), Q4_1, B, K, sums + j); break;                \
+        case Q8_0: dot_rows_of(x, X, AT(w, n + j, Q8_0), Q8_0, B, K, sums + j); break;                \
         }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS
+#undef AT
 }
 
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
