@@ -311,24 +311,34 @@ def test_finetune_exports_a_model_transformers_and_the_cli_read(tiny_dir, tmp_pa
 
 # Bad input: one readable line, exit status 1.
 
+def refusal(capsys, *args: str) -> str:
+    """The one line `smollm2 ARGS` (run in this process) fails with."""
+    from smollm2 import cli
+
+    capsys.readouterr()
+    assert cli.main(list(args)) == 1
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def error_of(result: subprocess.CompletedProcess) -> str:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     return lines[-1]
 
 
-@pytest.mark.subprocess
-def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path):
-    steps = ["--steps", "1", "--data", str(corpus)]
-    assert smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")).returncode == 0
-    assert "pass --resume" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run")))
-    assert "--resume with different train settings" in error_of(
-        smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run"), "--resume", "--lr", "1e-3"))
-    assert "--resume with a different global batch" in error_of(
-        smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "run"), "--resume", "--batch-size", "2"))
+def test_an_output_directory_holding_another_run_is_refused(corpus, tmp_path, capsys):
+    from smollm2 import cli
+
+    train = ["train", *SMALL, "--steps", "1", "--data", str(corpus), "--out"]
+    assert cli.main([*train, str(tmp_path / "run")]) == 0
+    assert "pass --resume" in refusal(capsys, *train, str(tmp_path / "run"))
+    assert "--resume with different train settings" in refusal(capsys, *train, str(tmp_path / "run"), "--resume",
+                                                              "--lr", "1e-3")
+    assert "--resume with a different global batch" in refusal(capsys, *train, str(tmp_path / "run"), "--resume",
+                                                               "--batch-size", "2")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    assert "not empty" in error_of(smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "other")))
+    assert "not empty" in refusal(capsys, *train, str(tmp_path / "other"))
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
@@ -344,22 +354,19 @@ def test_a_missing_or_damaged_shard_is_one_line_naming_the_checkpoint(corpus, tm
     assert f"{shard.parent}: unreadable sharded checkpoint" in error_of(smollm2(*run, "--resume"))
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--seq-len", "1000"], "exceeds the model's context window"),
     (["--steps", "0"], "--steps must be >= 1"),
 ])
-def test_bad_training_settings(corpus, tmp_path, flags, message):
-    result = smollm2("train", *SMALL, "--data", str(corpus), "--out", str(tmp_path / "run"), *flags)
-    assert message in error_of(result)
+def test_bad_training_settings(corpus, tmp_path, flags, message, capsys):
+    assert message in refusal(capsys, "train", *SMALL, "--data", str(corpus), "--out", str(tmp_path / "run"), *flags)
 
 
-@pytest.mark.subprocess
-def test_bad_chat_data_names_the_line(tmp_path):
+def test_bad_chat_data_names_the_line(tmp_path, capsys):
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
                                                                                   "content": "hello"}]})
                      + "\n" + json.dumps({"text": "no messages"}) + "\n")
-    assert f"{chats}, line 2" in error_of(smollm2("finetune", "--data", str(chats), "--out", str(tmp_path / "o")))
+    assert f"{chats}, line 2" in refusal(capsys, "finetune", "--data", str(chats), "--out", str(tmp_path / "o"))
     chats.write_bytes(b"\xff\xfe not utf-8\n")
-    assert str(chats) in error_of(smollm2("finetune", "--data", str(chats), "--out", str(tmp_path / "o")))
+    assert str(chats) in refusal(capsys, "finetune", "--data", str(chats), "--out", str(tmp_path / "o"))
