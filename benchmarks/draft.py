@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from finetune_fact import smollm2, write_chats
 from lora import ALL
-from speculative import GROUNDED, OPEN, answer
+from speculative import GROUNDED, OPEN, answer, row
 
 from smollm2 import Tokenizer, load_model
 from smollm2.generation import stream
@@ -58,7 +58,7 @@ def main() -> int:
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; batch 1, greedy, "
           f"up to {args.new_tokens} new tokens, {args.threads} threads; decode tok/s, best of {args.rounds} rounds "
           f"in turns")
-    print(f"{'prompt':<44}{'tokens':>7}{'alone':>8}{'draft':>8}{'ratio':>8}{'tok/pass':>10}{'kept':>10}  differs")
+    print(f"{'prompt':<44}{'tokens':>7}{'alone':>9}{'draft':>9}{'ratio':>8}{'tok/pass':>10}{'kept':>10}  differs")
     failures, totals, passes, decoded, guessed, kept, differ = [], [0.0, 0.0], 0, 0, 0, 0, 0
     for text in OPEN + GROUNDED:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -75,10 +75,7 @@ def main() -> int:
         passes, decoded = passes + counts.passes, decoded + counts.decoded
         guessed, kept = guessed + counts.guessed, kept + counts.kept
         totals = [totals[0] + best[0], totals[1] + best[1]]
-        n = len(alone) - 1  # after the first token
-        print(f"{text[:42].replace(chr(10), ' '):<44}{len(alone):>7}{n / best[0]:>8.1f}{n / best[1]:>8.1f}"
-              f"{best[0] / best[1]:>7.2f}x{counts.decoded / max(counts.passes, 1):>10.2f}"
-              f"{f'{counts.kept}/{counts.guessed}':>10}  {'yes' if base != alone else 'no'}", flush=True)
+        print(f"{row(text, len(alone), best[0], best[1], counts)}  {'yes' if base != alone else 'no'}", flush=True)
     ratio = totals[0] / totals[1]
     print(f"decode {ratio:.2f}x with the draft (bar {args.at_least:.2f}x); acceptance {kept / max(guessed, 1):.1%} "
           f"({kept}/{guessed}), {decoded / max(passes, 1):.2f} tokens per pass; the target's answer differs from "

@@ -83,6 +83,15 @@ def answer(model, ids: list[int], new_tokens: int, speculative) -> tuple[list[in
         tokens.append(step.token)
 
 
+def row(text: str, tokens: int, alone_s: float, speculating_s: float, counts: PassCounts) -> str:
+    """A prompt's line: its tokens, decoding speed without and with speculation (after the first token), their
+    ratio, tokens per pass and guesses kept."""
+    n = tokens - 1
+    return (f"{text[:42].replace(chr(10), ' '):<44}{tokens:>7}{n / alone_s:>9.1f}{n / speculating_s:>9.1f}"
+            f"{alone_s / speculating_s:>7.2f}x{counts.decoded / max(counts.passes, 1):>10.2f}"
+            f"{f'{counts.kept}/{counts.guessed}':>10}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -111,11 +120,8 @@ def main() -> int:
             (plain, _), (fast, counts) = runs[None], runs["ngram"]
             if fast != plain:
                 failures.append(f"{name}: {text[:40]!r}: tokens differ with speculation")
-            n = len(plain) - 1  # after the first token
             totals[None], totals["ngram"] = totals[None] + best[None], totals["ngram"] + best["ngram"]
-            print(f"{text[:42].replace(chr(10), ' '):<44}{len(plain):>7}{n / best[None]:>9.1f}{n / best['ngram']:>9.1f}"
-                  f"{best[None] / best['ngram']:>7.2f}x{counts.decoded / max(counts.passes, 1):>10.2f}"
-                  f"{f'{counts.kept}/{counts.guessed}':>10}{os.getloadavg()[0]:>6.1f}")
+            print(f"{row(text, len(plain), best[None], best['ngram'], counts)}{os.getloadavg()[0]:>6.1f}")
         ratio = totals[None] / totals["ngram"]
         print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x), load {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs")
