@@ -170,6 +170,10 @@ def test_malformed_tools_get_400_naming_the_field_and_a_field_error_in_python(ti
         assert e.value.field == field
     with pytest.raises(FieldError, match="response_format: cannot constrain an answer that may call tools"):
         generate(model, [[1, 2]], 2, tokenizer=tokenizer, tools=Tools(TOOLS), response_format={"type": "json_object"})
+    # {"type": "text"} constrains nothing, so it goes with tools
+    assert torch.equal(generate(model, [[1, 2]], 2, tokenizer=tokenizer, tools=Tools(TOOLS),
+                                response_format={"type": "text"}, temperature=0),
+                       generate(model, [[1, 2]], 2, tokenizer=tokenizer, tools=Tools(TOOLS), temperature=0))
 
 
 def test_tools_calls_and_results_in_smollm2s_trained_format(tokenizer):

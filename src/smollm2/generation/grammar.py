@@ -131,7 +131,7 @@ class Grammar:
         """What an answer must fit: the calls of the tools it may call, or response_format's JSON; not both (a
         FieldError naming response_format)."""
         if tools is not None and tools.offered:
-            if response_format is not None:
+            if response_format is not None and response_format != {"type": "text"}:  # "text": no constraint
                 raise FieldError("response_format", "cannot constrain an answer that may call tools "
                                  "(tool_choice 'none' lets it)")
             return tools.grammar(tokenizer)

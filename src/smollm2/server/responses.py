@@ -157,9 +157,7 @@ async def create_response(body: ResponsesBody, connection: Connection, served: A
     system = [] if body.instructions is None else [dict(role="system", content=body.instructions)]
     prompt = served.tokenizer.apply_chat_template([*system, *chat], add_generation_prompt=True, tools=tools)
     response_format = body.text.format
-    if response_format.get("type") == "text":  # no constraint, which leaves the answer free to call tools
-        response_format = None
-    elif response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
+    if response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
         response_format = {"type": "json_schema", "json_schema": response_format}
     check_room(prompt, body.max_output_tokens, scheduler.max_seq_len, "input", "max_output_tokens")
     ask = Ask([prompt], body.max_output_tokens, Sampling(temperature=body.temperature, top_p=body.top_p),
