@@ -170,6 +170,61 @@ def test_embedded_gguf_dequantized_as_ggml_does(model, embedded_path):
         np.testing.assert_allclose(ours[row], ref, rtol=1e-6, atol=1e-7)
 
 
+def test_metadata_and_tensors_read_as_the_gguf_librarys_reader_reads_them(embedded_path, tmp_path):
+    """open_gguf's own reader against gguf's GGUFReader (100x slower): every key, value and Python type, every
+    tensor's name, type, shape, numpy type and bytes, on the embedded file and on tiny ones of every type."""
+    from gguf import GGUFReader
+
+    paths = [embedded_path]
+    for kind in QUANTIZABLE:
+        model = tiny_model(GQA)
+        paths.append(tmp_path / f"{kind.name}.gguf")
+        write_gguf(paths[-1], model.config, gguf_tensors(model, kind), general__alignment=("u32", 64))
+    for path in paths:
+        ours, theirs = open_gguf(path), GGUFReader(path)
+        expected = {key: field.contents() for key, field in theirs.fields.items()}
+        assert ours.metadata == expected
+        assert [type(v) for v in ours.metadata.values()] == [type(v) for v in expected.values()]
+        assert len(ours.tensors) == len(theirs.tensors) > 0
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert (mine.name, mine.tensor_type, mine.shape) == (reference.name, reference.tensor_type,
+                                                                  tuple(reference.shape.tolist()))
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+            assert mine.data.tobytes() == reference.data.tobytes()
+
+
+def gguf_header(kv_count: int, *fields: bytes, tensor_count: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + b"".join(fields)
+
+
+def gguf_key(key: str) -> bytes:
+    return struct.pack("<Q", len(key)) + key.encode()
+
+
+HOSTILE_STRUCTURES = [
+    (gguf_header(2**60), "metadata keys cannot fit"),
+    (gguf_header(1, struct.pack("<Q", 2**62), bytes(30)), "a string of 4611686018427387904 bytes"),
+    (gguf_header(1, gguf_key("a"), struct.pack("<IIQ", 9, 8, 2**40)), "an array of 1099511627776 strings"),
+    (gguf_header(1, gguf_key("a"), struct.pack("<IIQ", 9, 5, 2**40)), "run past the end"),
+    (gguf_header(1, gguf_key("a"), struct.pack("<IIQ", 9, 9, 1), struct.pack("<IQ", 5, 0)), "unknown value type 9"),
+    (gguf_header(1, gguf_key("a"), struct.pack("<I", 13)), "unknown value type 13"),
+    (gguf_header(2, *[gguf_key("a") + struct.pack("<Ii", 5, 1)] * 2, bytes(30)), "metadata key a appears twice"),
+    (gguf_header(0, gguf_key("t") + struct.pack("<I5Q", 5, *[1] * 5) + bytes(30), tensor_count=1), "5 dimensions"),
+    (gguf_header(0, bytes(30), tensor_count=2**59), "tensor records cannot fit"),
+    (gguf_header(1, gguf_key("general.alignment"), struct.pack("<II", 4, 24), bytes(30)), "power of two, got 24"),
+    (b"GGUF" + struct.pack("<IQQ", 3 << 24, 0, 0), "big-endian"),
+]
+
+
+@pytest.mark.parametrize("contents, message", HOSTILE_STRUCTURES, ids=[m for _, m in HOSTILE_STRUCTURES])
+def test_a_hostile_gguf_structure_is_refused_before_anything_is_allocated(tmp_path, contents, message):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(contents)
+    start = time.perf_counter()
+    raises(path, path.name, "truncated or corrupt GGUF", message)
+    assert time.perf_counter() - start < 5
+
+
 # ---------------------------------------------------------------------------------------------------------
 # HF directories
 

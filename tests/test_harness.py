@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval")
 from smollm2 import SmolLM2, Tokenizer  # noqa: E402
 from smollm2.cli import main  # noqa: E402
 from smollm2.errors import SmolError  # noqa: E402
-from smollm2.harness import run_tasks  # noqa: E402
+from smollm2.harness import run_tasks, task_manager  # noqa: E402
 from smollm2.server import create_app  # noqa: E402
 from test_server import running  # noqa: E402
 
@@ -99,14 +99,13 @@ def test_responses_equal_lm_evals_hf_model(model, hf_model, task_dir, tmp_path):
     same tasks: every log-likelihood within LOGLIKELIHOOD_TOLERANCE, the same greedy answers, the same scores."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     tokenizer = Tokenizer.from_pretrained()
     tokenizer.save_pretrained(tmp_path)
     theirs = simple_evaluate(model=HFLM(pretrained=hf_model, tokenizer=AutoTokenizer.from_pretrained(tmp_path),
                                         batch_size=4, device="cpu"),
-                             tasks=list(TASKS), task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
+                             tasks=list(TASKS), task_manager=task_manager(str(task_dir)), log_samples=True)
     ours = run_tasks(model, tokenizer, list(TASKS), include_path=str(task_dir), batch_size=4, log_samples=True)
     mine, reference = responses(ours), responses(theirs)
     for task in TASKS:
@@ -120,13 +119,12 @@ def test_responses_equal_lm_evals_hf_model(model, hf_model, task_dir, tmp_path):
 @pytest.mark.slow
 def test_in_process_equals_lm_eval_through_the_server(tiny_dir, task_dir):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     ours = run_tasks(model, tokenizer, list(TASKS), include_path=str(task_dir), batch_size=3, log_samples=True)
     with running(create_app(model, tokenizer, model_name="tiny")) as url:
         served = simple_evaluate(
-            model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=str(task_dir)),
+            model="local-completions", tasks=list(TASKS), task_manager=task_manager(str(task_dir)),
             model_args=dict(base_url=f"{url}/v1/completions", model="tiny", tokenizer_backend="huggingface",
                             tokenizer=str(tiny_dir), max_retries=1, num_concurrent=1, max_length=512))
     mine, theirs = responses(ours), responses(served)

@@ -244,13 +244,12 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
+def test_torchrun_two_processes_match_one(corpus, tmp_path):
+    """DDP; FSDP's two processes are held to one's by the sharded checkpoints' test below."""
     steps = ["--steps", "4", "--data", str(corpus), "--save-every", "4"]
     one = smollm2("train", *SMALL, *steps, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    two = torchrun(2, "train", *SMALL, *steps, "--batch-size", "2", "--out", str(tmp_path / "two"),
-                   *(["--fsdp"] if sharding == "fsdp" else []))
+    two = torchrun(2, "train", *SMALL, *steps, "--batch-size", "2", "--out", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
@@ -259,8 +258,10 @@ def test_torchrun_two_processes_match_one(corpus, tmp_path, sharding):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_on_another_number_of_processes(corpus, tmp_path):
-    # constant: the learning rates of the first steps do not depend on --steps, so a run stopped by --steps 4
-    # then resumed with --steps 6 is the uninterrupted one
+    """FSDP: 2 steps on two processes, resumed on one for 2 more, then on two again: the losses of 6 steps on
+    one process, uninterrupted, and the final model written by two."""
+    # constant: the learning rates of the first steps do not depend on --steps, so a run stopped by --steps 2
+    # then resumed with --steps 4 is the uninterrupted one
     run = [*SMALL, "--schedule", "constant", "--data", str(corpus), "--save-every", "2", "--fsdp"]
     same_global_batch = {1: ["--batch-size", "4"], 2: ["--batch-size", "2"]}
 
@@ -269,17 +270,17 @@ def test_sharded_checkpoints_resume_on_another_number_of_processes(corpus, tmp_p
         result = torchrun(2, *args) if processes == 2 else smollm2(*args)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    train_on(2, tmp_path / "whole", 6)
-    for first, then in [(2, 1), (1, 2)]:
-        out = tmp_path / f"{first}-then-{then}"
-        train_on(first, out, 4)
-        checkpoint = out / "checkpoints" / "step-0000004"
-        assert sorted(p.name for p in checkpoint.iterdir()) == \
-            [".metadata", *(f"__{rank}_0.distcp" for rank in range(first)), "state.json", "trainer.pt"]
-        train_on(then, out, 6, "--resume")
-        assert losses(out) == pytest.approx(losses(tmp_path / "whole"), abs=1e-5)
-        assert len(losses(out)) == 6
-        assert SmolLM2.from_pretrained(out / "final") is not None
+    train_on(1, tmp_path / "whole", 6)
+    out = tmp_path / "2-then-1-then-2"
+    for processes, steps in [(2, 2), (1, 4), (2, 6)]:
+        train_on(processes, out, steps, *(["--resume"] if steps > 2 else []))
+        if steps < 6:
+            checkpoint = out / "checkpoints" / f"step-{steps:07d}"
+            assert sorted(p.name for p in checkpoint.iterdir()) == \
+                [".metadata", *(f"__{rank}_0.distcp" for rank in range(processes)), "state.json", "trainer.pt"]
+    assert losses(out) == pytest.approx(losses(tmp_path / "whole"), abs=1e-5)
+    assert len(losses(out)) == 6
+    assert (out / "final" / "model.safetensors").is_file() and SmolLM2.from_pretrained(out / "final") is not None
 
 
 @pytest.mark.subprocess

@@ -16,6 +16,7 @@ lm-eval is an extra (`pip install 'smollm2[eval]'`), imported when this module i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from lm_eval import simple_evaluate, utils
@@ -95,10 +96,18 @@ class HarnessModel(TemplateLM):
         return answers
 
 
+@functools.cache
+def task_manager(include_path: str | None = None) -> TaskManager:
+    """lm-eval's index of its tasks and those under include_path. Kept for the process: indexing the hundreds
+    of built-in tasks takes seconds, and a task's files are read when it runs, not here (a task file added
+    under include_path later is not seen)."""
+    return TaskManager(include_path=include_path)
+
+
 def run_tasks(model, tokenizer, tasks: Sequence[str], *, include_path: str | None = None, limit: int | None = None,
               num_fewshot: int | None = None, batch_size: int = 8, log_samples: bool = False) -> dict:
     """lm-eval's simple_evaluate on the model in this process: its results dict (results, samples if asked)."""
-    manager = TaskManager(include_path=include_path)
+    manager = task_manager(include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" (nor in {include_path})" if include_path else ""
