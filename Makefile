@@ -37,14 +37,14 @@ run: install
 # Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
 # AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch, and speculation's
 # tokens against plain decoding's. Left to the native run: torch.compile's tests (they compile the same C), and
-# those that run no kernel of this tier (building for other CPUs, the CLI's reference model).
+# those that run no kernel of this tier (building for other CPUs, model.py's reference modules alone).
 LOWER_TIERS ?= x86-64-v3 x86-64
 test: install-test
 	$(PY) -m pytest -q
 	@if [ "$$(uname -m)" = x86_64 ]; then for tier in $(LOWER_TIERS); do \
 		echo "kernels built for -march=$$tier:"; \
 		SMOLLM2_MARCH=$$tier $(PY) -m pytest -q -m "not compile" tests/test_kernels.py tests/test_fast_paths.py \
-			-k "not compile_for_other_x86_cpus and not runs_the_reference_model" \
+			-k "not compile_for_other_x86_cpus and not reference_model" \
 			"tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched" || exit 1; \
 	done; fi
 
