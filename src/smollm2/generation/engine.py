@@ -148,6 +148,7 @@ class Engine:
         for at in range(self.cache_rows):
             self._release(at)
 
+    @torch.inference_mode()  # for callers of the engine itself too: with gradients on, no kernel would run
     def step(self) -> list[tuple[Row, Step | PromptLogprobs]]:
         """One step (see the module's docstring); returns what it did to each row, in order: a row's Step (its
         new token), or its PromptLogprobs, which come before its first Step."""
