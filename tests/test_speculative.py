@@ -227,6 +227,20 @@ def test_a_draft_gives_the_tokens_of_decoding_without_it_alone_and_beside_other_
             assert 0 < engine.kept < engine.guessed and engine.decoded > engine.passes
 
 
+@pytest.mark.parametrize("kv_cache_dtype, stored", [("bf16", torch.bfloat16), ("int8", torch.int8)])
+def test_a_drafts_cache_stores_what_the_engines_does(kv_cache_dtype, stored):
+    target, draft = draft_pair(512)
+    engine = Engine(target, 1, 128, prefill_budget=None, kv_cache_dtype=kv_cache_dtype)
+    sequence = Sequence(PROMPTS[0], 24, Sampling(), ())
+    row = engine.admit(sequence, speculative=draft)
+    assert row.guesser.cache.k.dtype == engine.cache.k.dtype == stored
+    while not sequence.finish_reason:
+        engine.step()
+    assert sequence.tokens == target.generate([PROMPTS[0]], 24, eos_token_id=None,
+                                              kv_cache_dtype=kv_cache_dtype)[0, 9:].tolist()
+    assert engine.kept > 0
+
+
 def test_a_draft_of_another_vocabulary_or_kind_is_refused():
     target, _ = draft_pair()
     other = tiny_model(dataclasses.replace(TINY["gqa"], vocab_size=1000))

@@ -91,8 +91,8 @@ class Engine:
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
         needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (model.KVCache), None for the
-        model's dtype."""
-        self.model, self.cache_rows = model, rows
+        model's dtype; a draft model's cache (speculative.Draft) stores the same."""
+        self.model, self.cache_rows, self.kv_cache_dtype = model, rows, kv_cache_dtype
         self.device = model.model.embed_tokens.weight.device
         self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings),
                                      kv_cache_dtype)
@@ -126,8 +126,8 @@ class Engine:
         if speculative is not None and self.whole_cache:
             raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
         check_speculative(speculative, self.model.config.vocab_size)
-        row = Row(sequence, prompt_logprobs, new_guesser(speculative, len(sequence.prompt) + sequence.max_new_tokens),
-                  hooks, blocks=None if hooks is not None else [])
+        guesser = new_guesser(speculative, len(sequence.prompt) + sequence.max_new_tokens, self.kv_cache_dtype)
+        row = Row(sequence, prompt_logprobs, guesser, hooks, blocks=None if hooks is not None else [])
         self.queued.append(row)
         return row
 

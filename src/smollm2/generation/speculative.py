@@ -114,13 +114,15 @@ class Draft(Guesser):
     has not seen yet (the prompt at first; then the model's correction, and guesses of its own that it did not
     feed) in one prefill, whose last position gives the first guess; then a decoding step per further guess."""
 
-    def __init__(self, model: SmolLM2, length: int):
-        """length: the most tokens the row will hold (its prompt and answer), guesses included."""
+    def __init__(self, model: SmolLM2, length: int, kv_cache_dtype: str | None = None):
+        """length: the most tokens the row will hold (its prompt and answer), guesses included; kv_cache_dtype:
+        what its cache stores (model.KVCache), None for the draft model's dtype."""
         super().__init__()
         self.length = 3  # tokens to guess next
         self.model = model
         self.device = model.model.embed_tokens.weight.device
-        self.cache = untouched_cache(model, 1, cache_length(length, model.config.max_position_embeddings))
+        self.cache = untouched_cache(model, 1, cache_length(length, model.config.max_position_embeddings),
+                                     kv_cache_dtype)
         self.seen: list[int] = []  # the tokens whose keys and values the cache holds, slot by slot
         self.given = 0  # how many tokens the row had when it last guessed
 
@@ -160,8 +162,9 @@ def check_speculative(speculative, vocab_size: int) -> None:
         raise SmolError(f"speculative must be None, 'ngram' or a draft model (a SmolLM2), got {speculative!r}")
 
 
-def new_guesser(speculative, length: int) -> Guesser | None:
-    """A new row's guesser (see check_speculative), for a row of up to `length` tokens; None: no speculation."""
+def new_guesser(speculative, length: int, kv_cache_dtype: str | None = None) -> Guesser | None:
+    """A new row's guesser (see check_speculative), for a row of up to `length` tokens, a draft's cache storing
+    kv_cache_dtype; None: no speculation."""
     if speculative is None:
         return None
-    return Draft(speculative, length) if isinstance(speculative, SmolLM2) else PromptLookup()
+    return Draft(speculative, length, kv_cache_dtype) if isinstance(speculative, SmolLM2) else PromptLookup()
