@@ -7,8 +7,9 @@ text), where an answer may repeat long runs of its input, and open-ended ones, w
 is answered without speculation and with it, in turns (a noisy stretch of the machine falls on both), and the
 best round of each counts. Prints each prompt's decode tok/s both ways, tokens per decoding pass, how many
 guesses stood and the machine's load (1-minute average) while it ran, and checks that the tokens are identical;
-exits 1 if they differ anywhere, or if a set's speed-up (total decode time without over total with) is under
-its bar: --grounded-at-least 2.0 and --open-at-least 0.95.
+first, what a pass of k positions costs in decoding steps (after a 400-token prompt, best of 30). Exits 1 if
+they differ anywhere, or if a set's speed-up (total decode time without over total with) is under its bar:
+--grounded-at-least 2.0 and --open-at-least 0.95.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from smollm2 import Tokenizer, load_model
 from smollm2.generation import stream
 from smollm2.generation.engine import PassCounts
+from smollm2.generation.steps import prefill_chunk, untouched_cache, verify_step
 
 PARAGRAPH = ("The city council met on Tuesday evening to discuss the new budget. After a long debate, the members "
              "agreed to increase spending on public libraries by ten percent and to keep the parks budget at last "
@@ -92,6 +94,26 @@ def row(text: str, tokens: int, alone_s: float, speculating_s: float, counts: Pa
             f"{f'{counts.kept}/{counts.guessed}':>10}")
 
 
+@torch.inference_mode()
+def pass_costs(model, positions=(1, 2, 3, 4, 5, 6, 8, 12, 16), prompt: int = 400, repeats: int = 30) -> dict:
+    """Seconds of one pass of k positions after a prompt (best of `repeats`), for each k: the engine's own verify
+    step, on random tokens (the arithmetic does not depend on them)."""
+    cache = untouched_cache(model, 1, prompt + max(positions))
+    ids = torch.randint(100, model.config.vocab_size, (1, prompt + max(positions)))
+    for begin in range(0, prompt, 64):
+        prefill_chunk(model, ids[:, begin:min(begin + 64, prompt)], cache, begin)
+    costs = {}
+    for k in positions:
+        at, view = torch.arange(prompt, prompt + k)[None], cache.view(length=prompt + k)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            verify_step(model, ids[:, prompt:prompt + k], at, view)
+            times.append(time.perf_counter() - start)
+        costs[k] = min(times)
+    return costs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -103,6 +125,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None), Tokenizer.from_pretrained(None)
     answer(model, tokenizer.encode("Hello"), 8, "ngram")  # warm-up: the kernels' choices
+    costs = pass_costs(model)
+    print("a pass of k positions, in decoding steps: "
+          + ", ".join(f"{k}: {cost / costs[1]:.2f}" for k, cost in costs.items()))
     failures = []
     print(f"batch 1, greedy, up to {args.new_tokens} new tokens, {args.threads} threads; decode tok/s, best of "
           f"{args.rounds} rounds taken in turns")

@@ -170,7 +170,8 @@ class MetadataReader:
     def tensors_at(self, metadata: dict) -> int:
         """Where the data section starts: after the tensor records, at a multiple of general.alignment."""
         alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if (isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0
+                or alignment & (alignment - 1)):
             raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
         return -(-self.at // alignment) * alignment
 

@@ -16,10 +16,11 @@ Two guessers, one interface (guess, record), so the engine need not know which a
 - PromptLookup guesses by prompt lookup (n-grams): the tokens that followed an earlier place where the row's most
   recent tokens occurred, in its prompt or its answer so far. Editing, extracting, summarising and code changes
   repeat long runs of their input; open-ended text rarely does, and then a row stops guessing for a while. It
-  guesses as many tokens as the match has run so far. A pass costs about a decoding step up to 4 positions (the
-  products' tile of 4 rows reads each weight once for them all), then about 0.28 of a step more per position (at
-  5 and over, each position is its own multiply-adds: the CPU's arithmetic, not its memory, bounds the pass). A
-  3-token match of common words is often wrong after a token or two; a run copied for 12 tokens mostly goes on.
+  guesses as many tokens as the match has run so far. A pass of 4 positions costs about 1.5 decoding steps (the
+  products' tile of 4 rows reads each weight once for them all), 5 about 2, then about a quarter of a step more
+  per position (each its own multiply-adds: the CPU's arithmetic, not its memory, bounds the pass;
+  benchmarks/speculative.py prints the costs). A 3-token match of common words is often wrong after a token or
+  two; a run copied for 12 tokens mostly goes on.
 - Draft guesses with a smaller model of the same vocabulary (a 135M drafting for a 360M or 1.7B; a quantized
   base drafting for a fine-tune of it): its greedy tokens, from a KV cache of the row's own that it rolls back to
   what the model kept. Each guess costs it a decoding step of its own, so it guesses as many as the model has
