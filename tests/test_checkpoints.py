@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer
 from smollm2.checkpoints import load_checkpoint, parameter_shapes
-from smollm2.checkpoints.gguf import gguf_config, open_gguf
+from smollm2.checkpoints.gguf import dequantized, gguf_config, open_gguf
 
 GQA = TINY["gqa"]
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize can
@@ -168,6 +168,13 @@ def test_embedded_gguf_dequantized_as_ggml_does(model, embedded_path):
     for row in (0, 1, 63, 64, 575):
         ref = np.concatenate([ggml_dequantize_block(Q.Q4_1, b) for b in q[row].reshape(-1, 20)])
         np.testing.assert_allclose(ours[row], ref, rtol=1e-6, atol=1e-7)
+
+
+def test_embedded_weights_decode_as_the_gguf_library_decodes_them(embedded_path):
+    """Q8_0 and Q4_1 are decoded in torch (checkpoints.gguf.dequantized): bit for bit gguf.quants.dequantize's."""
+    for t in open_gguf(embedded_path).tensors:
+        assert np.array_equal(dequantized(t.data, Q(t.tensor_type)).numpy(), dequantize(t.data, Q(t.tensor_type))
+                              .reshape(-1)), t.name
 
 
 def test_metadata_and_tensors_read_as_the_gguf_librarys_reader_reads_them(embedded_path, tmp_path):
