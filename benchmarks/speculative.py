@@ -7,9 +7,11 @@ text), where an answer may repeat long runs of its input, and open-ended ones, w
 is answered without speculation and with it, in turns (a noisy stretch of the machine falls on both), and the
 best round of each counts. Prints each prompt's decode tok/s both ways, tokens per decoding pass, how many
 guesses stood and the machine's load (1-minute average) while it ran, and checks that the tokens are identical;
-first, what a pass of k positions costs in decoding steps (after a 400-token prompt, best of 30). Exits 1 if
-they differ anywhere, or if a set's speed-up (total decode time without over total with) is under its bar:
---grounded-at-least 2.0 and --open-at-least 0.95.
+first, what a pass of k positions costs in decoding steps (after a 400-token prompt, best of 30); after each set,
+the speed-ups those costs give when its greedy answers are replayed, with prompt lookup and with the best guesses
+a lookup could make (what bounds the set, whatever the passes cost). Exits 1 if the tokens differ anywhere, or
+if a set's speed-up (total decode time without over total with) is under its bar: --grounded-at-least 2.0 and
+--open-at-least 0.95.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from smollm2 import Tokenizer, load_model
 from smollm2.generation import stream
 from smollm2.generation.engine import PassCounts
+from smollm2.generation.speculative import MAX_GUESS, MAX_PASS_TOKENS, PromptLookup
 from smollm2.generation.steps import prefill_chunk, untouched_cache, verify_step
 
 PARAGRAPH = ("The city council met on Tuesday evening to discuss the new budget. After a long debate, the members "
@@ -95,7 +98,7 @@ def row(text: str, tokens: int, alone_s: float, speculating_s: float, counts: Pa
 
 
 @torch.inference_mode()
-def pass_costs(model, positions=(1, 2, 3, 4, 5, 6, 8, 12, 16), prompt: int = 400, repeats: int = 30) -> dict:
+def pass_costs(model, positions=range(1, MAX_PASS_TOKENS + 1), prompt: int = 400, repeats: int = 30) -> dict:
     """Seconds of one pass of k positions after a prompt (best of `repeats`), for each k: the engine's own verify
     step, on random tokens (the arithmetic does not depend on them)."""
     cache = untouched_cache(model, 1, prompt + max(positions))
@@ -112,6 +115,33 @@ def pass_costs(model, positions=(1, 2, 3, 4, 5, 6, 8, 12, 16), prompt: int = 400
             times.append(time.perf_counter() - start)
         costs[k] = min(times)
     return costs
+
+
+def replayed(answers: list[tuple[list[int], list[int]]], costs: dict, guesser=None, context: int = 0) -> float:
+    """Decode speed-up that passes costing `costs` (seconds by positions) would give over decoding steps, replaying
+    greedy answers (prompt, tokens): with the engine's prompt lookup (guesser=None), or, knowing each answer, with
+    the best guess a lookup of the last `context` tokens could make: the longest start of what comes next that
+    follows one of their earlier occurrences (a bound on choosing among occurrences)."""
+    seconds = tokens_timed = 0.0
+    for prompt, tokens in answers:
+        lookup, at = PromptLookup(), 1  # the first token comes from the prompt's prefill
+        while at < len(tokens):
+            if context:
+                before = prompt + tokens[:at]
+                tail, text = before[-context:], f" {' '.join(map(str, before))} "
+                guess = []
+                while (at + len(guess) < len(tokens) and len(guess) < MAX_GUESS
+                       and f" {' '.join(map(str, tail + tokens[at:at + len(guess) + 1]))} " in text):
+                    guess.append(tokens[at + len(guess)])
+            else:
+                guess = lookup.guess(prompt, tokens[:at], MAX_GUESS)
+            kept = next((j for j, t in enumerate(guess) if at + j >= len(tokens) or tokens[at + j] != t), len(guess))
+            if guess and not context:
+                lookup.record(len(guess), kept)
+            seconds += costs[len(guess) + 1]
+            tokens_timed += min(kept + 1, len(tokens) - at)
+            at += kept + 1
+    return tokens_timed * costs[1] / seconds
 
 
 def main() -> int:
@@ -133,7 +163,7 @@ def main() -> int:
           f"{args.rounds} rounds taken in turns")
     print(f"{'prompt':<44}{'tokens':>7}{'plain':>9}{'ngram':>9}{'ratio':>8}{'tok/pass':>10}{'kept':>10}{'load':>6}")
     for name, prompts, bar in (("grounded", GROUNDED, args.grounded_at_least), ("open", OPEN, args.open_at_least)):
-        totals = {None: 0.0, "ngram": 0.0}
+        totals, answers = {None: 0.0, "ngram": 0.0}, []
         for text in prompts:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
             best, runs = {None: float("inf"), "ngram": float("inf")}, {}
@@ -143,6 +173,7 @@ def main() -> int:
                     best[mode] = min(best[mode], decode_s)
                     runs[mode] = tokens, counts
             (plain, _), (fast, counts) = runs[None], runs["ngram"]
+            answers.append((ids, plain))
             if fast != plain:
                 failures.append(f"{name}: {text[:40]!r}: tokens differ with speculation")
             totals[None], totals["ngram"] = totals[None] + best[None], totals["ngram"] + best["ngram"]
@@ -150,6 +181,9 @@ def main() -> int:
         ratio = totals[None] / totals["ngram"]
         print(f"{name}: decode {ratio:.2f}x with prompt lookup (bar {bar:.2f}x), load {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs")
+        print(f"  replayed at the passes' measured costs: prompt lookup {replayed(answers, costs):.2f}x; the best "
+              f"choice among earlier occurrences of the last 2 tokens {replayed(answers, costs, context=2):.2f}x, "
+              f"of the last token {replayed(answers, costs, context=1):.2f}x")
         if ratio < bar:
             failures.append(f"{name}: {ratio:.2f}x is under {bar:.2f}x")
     for failure in failures:
