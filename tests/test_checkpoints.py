@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer
 from smollm2.checkpoints import load_checkpoint, parameter_shapes
+from smollm2.checkpoints.checkpoint import all_finite
 from smollm2.checkpoints.gguf import dequantized, gguf_config, open_gguf
 
 GQA = TINY["gqa"]
@@ -721,6 +722,17 @@ def test_shards_outside_the_directory_refused(tmp_path, hf_dir):
         (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
         messages.append(raises(hf_dir, "model.safetensors.index.json", shard, "outside").replace(shard, "?"))
     assert len(set(messages)) == 1  # whether the file exists is not told
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_sees_every_nan_and_infinity(dtype):
+    t = torch.randn(1000).to(dtype)
+    assert all_finite(t) and all_finite(t[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, 777, 999):
+            u = t.clone()
+            u[at] = bad
+            assert not all_finite(u), (bad, at)
 
 
 def test_non_finite_weights_named(tmp_path, hf_dir, gguf_parts):

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import SmolError
-from .checkpoint import Checkpoint, parameter_shapes
+from .checkpoint import Checkpoint, all_finite, parameter_shapes
 from .hf import read_json
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -134,7 +134,7 @@ def read_adapter(path: str | Path, linears: dict[str, torch.Size]) -> Adapter:
     except (SafetensorError, OSError) as e:
         raise SmolError(f"{weights}: truncated or corrupt safetensors file ({e})") from None
     for name, tensor in tensors.items():
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise SmolError(f"{weights}: tensor {name} holds NaN or infinite values")
     tensors = {name.removeprefix(PREFIX): tensor for name, tensor in tensors.items()}
     return Adapter(r, alpha, dropout, targets, tensors)
