@@ -368,7 +368,6 @@ def test_decoding_gives_the_reference_tokens(model, reference_model, kind):
         assert torch.equal(got, generate(plain, [prompt], 24, eos_token_id=None, kv_cache_dtype=kv_cache_dtype)[0, -24:])
 
 
-@torch.no_grad()  # with gradients, the kernels leave the work to torch
 def teacher_forced_logits(model, tokens, prompt=8):
     """The logits of every decoding step along a given text, (len(tokens) - prompt, V) in float32."""
     cache = model.new_cache(1, len(tokens))
@@ -385,8 +384,8 @@ def test_bf16_decoding_is_as_exact_as_the_reference(reference_model, english):
     way (on a Zen 4, 5 of 112 flipped where torch's held; on a Sapphire Rapids torch's flipped more). Measured
     against fp32 along a real text: every clear lead is kept, and the logits are as exact as torch's bf16."""
     tokens = Tokenizer.from_pretrained().encode(english)[:176]
-    with torch.no_grad():  # fp32 in one forward: within 1e-4 of decoding step by step, a thousandth of bf16's error
-        reference = reference_model(torch.tensor([tokens]))[0, 7:-1]
+    # fp32 in one forward: within 1e-4 of decoding step by step, a thousandth of bf16's error
+    reference = reference_model(torch.tensor([tokens]))[0, 7:-1]
     bf16 = copy.deepcopy(reference_model).to(torch.bfloat16)
     fast_model = accelerated(bf16)
     fast = teacher_forced_logits(fast_model, tokens)
