@@ -70,7 +70,7 @@ def main() -> None:
         (tmp / "tasks").mkdir()
         (tmp / "tasks" / "smollm2_tiny_mc.yaml").write_text(TASK.format(data=data))
 
-        with Serving(create_app(model, tokenizer, model_name="smollm2")) as url:
+        with Serving(create_app(model, tokenizer, model_name="smollm2", kv_cache_dtype="fp32")) as url:
             results = simple_evaluate(
                 model="local-completions", tasks=["smollm2_tiny_mc"], log_samples=True,
                 task_manager=TaskManager(include_path=str(tmp / "tasks")),

@@ -122,7 +122,7 @@ def test_in_process_equals_lm_eval_through_the_server(tiny_dir, task_dir):
 
     model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     ours = run_tasks(model, tokenizer, list(TASKS), include_path=str(task_dir), batch_size=3, log_samples=True)
-    with running(create_app(model, tokenizer, model_name="tiny")) as url:
+    with running(create_app(model, tokenizer, model_name="tiny", kv_cache_dtype="fp32")) as url:
         served = simple_evaluate(
             model="local-completions", tasks=list(TASKS), task_manager=task_manager(str(task_dir)),
             model_args=dict(base_url=f"{url}/v1/completions", model="tiny", tokenizer_backend="huggingface",

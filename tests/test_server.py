@@ -213,6 +213,20 @@ MALFORMED = [
 ]
 
 
+def test_create_app_serves_as_smollm2_serve_does_by_default():
+    """One server, whichever way it is started: create_app's defaults are the serve command's."""
+    import inspect
+
+    from smollm2.cli import parser
+
+    serve = parser().parse_args(["serve"])
+    defaults = {name: p.default for name, p in inspect.signature(create_app).parameters.items()}
+    assert defaults["kv_cache_dtype"] == serve.kv_cache_dtype == "bf16"
+    assert defaults["prefix_cache_bytes"] == serve.prefix_cache * 2**20
+    assert defaults["speculative"] == serve.speculative == "ngram"
+    assert (defaults["max_batch_size"], defaults["max_waiting"]) == (serve.max_batch_size, serve.max_waiting)
+
+
 def test_malformed_requests_get_openai_errors_and_leave_the_server_healthy(tiny):
     model, tokenizer = tiny
     with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
@@ -494,7 +508,8 @@ def test_echo_scores_the_prompt_as_loglikelihood(tiny, monkeypatch):
     prompt = PROMPTS[2]
     ids = tokenizer.encode(prompt)
     want, _ = evaluate.loglikelihood(model, ids[:1], ids[1:])
-    with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
+    with running(create_app(model, tokenizer, model_name=NAME, kv_cache_dtype="fp32")) as url, \
+            httpx.Client(base_url=url) as client:
         body = dict(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
         choice = client.post("/v1/completions", json=body).json()["choices"][0]
         lp = choice["logprobs"]
@@ -548,7 +563,7 @@ def test_openai_client_logprobs_equal_transformers(model, hf_model):
             values = want[i].topk(len(top)).values.tolist()
             assert [v for _, v in top] == pytest.approx(values, abs=1e-4)
 
-    app = create_app(model, tokenizer, model_name=name, max_batch_size=2, max_seq_len=1024)
+    app = create_app(model, tokenizer, model_name=name, max_batch_size=2, max_seq_len=1024, kv_cache_dtype="fp32")
     with running(app) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         answer = client.chat.completions.create(model=name, messages=question, temperature=0, max_tokens=12,
