@@ -185,7 +185,8 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
     monkeypatch.setattr(model, "logits", lambda h: (gate.wait(60), logits(h))[1])
     monkeypatch.setattr(scheduler, "decode_step", lambda model, ids, *rest: (rows.append(len(ids)),
                                                                            decode_step(model, ids, *rest))[1])
-    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=16, max_seq_len=256)
+    # no speculation: every pass is a decoding step, counted in rows
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=16, max_seq_len=256, speculative=None)
     with running(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
         for streamed in (False, True):
             gate.clear()

@@ -142,7 +142,8 @@ def test_concurrent_greedy_requests_equal_the_same_served_alone(tiny, monkeypatc
     monkeypatch.setattr(scheduler, "decode_step", lambda model, ids, *rest: (rows.append(len(ids)),
                                                                            step(model, ids, *rest))[1])
     lengths = [5, 40, 17, 60, 1, 33]  # different lengths: requests join and leave the batch at different steps
-    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=3)  # fewer slots than requests
+    # fewer slots than requests; no speculation, so that every pass is a decoding step, counted
+    app = create_app(model, tokenizer, model_name=NAME, max_batch_size=3, speculative=None)
     with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         alone = [completion(client, p, n) for p, n in zip(PROMPTS, lengths)]
         assert set(rows) == {1}  # a lone request decodes in a batch of one, not of every slot
@@ -214,14 +215,15 @@ MALFORMED = [
 
 
 def test_create_app_serves_as_smollm2_serve_does_by_default():
-    """One server, whichever way it is started: create_app's defaults are the serve command's."""
+    """One server, whichever way it is started: create_app's defaults are the serve command's, but for the KV
+    cache, which keeps the model's dtype in Python (answers bit for bit generate()'s) and bf16 in `serve`."""
     import inspect
 
     from smollm2.cli import parser
 
     serve = parser().parse_args(["serve"])
     defaults = {name: p.default for name, p in inspect.signature(create_app).parameters.items()}
-    assert defaults["kv_cache_dtype"] == serve.kv_cache_dtype == "bf16"
+    assert defaults["kv_cache_dtype"] is None and serve.kv_cache_dtype == "bf16"  # generate()'s bits; half the memory
     assert defaults["prefix_cache_bytes"] == serve.prefix_cache * 2**20
     assert defaults["speculative"] == serve.speculative == "ngram"
     assert (defaults["max_batch_size"], defaults["max_waiting"]) == (serve.max_batch_size, serve.max_waiting)

@@ -161,18 +161,19 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 256 << 20, adapters: dict | None = None,
-               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = "bf16") -> FastAPI:
+               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
-    The defaults are `smollm2 serve`'s (tests/test_server.py holds them equal). prefix_cache_bytes: memory for the
-    keys and values of prompt prefixes kept for later prompts (0: none), each model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
+    The defaults are `smollm2 serve`'s but for the KV cache's dtype (tests/test_server.py holds them equal).
+    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
+    model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
     field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
     weight with it. Each model has a scheduler (a thread and a KV cache) of its own, running it with `threads`
     CPU threads (default: as many as this thread's; see Scheduler). speculative: how requests guess tokens
     unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
     with the same tokenizer, which every model served shares (generation.speculative; the same answers either
-    way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%)
-    or "int8" (smollm2.model.KVCache), None for the model's dtype: "fp32" for answers and log-probabilities
-    exactly those of generate() on an fp32 model."""
+    way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%;
+    `smollm2 serve`'s default) or "int8" (smollm2.model.KVCache); None, the model's dtype, gives the answers and
+    log-probabilities of generate() on the same model, bit for bit."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
