@@ -578,6 +578,13 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                        help="what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: --dtype)")
 
+    speculate = argparse.ArgumentParser(add_help=False)
+    speculate.add_argument("--speculative", type=speculative_flag, metavar="ngram|draft[:SRC]",
+                           help="guess tokens and check them in one pass (the same answer): ngram by prompt lookup "
+                                "(faster where it repeats its input); draft:SRC with a smaller model of the same "
+                                "tokenizer, loaded as --model (draft alone: the embedded model). bench reports its "
+                                "tokens per decoding pass and acceptance rate (guesses kept)")
+
     sample = argparse.ArgumentParser(add_help=False)
     sample.add_argument("--max-new-tokens", type=int, default=256)
     sample.add_argument("--min-new-tokens", type=int, default=0,
@@ -601,19 +608,15 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--logprobs", type=whole_number(0, MAX_TOP_LOGPROBS), metavar="N",
                         help="after the text, one line per token: its id and text, its log-probability and the N "
                              "most likely tokens'")
-    sample.add_argument("--speculative", type=speculative_flag, metavar="ngram|draft[:SRC]",
-                        help="guess tokens and check them in one pass (the same answer): ngram by prompt lookup "
-                             "(faster where it repeats its input); draft:SRC with a smaller model of the same "
-                             "tokenizer, loaded as --model (draft alone: the embedded model)")
     structured = sample.add_mutually_exclusive_group()
     structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
     structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
 
-    c = commands.add_parser("generate", parents=[model, cache, sample], help="complete a raw prompt, streamed")
+    c = commands.add_parser("generate", parents=[model, cache, speculate, sample], help="complete a raw prompt, streamed")
     c.add_argument("prompt")
     c.set_defaults(run=generate)
 
-    c = commands.add_parser("chat", parents=[model, cache, sample], help="chat with the model (chat template)")
+    c = commands.add_parser("chat", parents=[model, cache, speculate, sample], help="chat with the model (chat template)")
     c.add_argument("-p", "--prompt", help="answer this one message and exit")
     c.add_argument("--system", help="a system message (default: the template's own)")
     c.set_defaults(run=chat)
@@ -640,7 +643,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=evaluate_tasks)
 
-    c = commands.add_parser("bench", parents=[model, cache], help="prefill and decode speed, optionally beside transformers")
+    c = commands.add_parser("bench", parents=[model, cache, speculate],
+                            help="prefill and decode speed, optionally beside transformers")
     c.add_argument("--prompt-tokens", type=int, default=512)
     c.add_argument("--new-tokens", type=int, default=128)
     c.add_argument("--batch-size", type=int, default=1)
@@ -648,9 +652,6 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=("torch", "transformers"), action="append", default=[],
                    help="time beside ours: transformers on the same weights, or torch (our model, every kernel off); "
                         "repeatable")
-    c.add_argument("--speculative", type=speculative_flag, metavar="ngram|draft[:SRC]",
-                   help="smollm2 speculates, as generate does: its tokens per decoding pass and acceptance rate "
-                        "(guesses kept) are reported")
     c.add_argument("--json", action="store_true", help="print the results as one JSON object")
     c.set_defaults(run=bench)
 

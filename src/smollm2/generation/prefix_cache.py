@@ -66,9 +66,9 @@ class PrefixCache:
 
     def store(self, before: list[Block], tokens: Sequence[int], parts: list[torch.Tensor],
               h: torch.Tensor | None = None) -> Block | None:
-        """Keep a chunk's keys and values (parts: its slots of each KVCache.parts, copied), after the blocks `before` it, and where the chunk ends a
-        prompt, the last position's hidden state h; returns its block, or None where that prefix is no longer
-        cached (evicted meanwhile) or the block exceeds the budget."""
+        """Keep a chunk's keys and values (parts: its slots of each KVCache.parts, copied), after the blocks
+        `before` it, and where the chunk ends a prompt, the last position's hidden state h; returns its block, or
+        None where that prefix is no longer cached (evicted meanwhile) or the block exceeds the budget."""
         if before and self.blocks.get(before[-1].key) is not before[-1]:
             return None
         key = (before[-1].id if before else 0, tuple(tokens))

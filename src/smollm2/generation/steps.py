@@ -66,12 +66,12 @@ def untouched_cache(model, rows: int, length: int, kv_dtype: str | None = None):
     if cache.k.device.type != "cpu":
         return model.new_cache(rows, length, kv_dtype)
     model.extend_rope(length)
+    # Private and anonymous: zeros, committed as written, and handed back by MADV_DONTNEED (a shared mapping, mmap's
+    # default, would keep what was written).
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     cache.pages, parts = [], []
     for part in cache.parts:
         shape = (*part.shape[:3], length, part.shape[4])
-        # Private and anonymous: zeros, committed as written, and handed back by MADV_DONTNEED (a shared mapping,
-        # mmap's default, would keep what was written).
-        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         size = math.prod(shape) * part.element_size()
         pages = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
         # Not in huge pages: with them, the first slot a row writes in a layer would commit its whole window.
