@@ -18,7 +18,7 @@ from smollm2.generation import stream
 from smollm2.generation.engine import Engine
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
-from smollm2.generation.speculative import MAX_GUESS, MIN_GUESS, PromptLookup, lookup
+from smollm2.generation.speculative import MAX_GUESS, MIN_GUESS, Draft, PromptLookup, lookup
 from smollm2.server import create_app
 
 TEXT = ("The committee met on Tuesday to review the budget. The budget for the library grew by ten percent, "
@@ -225,6 +225,19 @@ def test_a_draft_gives_the_tokens_of_decoding_without_it_alone_and_beside_other_
         assert [s.tokens for s in sequences] == alone
         if not params:  # greedy: many guesses stand, and many fall
             assert 0 < engine.kept < engine.guessed and engine.decoded > engine.passes
+
+
+def test_a_drafts_guesses_lengthen_by_2_while_all_stand_and_shorten_to_one_past_those_kept():
+    _, draft = draft_pair()
+    guesser = Draft(draft, 64)
+    lengths = [guesser.length]
+    for kept_all in (True,) * 7 + (False,):
+        guessed = guesser.length
+        guesser.record(guessed, guessed if kept_all else 2)
+        lengths.append(guesser.length)
+    assert lengths == [3, 5, 7, 9, 11, 13, 15, MAX_GUESS, 3]
+    guesser.record(3, 0)
+    assert guesser.length == 1
 
 
 @pytest.mark.parametrize("kv_cache_dtype, stored", [("bf16", torch.bfloat16), ("int8", torch.int8)])
