@@ -276,18 +276,25 @@ def test_transformers_save_pretrained_loads(tmp_path):
         assert torch.equal(logits(back, ids), logits(model, ids))
 
 
-def test_sharded_directory(tmp_path):
-    model = tiny_model(GQA)
+def save_sharded(model: SmolLM2, directory) -> dict[str, str]:
+    """The model as a HF directory of two shards and their index, as large hub models are; the weight map."""
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     names = sorted(sd)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    directory.mkdir(parents=True, exist_ok=True)
     for file, keys in shards.items():
-        save_file({k: sd[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(v.numel() * 4 for v in sd.values())},
-             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+        save_file({k: sd[k] for k in keys}, str(directory / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    index = {"metadata": {"total_size": sum(v.numel() * 4 for v in sd.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf()))
+    return weight_map
+
+
+def test_sharded_directory(tmp_path):
+    model = tiny_model(GQA)
+    save_sharded(model, tmp_path)
     ids = ids_for(model.config)
     back = load(tmp_path)
     assert torch.equal(logits(back, ids), logits(model, ids))
@@ -744,3 +751,90 @@ def test_non_finite_weights_named(tmp_path, hf_dir, gguf_parts):
     tensors["blk.0.attn_v.weight"][0][0, 0] = np.inf
     write_gguf(tmp_path / "inf.gguf", config, tensors)
     raises(tmp_path / "inf.gguf", "inf.gguf", "blk.0.attn_v.weight", "NaN or infinite")
+
+
+# Every integer and boolean type a safetensors header can name (and the floats a weight is never stored as), each
+# with its size in bytes: a weight retyped in place keeps its byte count, so the last dimension is rescaled.
+SAFETENSORS_NOT_WEIGHTS = {"I64": 8, "U64": 8, "F64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
+                           "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def retype_safetensors(path, name: str, dtype: str) -> None:
+    """Rewrite one tensor's dtype in a float32 safetensors file's header, its bytes and offsets untouched: what a
+    damaged or foreign file looks like to the loader (every offset still fits)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    entry = header[name]
+    assert entry["dtype"] == "F32"
+    entry["dtype"], entry["shape"] = dtype, [*entry["shape"][:-1], entry["shape"][-1] * 4 // SAFETENSORS_NOT_WEIGHTS[dtype]]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+RETYPED = "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize("dtype", SAFETENSORS_NOT_WEIGHTS)
+def test_a_weight_stored_as_integers_is_refused_by_name(hf_dir, dtype):
+    retype_safetensors(hf_dir / "model.safetensors", RETYPED, dtype)
+    message = raises(hf_dir, "model.safetensors", RETYPED, f"stored as {dtype}", "F32, F16, BF16")
+    assert "\n" not in message
+
+
+def test_a_retyped_weight_is_refused_in_a_shard_and_from_the_hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / commit
+    shards = save_sharded(tiny_model(GQA), snapshot)
+    retype_safetensors(snapshot / shards[RETYPED], RETYPED, "I32")
+    raises(snapshot, shards[RETYPED], RETYPED, "stored as I32")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    raises("org/tiny-llama", shards[RETYPED], RETYPED, "stored as I32")
+
+
+@pytest.mark.parametrize("qtype, numpy_type", [(Q.I8, np.int8), (Q.I16, np.int16), (Q.I32, np.int32),
+                                               (Q.I64, np.int64), (Q.F64, np.float64)], ids=str)
+def test_a_gguf_weight_of_an_integer_type_is_refused_by_name(tmp_path, gguf_parts, qtype, numpy_type):
+    config, tensors = gguf_parts
+    name = "blk.0.attn_output.weight"
+    tensors[name] = (tensors[name][0].astype(numpy_type), qtype)
+    write_gguf(tmp_path / "retyped.gguf", config, tensors)
+    message = raises(tmp_path / "retyped.gguf", "retyped.gguf", name, f"stored as {qtype.name}", "quantized blocks")
+    assert "\n" not in message
+
+
+def test_a_sharded_training_checkpoint_of_integer_weights_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from smollm2.training.state import check_shard_types
+
+    state = {"model": {"model.norm.weight": torch.ones(8), RETYPED: torch.zeros(8, 8, dtype=torch.int32)},
+             "optimizer": {"state": {"step": torch.tensor(3)}}}  # the optimizer's integers are not weights
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(SmolError, match=f"{tmp_path}: tensor {RETYPED} is stored as int32"):
+        check_shard_types(tmp_path)
+    state["model"][RETYPED] = torch.zeros(8, 8)
+    dcp.save(state, checkpoint_id=tmp_path / "fine", no_dist=True)
+    check_shard_types(tmp_path / "fine")
+
+
+@pytest.mark.subprocess
+def test_generate_and_serve_refuse_integer_weights_in_one_line(hf_dir):
+    import subprocess
+    import sys
+
+    retype_safetensors(hf_dir / "model.safetensors", RETYPED, "I32")
+    for flags in (["generate", "--max-new-tokens", "2", "--temperature", "0", "hi"], ["serve", "--port", "8731"]):
+        # A bound: were the model loaded, serve would listen for ever.
+        ran = subprocess.run([sys.executable, "-m", "smollm2", flags[0], "--model", str(hf_dir), *flags[1:]],
+                             capture_output=True, text=True, timeout=120)
+        err = ran.stderr.strip()
+        assert ran.returncode == 1 and err.count("\n") == 0 and "Traceback" not in err, err
+        assert f"model.safetensors: tensor {RETYPED} is stored as I32" in err

@@ -245,8 +245,10 @@ def test_bad_tensors(adapter_dir):
     name = PREFIX + "model.layers.1.self_attn.v_proj.lora_B.weight"
     save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, path)
     assert f"tensor {name} holds NaN" in refused(adapter_dir)
-    save_file({**tensors, name: tensors[name].to(torch.int32)}, path)
-    assert f"tensor {name} has dtype I32, not a float" in refused(adapter_dir)
+    for dtype, stored in [(torch.int64, "I64"), (torch.int32, "I32"), (torch.int16, "I16"), (torch.int8, "I8"),
+                          (torch.uint8, "U8"), (torch.bool, "BOOL"), (torch.float64, "F64")]:
+        save_file({**tensors, name: tensors[name].to(dtype)}, path)
+        assert f"tensor {name} is stored as {stored}, not a weight type (F32, F16, BF16)" in refused(adapter_dir)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     assert "truncated or corrupt safetensors file" in refused(adapter_dir)
 

@@ -11,6 +11,17 @@ from ..config import SmolConfig
 from ..errors import SmolError
 
 
+# What a weight may be stored as in a safetensors file. Anything else (integers, booleans, float8, float64) is a
+# damaged or foreign file: its bytes taken as weights would answer garbage, so it is refused by name.
+SAFETENSORS_FLOATS = ("F32", "F16", "BF16")
+
+
+def stored_type_error(file, name: str, found: str, allowed) -> SmolError:
+    """The one refusal of a tensor stored in a type the model cannot take as weights."""
+    return SmolError(f"{file}: tensor {name} is stored as {found}, not a weight type ({', '.join(allowed)}): "
+                     "a damaged or foreign file")
+
+
 class GGUFBlocks(NamedTuple):
     """A matrix as a GGUF file stores it in a quantized type: its exact values, in a few bits each."""
     type: int  # a GGMLQuantizationType
@@ -32,6 +43,10 @@ class Checkpoint:
             raise SmolError(f"{self.source}: missing tensor {name}")
         for name in sorted(self.tensors.keys() - expected.keys()):
             raise SmolError(f"{self.files.get(name, self.source)}: unexpected tensor {name}")
+        for name, tensor in self.tensors.items():  # each reader refuses these before reading; this is the floor
+            if not tensor.is_floating_point():
+                raise stored_type_error(self.files.get(name, self.source), name,
+                                        str(tensor.dtype).removeprefix("torch."), ("float32", "float16", "bfloat16"))
         for name, shape in expected.items():
             got = self.tensors[name].shape
             if got != shape:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from .checkpoint import Checkpoint, GGUFBlocks, parameter_shapes
+from .checkpoint import Checkpoint, GGUFBlocks, parameter_shapes, stored_type_error
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -290,10 +290,24 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# What a weight may be stored as in a GGUF file: these float types, or any type of quantized blocks (a block of
+# more than one value). Its plain integer types (I8..I64) and F64 are never weights in a llama model.
+GGUF_FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def check_weight_types(reader: GGUFFile, path: Path) -> None:
+    """Every tensor's type, from the file's tensor records, before any tensor is read."""
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype not in GGUF_FLOATS and GGML_QUANT_SIZES[qtype][0] == 1:
+            raise stored_type_error(path, t.name, qtype.name, [*(f.name for f in GGUF_FLOATS), "quantized blocks"])
+
+
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> Checkpoint:
     """quantized: also keep the file's blocks of every matrix it stores in a quantized type (Checkpoint.quantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
+    check_weight_types(reader, path)
     tensors, files, blocks = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)

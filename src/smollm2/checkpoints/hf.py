@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from ..config import SmolConfig
 from ..errors import SmolError
-from .checkpoint import Checkpoint
+from .checkpoint import SAFETENSORS_FLOATS, Checkpoint, stored_type_error
 
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
@@ -69,6 +69,9 @@ def read_hf(directory: Path, dtype: torch.dtype | None = None) -> Checkpoint:
             raise SmolError(f"{shard}: listed in {INDEX} but missing")
         try:
             with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # every type from the header, before any tensor is read
+                    if (stored := f.get_slice(name).get_dtype()) not in SAFETENSORS_FLOATS:
+                        raise stored_type_error(shard, name, stored, SAFETENSORS_FLOATS)
                 for name in f.keys():
                     tensor = f.get_tensor(name)
                     tensors[name], files[name] = tensor if dtype is None else tensor.to(dtype), str(shard)

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import SmolError
-from .checkpoint import Checkpoint, all_finite, parameter_shapes
+from .checkpoint import SAFETENSORS_FLOATS, Checkpoint, all_finite, parameter_shapes, stored_type_error
 from .hf import read_json
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -128,8 +128,8 @@ def read_adapter(path: str | Path, linears: dict[str, torch.Size]) -> Adapter:
                                         f"{CONFIG} says r={r}")
                     raise SmolError(f"{weights}: tensor {name} has shape {tuple(got)}, but this base model needs "
                                     f"{tuple(shape)} (an adapter for another base model?)")
-                if piece.get_dtype() not in ("F32", "F16", "BF16", "F64"):
-                    raise SmolError(f"{weights}: tensor {name} has dtype {piece.get_dtype()}, not a float")
+                if piece.get_dtype() not in SAFETENSORS_FLOATS:
+                    raise stored_type_error(weights, name, piece.get_dtype(), SAFETENSORS_FLOATS)
             tensors = {name: f.get_tensor(name) for name in expected}
     except (SafetensorError, OSError) as e:
         raise SmolError(f"{weights}: truncated or corrupt safetensors file ({e})") from None

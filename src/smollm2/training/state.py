@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..checkpoints.checkpoint import stored_type_error
 from ..errors import SmolError
 
 PREFIX, TEMPORARY = "step-", ".tmp-"
@@ -153,9 +154,25 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, checked)
 
 
+def check_shard_types(path: Path) -> None:
+    """The model's tensors in a sharded checkpoint are of floating types, as its metadata says, before any is
+    read: a weight stored as integers would load as garbage."""
+    try:
+        metadata = _ShardReader(path).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+        raise SmolError(f"{path}: unreadable sharded checkpoint, a file is missing or damaged "
+                        f"({type(e).__name__}: {e})") from None
+    for name, item in metadata.state_dict_metadata.items():
+        dtype = getattr(getattr(item, "properties", None), "dtype", None)
+        if name.startswith("model.") and dtype is not None and not dtype.is_floating_point:
+            raise stored_type_error(path, name.removeprefix("model."), str(dtype).removeprefix("torch."),
+                                    ("float32", "float16", "bfloat16"))
+
+
 def load_shards(path: Path, model, optimizer, adapter: bool) -> None:
     """Load a sharded checkpoint into `model` and `optimizer` as they are sharded now, on however many ranks the
     checkpoint was written by: dcp.load reads into each rank's shards the parts of the saved ones they cover."""
+    check_shard_types(path)
     options = _shard_options(adapter)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = dict(model=model_state, optimizer=optimizer_state)
