@@ -9,7 +9,8 @@
  * of the float32 weights they decode to, and a decoding step's RMSNorm, RoPE and SiLU giving the prompt
  * functions' results on the same rows.
  *
- * Prints one line per check, then "N passed, M failed"; exits 1 on any failure. */
+ * Prints one line per check, then a hash of every result's bits, then "N passed, M failed"; exits 1 on any
+ * failure. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -103,8 +104,25 @@ static float read_value(const void *p, long i, int type) {
 /* got (of `type`) against ref within rel * scale[i] (the magnitude of what was summed for element i, or |ref|);
  * bf16 results also within 2^-6 |ref|: a final rounding (half an ulp) plus one more where the reference's
  * intermediate rounding lands on the other side of a tie (the kernel's float32 value being a little off). */
+/* Every result compared, byte for byte, into one FNV-1a hash: builds of one tier (any -mtune, -O level or
+ * compiler) must print the same, which test_kernel_tiers.py checks. */
+static uint64_t bits = 0xcbf29ce484222325u;
+
+static void add_bytes(const void *p, long n) {
+    const unsigned char *byte = p;
+    for (long i = 0; i < n; i++) bits = (bits ^ byte[i]) * 0x100000001b3u;
+}
+
+static void add_bits(const void *p, long n, int type) { add_bytes(p, n * (type == I8 ? 1 : type == BF16 ? 2 : 4)); }
+
+static int same_bytes(const void *got, const void *want, long n) {  /* !memcmp, both sides hashed */
+    add_bytes(got, n), add_bytes(want, n);
+    return !memcmp(got, want, n);
+}
+
 static void compare(const char *name, const void *got, int type, const double *ref, const double *scale, long n,
                     double rel) {
+    add_bits(got, n, type);
     double worst = 0;
     long bad = -1;
     for (long i = 0; i < n; i++) {
@@ -244,7 +262,7 @@ static void check_linear(int x_type, int w_type, long K) {
                 long size = x_type == BF16 ? 2 : 4;
                 const char *row = (const char *)got + at(calls[c][1], m, r, 0) * size;
                 const char *one = (const char *)alone[calls[c][0] + r] + at(1, m, 0, 0) * size;
-                if (memcmp(row, one, N_OF[m] * size)) {
+                if (!same_bytes(row, one, N_OF[m] * size)) {
                     printf("FAIL linear x=%s w=%s K=%ld: row %ld of a %ld-row call (from row %ld) differs from "
                            "its result alone\n", label, w_label, K, r, calls[c][1], calls[c][0]);
                     failed++, same = 0;
@@ -265,7 +283,7 @@ static void check_linear(int x_type, int w_type, long K) {
         for (long rows = 1; rows <= B && equal; rows = rows == 1 ? 3 : rows == 3 ? 16 : rows == 16 ? B : B + 1) {
             void *want = call_linear(x, x_type, 0, rows, K, decoded, F32);
             void *got = call_linear(x, x_type, 0, rows, K, w, w_type);
-            if (memcmp(got, want, rows * total * (x_type == BF16 ? 2 : 4))) {
+            if (!same_bytes(got, want, rows * total * (x_type == BF16 ? 2 : 4))) {
                 printf("FAIL linear x=%s w=%s K=%ld rows=%ld: differs from its decoded float32 weights'\n", label,
                        w_label, K, rows);
                 failed++, equal = 0;
@@ -479,8 +497,8 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
         for (long head = 0; head < BKVH && same; head++) {
             const long slot = ((r / T * BKVH + head) * S + PAST + r % T) * D * size;
             const long row = (r * BKVH + head) * D * size;
-            same = !memcmp(run.k + slot, (char *)roped + row, D * size) &&
-                   !memcmp(run.v + slot, (char *)v + row, D * size);
+            same = same_bytes(run.k + slot, (char *)roped + row, D * size) &&
+                   same_bytes(run.v + slot, (char *)v + row, D * size);
         }
     if (same && zero_o) {
         norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
@@ -612,9 +630,9 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
         int same = 1;
         for (long b = 0; b < B && same; b++) {
             struct layer_run alone = run_blocks(&layer, type, b, 1, T, xt, cos_t, sin_t, k_t, v_t);
-            same = alone.x && !memcmp(alone.x, run.x + b * T * BC * size, size * T * BC) &&
-                   !memcmp(alone.k, run.k + b * cache * size, size * cache) &&
-                   !memcmp(alone.v, run.v + b * cache * size, size * cache);
+            same = alone.x && same_bytes(alone.x, run.x + b * T * BC * size, size * T * BC) &&
+                   same_bytes(alone.k, run.k + b * cache * size, size * cache) &&
+                   same_bytes(alone.v, run.v + b * cache * size, size * cache);
             if (!same) printf("FAIL %s: sequence %ld alone differs from its result among %ld\n", name, b, B);
             free(alone.x), free(alone.k), free(alone.v);
         }
@@ -655,6 +673,7 @@ int main(void) {
         check_blocks(F32, F32, 2, 3, D, 0);
         check_blocks(BF16, BF16, 2, 3, D, 0);
     }
+    printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

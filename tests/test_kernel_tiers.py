@@ -1,7 +1,9 @@
 """kernels.c checked by tests/kernels_check.c on every instruction-set tier it has code for: x86-64 (SSE2),
-x86-64-v3 (AVX2, FMA) and this CPU's own, natively; AArch64 (NEON, then dot products and bf16) cross-compiled
-and run under qemu. Each tier compiles its own code paths, which only running them checks; the Python tests
-only ever run this machine's. `make test-arm` installs the cross compiler and qemu (Debian) where missing."""
+x86-64-v3 (AVX2, FMA), x86-64-v4 (AVX-512) and this CPU's own, natively; AArch64 (NEON, then dot products and
+bf16) cross-compiled and run under qemu. Each tier compiles its own code paths, which only running them checks;
+the Python tests only ever run this machine's. Every tier is built for several CPU models' tunings, and every
+build of a tier must give the same bits. `make test-arm` installs the cross compiler and qemu (Debian) where
+missing."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import platform
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,8 @@ RUN_ENV = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"}
 
 
 def flags(march: str) -> list[str]:
-    """The project's build (kernels.FLAGS) as a program for `march`. At -O2, which forms the same fused
-    multiply-adds as -O3 (-O1 forms none: other roundings than users get) and compiles 3-4x faster (SSE2:
-    ~15 s against ~50 s)."""
+    """The project's build (kernels.FLAGS) as a program for `march`. At -O2, which compiles 3-4x faster than -O3
+    (SSE2: ~15 s against ~50 s) and gives the same bits (the matrix below builds -O3 too)."""
     kept = [f for f in kernels.FLAGS if f not in ("-shared", "-fPIC") and not f.startswith("-march=")]
     return [("-O2" if f.startswith("-O") else f) for f in kept] + [f"-march={march}"]
 
@@ -48,16 +50,20 @@ def cannot_build(compiler: str, *extra: str) -> str | None:
     return None
 
 
-def check(compiler: str, march: str, tmp_path: Path, extra: tuple[str, ...] = (), runner: tuple[str, ...] = ()):
-    """Builds kernels_check.c with kernels.c for `march` and runs it (under `runner`): every check must pass."""
-    program = tmp_path / "kernels_check"
+def check(compiler: str, march: str, tmp_path: Path, extra: tuple[str, ...] = (), runner: tuple[str, ...] = (),
+          name: str = "kernels_check") -> str:
+    """Builds kernels_check.c with kernels.c for `march` and runs it (under `runner`): every check must pass.
+    Returns the hash of every result's bits it prints."""
+    program = tmp_path / name
     built = subprocess.run([compiler, *flags(march), *extra, str(CHECK), str(kernels.SOURCE), "-o", str(program),
                             "-lm"], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
     ran = subprocess.run([*runner, str(program)], capture_output=True, text=True, timeout=300, env=RUN_ENV)
     lines = ran.stdout.splitlines()
     failures = "\n".join(line for line in lines if line.startswith("FAIL")) or ran.stdout[-2000:] + ran.stderr[-2000:]
-    assert ran.returncode == 0 and lines and re.fullmatch(r"[1-9]\d* passed, 0 failed", lines[-1]), failures
+    assert ran.returncode == 0 and len(lines) > 1 and re.fullmatch(r"[1-9]\d* passed, 0 failed", lines[-1]), \
+        f"{compiler} -march={march} {' '.join(extra)}:\n{failures}"
+    return lines[-2]
 
 
 def cpu_flags() -> set[str]:
@@ -66,18 +72,47 @@ def cpu_flags() -> set[str]:
     return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
-X86_TIERS = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2", "f16c"}, "native": set()}  # what running needs
+# What running each x86 tier needs, and the CPU models whose tuning a build for it may carry (GCC's -mtune names;
+# one a compiler does not know is left out). Tuning decides instruction choice and scheduling, and must never
+# change a result's bits: it once did, where GCC fused multiply-adds differently per CPU model (-mtune=znver2 keeps
+# reduction chains unfused, for a lone row differently than for a tile of rows). With contraction off and every
+# fused multiply-add written as one, every build of a tier gives the bits of every other, whatever the tuning, the
+# optimization level (-O2, -O3) or the compiler (GCC, Clang where installed): each tier's builds are checked and
+# their hashes of every result compared.
+X86_TIERS = {"x86-64": (set(), ["generic"]),
+             "x86-64-v3": ({"avx2", "fma", "bmi2", "f16c"},
+                           ["generic", "haswell", "skylake", "icelake-server", "sapphirerapids", "alderlake", "znver1",
+                            "znver2", "znver3", "znver4"]),
+             "x86-64-v4": ({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+                           ["generic", "skylake-avx512", "icelake-server", "sapphirerapids", "znver4"]),
+             "native": (set(), ["generic", "native"])}
+
+
+@functools.cache
+def knows_tuning(compiler: str, tune: str) -> bool:
+    return subprocess.run([compiler, "-x", "c", "-", f"-mtune={tune}", "-c", "-o", os.devnull], input="",
+                          capture_output=True, timeout=60).returncode == 0
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 tiers run on x86-64 hosts")
 @pytest.mark.parametrize("march", X86_TIERS)
-def test_kernels_on_x86_tier(march, tmp_path):
-    compiler = os.environ.get("CC", "cc")
-    if reason := cannot_build(compiler, f"-march={march}"):
-        pytest.skip(reason)
-    if missing := X86_TIERS[march] - cpu_flags():
+def test_kernels_on_x86_tier_give_the_same_bits_at_every_tuning(march, tmp_path):
+    needs, tunings = X86_TIERS[march]
+    if missing := needs - cpu_flags():
         pytest.skip(f"this CPU cannot run {march} code (no {', '.join(sorted(missing))})")
-    check(compiler, march, tmp_path)
+    gcc = os.environ.get("CC", "cc")
+    if reason := cannot_build(gcc, f"-march={march}"):
+        pytest.skip(reason)
+    builds = [(gcc, (f"-mtune={tune}",)) for tune in tunings if knows_tuning(gcc, tune)]
+    assert len(builds) >= len(tunings) - 1, builds  # GCC 12 knows every model but znver4
+    builds.append((gcc, ("-mtune=generic", "-O3")))  # the level users' builds have
+    if shutil.which("clang") and not cannot_build("clang", f"-march={march}"):
+        builds.append(("clang", ("-mtune=generic",)))
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the builds take most of the time: side by side
+        bits = dict(zip(builds, pool.map(lambda build: check(build[0], march, tmp_path, build[1],
+                                                              name="-".join([Path(build[0]).name, *build[1]])),
+                                          builds)))
+    assert len(set(bits.values())) == 1, "\n".join(f"{c} {' '.join(f)}: {b}" for (c, f), b in bits.items())
 
 
 # The NEON baseline every AArch64 CPU has, and the ARMv8.2 extensions (dot products, bf16) newer cores add.
@@ -97,3 +132,4 @@ def test_kernels_on_aarch64_tier(march, tmp_path):
     if reason := cannot_build(compiler, f"-march={march}", *extra):
         pytest.skip(f"{reason} (Debian: gcc-aarch64-linux-gnu; or `make test-arm`)")
     check(compiler, march, tmp_path, extra, runner)
+

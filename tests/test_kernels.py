@@ -553,15 +553,15 @@ def test_a_known_kind_is_not_measured_again(tmp_path):
 
 def test_choices_round_trip_through_their_file(tmp_path):
     ours, theirs = measuring(tmp_path), measuring(tmp_path)  # two processes, each measuring its own kinds
-    product = Key("linear", "bfloat16", "Q4_1 packed", 16, 4, (576, 576, 192, 192))
-    step = Key("blocks", "float32", "int8", 16, 4, (30, 576, 9, 3, 64, 1536))
+    product = Key("linear", "bfloat16", "Q4_1 packed", 32, 4, (576, 576, 192, 192))
+    step = Key("prompt_attention", "float32", None, 512, 4, (1, 9, 3, 64))
     ours.pick(KEY, side("kernel", [], ours, 0.001), side("torch", [], ours, 0.002))
     ours.pick(product, side("kernel", [], ours, 0.0024), side("torch", [], ours, 0.002))
     theirs.pick(step, side("kernel", [], theirs, 0.001), side("torch", [], theirs, 0.002))
     assert measuring(tmp_path).read() == {**ours.made, **theirs.made}  # each kept the other's
     assert [choice["text"] for choice in ours.report()] == [
         "RMSNorm of 96, 33-64 rows, float32: kernel by 2.00x (kernel 1 ms vs torch 2 ms)",
-        "product 576 -> 576+192+192, 1-16 rows, bfloat16 reading Q4_1 packed: torch by 1.20x (kernel 2.4 ms vs "
+        "product 576 -> 576+192+192, 17-32 rows, bfloat16 reading Q4_1 packed: torch by 1.20x (kernel 2.4 ms vs "
         "torch 2 ms)"]
     assert ours.report()[0]["margin"] == pytest.approx(2.0)
 
@@ -637,7 +637,8 @@ def test_measured_choices_give_the_kernels_tokens(tmp_path):
     choices = model.accelerator.choices = Choices("auto", lambda: tmp_path / "choices.json")
     assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
     made = choices.made
-    assert {key.op for key in made} == {"linear", "blocks", "prompt_attention", "rms_norm", "rope", "silu_mul"}
+    assert {key.op for key in made} == {"linear", "prompt_attention", "rms_norm", "rope", "silu_mul"}
+    assert all(key.rows > ops.MAX_ROWS for key in made)  # a decoding step's kinds: the kernel's, never measured
     for winner in ("kernel", "torch"):
         choices.made = {key: choice._replace(winner=winner) for key, choice in made.items()}
         assert torch.equal(generate(model, prompts, 8, eos_token_id=None), want)
@@ -647,3 +648,41 @@ def test_every_decoding_batch_is_one_kind():
     """A row decodes to the same bits whatever its batch only if every batch size runs on the same side."""
     assert {rows_bucket(rows) for rows in range(1, ops.MAX_ROWS + 1)} == {ops.MAX_ROWS}
     assert [rows_bucket(rows) for rows in (17, 300, 512, 513)] == [32, 512, 512, 1024]
+
+
+@pytest.mark.parametrize("winner", ["kernel", "torch"])
+def test_whichever_side_auto_picks_a_rows_bits_do_not_depend_on_its_batch(winner, monkeypatch):
+    """auto on a machine where `winner` measures the faster at everything: a decoding step's kinds run on the kernel
+    all the same (only it gives a row the same bits whatever rows share its call), a prompt's on the winner, and a
+    row's tokens and log-probabilities are the same bits alone and among others."""
+    from smollm2.generation.engine import Engine
+    from smollm2.generation.sampling import Sampling
+    from smollm2.generation.sequence import Sequence
+
+    def measure(self, key, kernel, plain, before=None):
+        self.made[key] = Choice.timed(1.0, 2.0) if winner == "kernel" else Choice.timed(2.0, 1.0)
+        if winner == "kernel" and (y := kernel()) is not None:
+            self.kernel_runs[key.op] += 1
+            return y
+        return plain()
+
+    monkeypatch.setattr(Choices, "measure", measure)
+    monkeypatch.setattr(Choices, "recall", lambda self, key: None)  # nothing from this machine's file
+    model = accelerate(copy.deepcopy(tiny("gqa", "float32")), mode="auto")
+    prompts = [torch.randint(0, model.config.vocab_size, (n,)).tolist() for n in (40, 23, 33)]
+
+    def answers(rows: list[list[int]]) -> list[list[tuple]]:
+        engine = Engine(model, len(rows), 64, prefill_budget=None)
+        sequences = [Sequence(prompt, 6, Sampling(), eos=(), logprobs=2) for prompt in rows]
+        steps = {engine.admit(sequence): [] for sequence in sequences}
+        while not all(s.finish_reason for s in sequences):
+            for row, step in engine.step():
+                steps[row].append((step.token, step.logprob))
+        return list(steps.values())
+
+    batched = answers(prompts)
+    assert [answers([prompt])[0] for prompt in prompts] == batched
+    choices = model.accelerator.choices
+    assert choices.made and all(key.rows > ops.MAX_ROWS and choice.winner == winner
+                                for key, choice in choices.made.items())  # a prompt's kinds alone were decided
+    assert choices.kernel_runs["blocks"] >= 3 * 5  # every decoding step on the kernel

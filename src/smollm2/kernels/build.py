@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # The instruction set the kernels are built for: this CPU's own by default; SMOLLM2_MARCH=x86-64-v3 (AVX2) or
 # x86-64 (SSE2) builds what a CPU of that tier runs, to test and time it here.
 MARCH = os.environ.get("SMOLLM2_MARCH", "native")
-FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:

@@ -5,6 +5,13 @@ MKL's sgemm), its cores and torch's build: rather than guess from the CPU's flag
 times both and the winner runs from then on. Decisions are kept in a file in the user's cache, one per kernel
 build, torch version and torch dispatch, so that a later process measures nothing again.
 
+Only a prompt's kinds are measured. A decoding step's (1-16 rows: batched decoding, a speculative pass, a
+steered row beside others) run on the kernel wherever it can run them: the kernel gives a row the same bits
+whatever rows share its call, torch's products do not (MKL's sgemm gives a row other bits at 2 rows than at 4,
+at every ATen capability of a Zen 4), so a row's tokens would depend on its batch wherever torch won. A prompt's
+rows are only ever compared with the same chunk computed again (the prefix cache's chunks end at the same
+slots wherever a prefill starts), so whichever side runs a prompt's kind, it runs every chunk of that size.
+
 A measurement is only as good as the machine was quiet: both sides run in turns until each side's best time
 repeats and the winner leads clearly, or a bounded number of turns. The margin (the loser's time over the
 winner's) is kept with the choice; where it is thin, a later accelerator measures again, a bounded number of
@@ -77,8 +84,6 @@ def describe(key: Key, choice: Choice) -> str:
     match key.op, key.sizes:
         case "linear", (K, *N):
             what = f"product {K} -> {'+'.join(map(str, N))}"
-        case "blocks", (layers, *_):
-            what = f"decode step, {layers} blocks"
         case "prompt_attention", (_, H, KVH, D):
             what = f"prompt attention, {H}/{KVH} heads of {D}"
         case "rms_norm", (C,):
@@ -87,7 +92,7 @@ def describe(key: Key, choice: Choice) -> str:
             what = f"RoPE, {heads} heads of {D}"
         case "silu_mul", (I,):
             what = f"SiLU*up of {I}"
-    rows = f"{1 if key.rows == DECODING_ROWS else key.rows // 2 + 1}-{key.rows} rows"  # the bucket's range
+    rows = f"{key.rows // 2 + 1}-{key.rows} rows"  # the bucket's range (a prompt's: a decoding step's is not measured)
     weights = f" reading {key.weights}" if key.weights else ""
     return (f"{what}, {rows}, {key.dtype}{weights}: {choice.winner} by {choice.margin:.2f}x "
             f"(kernel {choice.kernel_s * 1e3:.3g} ms vs torch {choice.torch_s * 1e3:.3g} ms)")
@@ -139,10 +144,11 @@ class Choices:
 
     def pick(self, key: Key, kernel: Callable, plain: Callable):
         """kernel()'s result or plain()'s (torch's code for the same values), whichever computes this kind of
-        operation faster. kernel() returns None where it cannot run; then plain() does, and nothing is decided."""
+        operation faster; a decoding step's kinds, kernel()'s (see the module's docstring). kernel() returns None
+        where it cannot run; then plain() does, and nothing is decided."""
         if not self.allow_kernels():
             return plain()
-        if self.mode == "auto":
+        if self.mode == "auto" and key.rows > DECODING_ROWS:
             choice = self.made.get(key)
             if choice is None:
                 choice = self.recall(key)

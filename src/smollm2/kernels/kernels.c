@@ -12,6 +12,12 @@
  * product tiles sized for its registers (32 with AVX-512 and NEON, 16 with AVX2 and SSE2). The summation
  * order follows the width, so tiers differ from each other by float rounding; within a tier, every guarantee
  * above holds bit for bit.
+ *
+ * Within a tier the bits must not depend on the compiler's choices either: built with -ffp-contract=off (the
+ * build's flags), it fuses no multiply and add by itself, and every fused multiply-add meant here is written as
+ * one (fmadd). With contraction on, where GCC fused followed its tuning for a CPU model (-mtune=znver2 keeps
+ * reduction chains unfused, which it decided differently for a lone row than for a tile of rows), so a row's
+ * result changed with its batch on one CPU model and not on another.
  */
 #include <math.h>
 #include <omp.h>
@@ -123,6 +129,19 @@ static inline vf load_i8(const int8_t *p) {
     return __builtin_convertvector(__builtin_convertvector(*(const vi8u *)p, vi), vf);
 }
 static inline vi load_u8(const uint8_t *p) { return __builtin_convertvector(*(const vu8u *)p, vi); }
+#endif
+
+/* a * b + c, rounded once, where the tier has a fused multiply-add instruction (AVX2's FMA3, AVX-512, NEON);
+ * an SSE2-only CPU has none: there, the product rounded, then the sum. */
+#if LANES == 16
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif LANES == 8
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b); }
+#else
+static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
 #endif
 
 /* With AVX512-BF16, a product of bf16 weights and bf16 activations multiplies 32 pairs an instruction, each
@@ -255,15 +274,16 @@ static inline vf exp_lanes(vf x) {
     vi seen = x >= -87.3f, big = x > 88.0f;
     x = (vf)((vi)x & seen);  /* the lanes below (-inf: masked slots) compute e^0, then become 0 */
     x = (vf)(((vi)x & ~big) | ((vi)splat(88.0f) & big));
-    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    /* round to nearest: adding 1.5 * 2^23 drops the fraction */
+    vf n = fmadd(x, splat(1.44269504f), splat(12582912.0f)) - 12582912.0f;
+    vf r = fmadd(n, splat(2.12194440e-4f), fmadd(n, splat(-0.693359375f), x));  /* x - n ln2, ln2 in two parts */
     vf e = splat(1.9875691500e-4f);
-    e = e * r + 1.3981999507e-3f;
-    e = e * r + 8.3334519073e-3f;
-    e = e * r + 4.1665795894e-2f;
-    e = e * r + 1.6666665459e-1f;
-    e = e * r + 5.0000001201e-1f;
-    e = e * r * r + r + 1.0f;
+    e = fmadd(e, r, splat(1.3981999507e-3f));
+    e = fmadd(e, r, splat(8.3334519073e-3f));
+    e = fmadd(e, r, splat(4.1665795894e-2f));
+    e = fmadd(e, r, splat(1.6666665459e-1f));
+    e = fmadd(e, r, splat(5.0000001201e-1f));
+    e = fmadd(e * r, r, r) + 1.0f;
     vf two_to_n = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
     return (vf)((vi)(e * two_to_n) & seen);
 }
@@ -338,7 +358,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                     for (int v = 0; v < BLOCK / LANES; v++) {
                         vf xv = load(x, i * K + k + v * LANES, x_type);
                         IN_REGISTER(xv);
-                        for (int j = 0; j < HELD; j++) acc[i][j0 + j] += xv * wv[j][v];
+                        for (int j = 0; j < HELD; j++) acc[i][j0 + j] = fmadd(xv, wv[j][v], acc[i][j0 + j]);
                     }
             }
 #if BF16_PAIRS
@@ -368,7 +388,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             for (int i = 0; i < c; i++) {
                 vf xv = load(x, i * K + k, x_type);
                 IN_REGISTER(xv);
-                for (int j = 0; j < ROWS; j++) acc[i][j] += xv * wv[j];
+                for (int j = 0; j < ROWS; j++) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
             }
         }
     }
@@ -493,7 +513,7 @@ static void norm_row(const void *x, const void *weight, void *out, int out_type,
     vf squares = {0};
     for (long c = 0; c < C; c += LANES) {
         vf v = load(x, c, type);
-        squares += v * v;
+        squares = fmadd(v, v, squares);
     }
     float inv = 1.0f / sqrtf(sum_lanes(squares) / C + eps);
     for (long c = 0; c < C; c += LANES)
@@ -510,19 +530,11 @@ static void rms_norm(const void *x, const void *weight, void *out, int out_type,
                  type, C, eps);
 }
 
-/* A product as torch leaves it: rounded to `type`, and in float32 kept out of the addition that follows (a
- * fused multiply-add would round once where torch's x * cos + rotate_half(x) * sin rounds three times). */
-static inline vf product(int type, vf a, vf b) {
-    vf p = a * b;
-    IN_REGISTER(p);
-    return round_lanes(type, p);
-}
+/* A product as torch leaves it: rounded to `type`, and in float32 too (never fused with the addition that
+ * follows, as contraction is off: torch's x * cos + rotate_half(x) * sin rounds three times). */
+static inline vf product(int type, vf a, vf b) { return round_lanes(type, a * b); }
 
-static inline float product1(int type, float a, float b) {  /* product, one element */
-    float p = a * b;
-    IN_REGISTER(p);
-    return round_to(type, p);
-}
+static inline float product1(int type, float a, float b) { return round_to(type, a * b); }  /* one element */
 
 /* One head (D,) into out (may be x itself): halves (i, i + D/2) rotated by the angles whose cos and sin are
  * (D,), rounded as torch's x * cos + rotate_half(x) * sin. A vector at a time; D/2 need not be a multiple of
@@ -582,7 +594,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         vf acc[MAX_GROUP] = {{0}};
         for (long d = 0; d < D; d += LANES) {
             vf key = cached(k, s * D + d, kv_type, type, kv_type == I8 ? k_scale[s] : 0);
-            for (int j = 0; j < n; j++) acc[j] += load_f32(qv + j * D + d) * key;
+            for (int j = 0; j < n; j++) acc[j] = fmadd(load_f32(qv + j * D + d), key, acc[j]);
         }
         for (int j = 0; j < n; j++) {
             float score = p[j * P + s] = sum_lanes(acc[j]) * scale;
@@ -603,7 +615,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         if (seen ? !seen[s] : s > last) continue;
         for (long d = 0; d < D; d += LANES) {
             vf value = cached(v, s * D + d, kv_type, type, kv_type == I8 ? v_scale[s] : 0);
-            for (int j = 0; j < n; j++) o[j][d / LANES] += p[j * P + s] * value;
+            for (int j = 0; j < n; j++) o[j][d / LANES] = fmadd(splat(p[j * P + s]), value, o[j][d / LANES]);
         }
     }
     for (int j = 0; j < n; j++)
@@ -825,7 +837,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *qf, co
             }
 #endif
             vf query = splat(qf[r * W + d]);
-            for (int c = 0; c < nv; c++) acc[r][c] += query * key[c];
+            for (int c = 0; c < nv; c++) acc[r][c] = fmadd(query, key[c], acc[r][c]);
         }
     }
     for (int r = 0; r < 4; r++)
@@ -910,7 +922,7 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
                         for (int c = 0; c < KEYS; c++) value[c] = load(v_head, s * v_stride[2] + d0 + c * LANES, type);
                         for (int j = 0; j < 4; j++) {
                             vf weight = splat(p[(r + j) * P + s]);
-                            for (int c = 0; c < KEYS; c++) acc[j][c] += weight * value[c];
+                            for (int c = 0; c < KEYS; c++) acc[j][c] = fmadd(weight, value[c], acc[j][c]);
                         }
                     }
                     for (int j = 0; j < 4 && r + j < n; j++) {
