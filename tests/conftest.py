@@ -78,6 +78,23 @@ def variant(request) -> str:
     return request.param
 
 
+def torch_row_variance(model: SmolLM2, rows: int = 16) -> str | None:
+    """Why model.py on torch alone may give a row other bits among other rows, or None: torch promises no row
+    its bits whatever the rows beside it, and its BLAS keeps none on some CPUs (MKL's sgemm sums a row otherwise at
+    2 rows than at 4 on a Zen 4), so promises of bit-identical rows that the kernels keep on every CPU hold on the
+    reference path only where each of the model's products, probed here at every row count, keeps them."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                x = torch.randn(rows, module.in_features, generator=generator, dtype=module.weight.dtype)
+                full = torch.nn.functional.linear(x, module.weight)
+                for m in range(1, rows):
+                    if not torch.equal(torch.nn.functional.linear(x[:m], module.weight), full[:m]):
+                        return f"torch's product for {name} gives a row other bits at {m} rows than at {rows} here"
+    return None
+
+
 def hf_copy(model: SmolLM2):
     """transformers' LlamaForCausalLM with the same weights (fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, as_variant, hf_copy, tiny_model
+from conftest import TINY, as_variant, hf_copy, tiny_model, torch_row_variance
 from smollm2 import lens
 from smollm2.errors import SmolError
 from smollm2.generation.sampling import Sampling
@@ -168,6 +168,8 @@ def steered_batch(model, prompts, steered: set[int], vector, **options) -> list[
 def test_a_steered_row_leaves_the_other_rows_bits(variant, options):
     config = TINY["gqa"]
     model = as_variant(tiny_model(config), variant)
+    if variant == "reference" and (reason := torch_row_variance(model)):
+        pytest.skip(f"model.py on torch alone: {reason} (the kernels keep the other rows' bits on every CPU)")
     prompts = [random_ids(config, (n,), seed=n).tolist() * 2 for n in (5, 11, 7)]  # repeats: lookup guesses
     vector = 1000 * model.output_weight[7].detach()  # toward token 7
     unsteered = steered_batch(model, prompts, set(), vector, **options)

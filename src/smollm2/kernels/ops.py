@@ -137,8 +137,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
     parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
     kernel cannot run them. weights: a BlockWeights per block. plain() is the model's own loop over the
-    blocks (the same residual stream and cache writes): on torch's kernels alone (choices.torch_only()), it
-    runs instead where it is the faster.
+    blocks (the same residual stream and cache writes), for choices.pick(); a decoding step's kind is never
+    given to it where the kernel can run (choosing.py).
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     cache: a KVCache (or a view of one), (L, B, KVH, S, D) of any of its dtypes; slots: (T,) or (B, T) cache slots
@@ -170,13 +170,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
-    def torch_loop():
-        with choices.torch_only():
-            return plain()
-
     return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
-                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I, TYPES[k.dtype])), kernel,
-                        torch_loop)
+                            torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I, TYPES[k.dtype])), kernel, plain)
 
 
 def prompt_rows(choices: Choices, *tensors: torch.Tensor) -> bool:
