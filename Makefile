@@ -54,16 +54,17 @@ test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not real_model and not subprocess and not compile"
 
 # The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu (`make test` runs
-# it too, where the tools are there; CI installs them first). arm-tools installs Debian's cross compiler (its
-# libgomp comes with it) and qemu-user where missing.
-.PHONY: test-arm arm-tools
-test-arm: install-test arm-tools
+# it too, where the tools are there; CI installs them first). check-tools installs Debian's cross compiler (its
+# libgomp comes with it), qemu-user, and Clang (every x86 tier is checked to give GCC's bits built by Clang too),
+# where missing.
+.PHONY: test-arm check-tools
+test-arm: install-test check-tools
 	$(PY) -m pytest -q tests/test_kernel_tiers.py
 
-arm-tools:
-	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || { \
+check-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v clang >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user; }
+		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user clang; }
 
 clean:
 	rm -rf $(VENV)

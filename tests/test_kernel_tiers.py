@@ -115,12 +115,14 @@ def test_kernels_on_x86_tier_give_the_same_bits_at_every_tuning(march, tmp_path)
     assert len(set(bits.values())) == 1, "\n".join(f"{c} {' '.join(f)}: {b}" for (c, f), b in bits.items())
 
 
-# The NEON baseline every AArch64 CPU has, and the ARMv8.2 extensions (dot products, bf16) newer cores add.
-ARM_TIERS = ["armv8-a", "armv8.2-a+dotprod+bf16"]
+# The NEON baseline every AArch64 CPU has, and the ARMv8.2 extensions (dot products, bf16) newer cores add; each
+# built for the tunings of cores that run it, which must give the same bits as on x86.
+ARM_TIERS = {"armv8-a": ["generic", "cortex-a53", "cortex-a72"],
+             "armv8.2-a+dotprod+bf16": ["generic", "cortex-a76", "neoverse-n1", "neoverse-v1"]}
 
 
 @pytest.mark.parametrize("march", ARM_TIERS)
-def test_kernels_on_aarch64_tier(march, tmp_path):
+def test_kernels_on_aarch64_tier_give_the_same_bits_at_every_tuning(march, tmp_path):
     if platform.machine() == "aarch64":  # an AArch64 host runs them itself
         compiler, extra, runner = os.environ.get("CC", "cc"), (), ()
     else:  # static: qemu-user then needs no AArch64 libraries installed
@@ -131,5 +133,9 @@ def test_kernels_on_aarch64_tier(march, tmp_path):
         runner = (qemu, "-cpu", "max")  # max: with the dot product and bf16 instructions
     if reason := cannot_build(compiler, f"-march={march}", *extra):
         pytest.skip(f"{reason} (Debian: gcc-aarch64-linux-gnu; or `make test-arm`)")
-    check(compiler, march, tmp_path, extra, runner)
-
+    builds = [(*extra, f"-mtune={tune}") for tune in ARM_TIERS[march] if knows_tuning(compiler, tune)]
+    assert len(builds) == len(ARM_TIERS[march]), builds
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        bits = dict(zip(builds, pool.map(lambda flags: check(compiler, march, tmp_path, flags, runner,
+                                                              name=flags[-1].removeprefix("-mtune=")), builds)))
+    assert len(set(bits.values())) == 1, "\n".join(f"{' '.join(f)}: {b}" for f, b in bits.items())
