@@ -9,7 +9,7 @@ import torch
 from conftest import hf_copy
 from smollm2 import Tokenizer, patching
 from smollm2.errors import SmolError
-from smollm2.generation.hooks import Hooks
+from smollm2.generation.hooks import Hooks, point_names
 
 CLEAN, CORRUPTED = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
 HEAD_DIM = 64  # SmolLM2-135M's
@@ -164,3 +164,40 @@ def test_the_readmes_patching_example(model, prompts):
     at_last = heads["blocks.23.attn.hook_z"][last]
     assert figure(at_last[4], 2.86) and figure(at_last[5], 2.56)
     assert at_last[[0, 1, 2, 3, 6, 7, 8]].abs().max() < 0.5
+
+
+def test_every_point_patches_by_position_and_head_on_a_tiny_model():
+    from conftest import TINY, tiny_model
+
+    config = TINY["gqa"]
+    model, layers, T = tiny_model(config), config.num_hidden_layers, 6
+    clean, corrupted = torch.randint(0, config.vocab_size, (2, 2, T), generator=torch.Generator().manual_seed(0))
+    names = [name for name in point_names(layers) if not name.startswith("blocks.0.")]  # one block's are enough
+
+    def metric(logits):
+        return logits[:, -1, 3].sum() - logits[:, -1, 5].sum()
+
+    patched = patching.patch(model, clean, corrupted, metric, names)
+    attributed = patching.attribution_patch(model, clean, corrupted, metric, names)
+    _, cache = patching.run_with_cache(model, clean, names)
+    heads = {"q": config.num_attention_heads, "rot_q": config.num_attention_heads, "z": config.num_attention_heads,
+             "attn_scores": config.num_attention_heads, "pattern": config.num_attention_heads,
+             "k": config.num_key_value_heads, "v": config.num_key_value_heads, "rot_k": config.num_key_value_heads}
+    for name in names:
+        head = heads.get(name.rpartition(".hook_")[2]) if ".attn." in name else None
+        assert patched[name].shape == attributed[name].shape == ((T,) if head is None else (T, head)), name
+        assert bool(patched[name].isfinite().all()) and bool(attributed[name].isfinite().all()), name
+
+    # a point whose heads come before its positions: (B, heads, query position, key slot)
+    point, position, head = "blocks.1.attn.hook_pattern", 4, 2
+
+    def replaced(x, name):
+        x = x.clone()
+        x[:, head, position] = cache[point][:, head, position]
+        return x
+
+    with torch.inference_mode():
+        logits = model.logits(Hooks(layers, [(point, replaced)]).hidden_states(model, corrupted))
+    torch.testing.assert_close(patched[point][position, head], metric(logits), atol=1e-5, rtol=0)
+    with pytest.raises(SmolError, match="no gradient"):
+        patching.attribution_patch(model, clean, corrupted, lambda logits: torch.tensor(1.0), names[:1])

@@ -81,10 +81,11 @@ def patch(model, clean_ids, corrupted_ids, metric: Metric, hook_names: abc.Itera
     found = {}
     for name in names:
         shape = by_position(cache[name], name).shape[1:3 if has_heads(name) else 2]
-        sites = torch.cartesian_prod(*(torch.arange(n) for n in shape)).reshape(-1, len(shape))  # (T [* heads], ..)
+        # every position (and head): (T [* heads], 1 [or 2])
+        sites = torch.cartesian_prod(*(torch.arange(n, device=clean.device) for n in shape)).reshape(-1, len(shape))
         values = []
         for part in sites.split(max(1, PATCH_TOKENS // (B * T))):
-            rows = torch.arange(len(part) * B)
+            rows = torch.arange(len(part) * B, device=clean.device)
             where = part.repeat_interleave(B, 0).unbind(1)  # each row's position (and head)
 
             def patched(x, name, rows=rows, where=where):
@@ -116,9 +117,13 @@ def attribution_patch(model, clean_ids, corrupted_ids, metric: Metric,
 
     with torch.enable_grad():
         value = scalar(metric, hooked_logits(model, corrupted, [(name, keep) for name in names]))
+        if not value.requires_grad:
+            raise SmolError("the metric must be computed from the logits it is given (it has no gradient)")
         grads = torch.autograd.grad(value, [nudges[name] for name in names], allow_unused=True)
     found = {}
     for name, grad in zip(names, grads):
-        effect = by_position((cache[name] - seen[name]) * (0 if grad is None else grad), name)
+        # where the two runs agree, no difference: also where both hold attn_scores' -inf (masked), not NaN
+        difference = torch.where(cache[name] == seen[name], 0, cache[name] - seen[name])
+        effect = by_position(difference * (0 if grad is None else grad), name)
         found[name] = effect.flatten(3 if has_heads(name) else 2).sum((0, -1)).float()
     return found
