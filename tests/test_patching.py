@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_copy
-from smollm2 import Tokenizer, patching
+from conftest import TINY, hf_copy, tiny_model
+from smollm2 import Tokenizer, lens, patching
 from smollm2.errors import SmolError
 from smollm2.generation.hooks import Hooks, point_names
 
@@ -111,7 +111,7 @@ def test_patching_equals_nnsight_on_transformers(model, prompts, found):
 def test_activation_patching_is_its_definition(model, prompts, found):
     clean, corrupted, metric = prompts
     point, position, head = "blocks.6.attn.hook_v", 2, 1  # a key-value head: (B, T, kv heads, head_dim)
-    _, cache = patching.run_with_cache(model, clean, [point])
+    _, cache = lens.run_with_cache(model, clean, [point])
 
     def replaced(x, name):
         x = x.clone()
@@ -127,7 +127,7 @@ def test_activation_patching_is_its_definition(model, prompts, found):
     first = patching.patch(model, clean, corrupted, metric, ["blocks.0.hook_resid_pre"])["blocks.0.hook_resid_pre"]
     same = torch.tensor(clean[0]) == torch.tensor(corrupted[0])
     assert same.tolist() == [True, False, False, False] + [True] * 5
-    corrupted_metric = metric(patching.run_with_cache(model, corrupted, [])[0])
+    corrupted_metric = metric(lens.run_with_cache(model, corrupted, [])[0])
     torch.testing.assert_close(first[same], corrupted_metric.expand(6), atol=1e-5, rtol=0)
     assert (first[~same] - corrupted_metric).abs().min() > 0.01
 
@@ -140,8 +140,6 @@ def test_activation_patching_is_its_definition(model, prompts, found):
     (dict(hook_names=["blocks.99.hook_resid_pre"]), "no hook point"),
 ])
 def test_bad_patching_is_a_smol_error(change, message):
-    from conftest import TINY, tiny_model
-
     model = tiny_model(TINY["gqa"])
     arguments = dict(clean=[[1, 2, 3, 4]], corrupted=[[5, 6, 7, 8]], metric=lambda logits: logits[0, -1, 0],
                      hook_names=["blocks.0.hook_resid_pre"]) | change
@@ -153,8 +151,8 @@ def test_bad_patching_is_a_smol_error(change, message):
 def test_the_readmes_patching_example(model, prompts):
     clean, corrupted, metric = prompts
     figure = lambda value, want: abs(float(value) - want) < 0.006  # as the README rounds them  # noqa: E731
-    assert figure(metric(patching.run_with_cache(model, clean, [])[0]), 2.86)
-    assert figure(metric(patching.run_with_cache(model, corrupted, [])[0]), -8.70)
+    assert figure(metric(lens.run_with_cache(model, clean, [])[0]), 2.86)
+    assert figure(metric(lens.run_with_cache(model, corrupted, [])[0]), -8.70)
     streams = patching.patch(model, clean, corrupted, metric, ["blocks.23.hook_resid_pre", "blocks.24.hook_resid_pre"])
     iffel, last = 2, 8
     before, after = streams["blocks.23.hook_resid_pre"], streams["blocks.24.hook_resid_pre"]
@@ -167,8 +165,6 @@ def test_the_readmes_patching_example(model, prompts):
 
 
 def test_every_point_patches_by_position_and_head_on_a_tiny_model():
-    from conftest import TINY, tiny_model
-
     config = TINY["gqa"]
     model, layers, T = tiny_model(config), config.num_hidden_layers, 6
     clean, corrupted = torch.randint(0, config.vocab_size, (2, 2, T), generator=torch.Generator().manual_seed(0))
@@ -179,7 +175,7 @@ def test_every_point_patches_by_position_and_head_on_a_tiny_model():
 
     patched = patching.patch(model, clean, corrupted, metric, names)
     attributed = patching.attribution_patch(model, clean, corrupted, metric, names)
-    _, cache = patching.run_with_cache(model, clean, names)
+    _, cache = lens.run_with_cache(model, clean, names)
     heads = {"q": config.num_attention_heads, "rot_q": config.num_attention_heads, "z": config.num_attention_heads,
              "attn_scores": config.num_attention_heads, "pattern": config.num_attention_heads,
              "k": config.num_key_value_heads, "v": config.num_key_value_heads, "rot_k": config.num_key_value_heads}
