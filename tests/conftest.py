@@ -98,8 +98,11 @@ def torch_row_variance(model: SmolLM2, rows: int = 16) -> str | None:
 def hf_copy(model: SmolLM2):
     """transformers' LlamaForCausalLM with the same weights (fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
-    hf = LlamaForCausalLM(LlamaConfig(**model.config.to_hf())).eval()
+    with no_init_weights():  # every weight is loaded next: its random start took seconds for the embedded model
+        hf = LlamaForCausalLM(LlamaConfig(**model.config.to_hf())).eval()
+    hf.tie_weights()  # which the skipped initialisation would have done
     hf.load_state_dict(model.state_dict(), strict=False)  # tied lm_head is shared, not stored
     return hf.float()
 
