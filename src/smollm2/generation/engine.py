@@ -113,6 +113,13 @@ class Engine:
         return PassCounts(self.passes, self.decoded, self.guessed, self.kept)
 
     @property
+    def kv_cache_usage(self) -> float:
+        """The share of the cache's slots (every row's whole length) that rows hold, from 0 to 1. Read from
+        another thread too (metrics): it copies what it reads."""
+        rows = [*self.decoding, self.filling]
+        return sum(row.filled for row in rows if row is not None) / (self.cache_rows * self.cache.max_len)
+
+    @property
     def free(self) -> int:
         """Cache rows that neither a row holds nor a queued row will take."""
         return self.cache_rows - len(self.decoding) - (self.filling is not None) - len(self.queued)

@@ -1,6 +1,6 @@
 """The HTTP face of the scheduler: OpenAI's /v1/chat/completions, /v1/completions and /v1/models here, its
-/v1/responses (responses.py) and /v1/embeddings (embeddings.py), Anthropic's /v1/messages (messages.py); /health,
-/metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
+/v1/responses (responses.py) and /v1/embeddings (embeddings.py), Anthropic's /v1/messages (messages.py); /health
+(alive), /ready (worth sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -36,6 +36,7 @@ from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
 from ..tools import ToolCall, ToolCallParser, Tools, parse_tool_calls
 from . import embeddings, inspect, messages, page, responses
+from .draining import Admission
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
@@ -178,18 +179,20 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                                  on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes,
+                                  on_end=lambda request, name=name: metrics.ended(request, name),
+                                  prefix_cache_bytes=prefix_cache_bytes,
                                   threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
                   for name, m in models.items()}
-    metrics = Metrics(list(schedulers.values()))
+    metrics = Metrics(schedulers)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
-    app.state.served = Served(schedulers, tokenizer, metrics, api_key)
+    app.state.served = served = Served(schedulers, tokenizer, metrics, api_key)
     for routes in (router, responses.router, messages.router, embeddings.router, inspect.router):
         app.include_router(routes)
     page.serve(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
+    app.add_middleware(Admission, served=served)
+    app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit, a 503 while draining count
     return app
 
 
@@ -233,6 +236,15 @@ router = APIRouter()
 async def health(served: AppState):
     loads = [scheduler.load() for scheduler in served.schedulers.values()]
     return {"status": "ok", **{key: sum(load[key] for load in loads) for key in loads[0]}}
+
+
+@router.get("/ready")
+async def ready(served: AppState):
+    """Whether a load balancer may send this server requests: 503 until every model has run its warm-up step (the
+    scheduler's, at start), 200 then, 503 again once it drains (SIGTERM)."""
+    if served.ready:
+        return {"status": "ready"}
+    return JSONResponse({"status": "draining" if served.draining else "loading"}, 503)
 
 
 @router.get("/metrics")

@@ -39,9 +39,11 @@ from ..generation.prefix_cache import PrefixCache
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, check_request
 from ..generation.speculative import check_speculative
-from ..generation.steps import decode_step
+from ..generation.steps import decode_step, prefill_chunk, untouched_cache
 
 log = logging.getLogger(__name__)
+
+WARM_UP_PROMPT = 8  # tokens of the warm-up's prompt (ids 0..7)
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Scheduler:
         self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
         self._wake = threading.Condition()  # guards waiting, calls and _stopping
         self._stopping = False
+        self.ready = threading.Event()  # set once the thread's warm-up step has run (/ready)
         self._thread = threading.Thread(target=self._run, name="smollm2-scheduler", daemon=True)
 
     # The HTTP side (the event loop's thread).
@@ -261,6 +264,12 @@ class Scheduler:
     @torch.inference_mode()
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # a thread's own setting (OpenMP's), not inherited from its creator
+        try:
+            self._warm_up()
+        except Exception:  # never ready: /ready stays 503, and the requests fail as the steps do
+            log.exception("the warm-up step failed")
+        else:
+            self.ready.set()
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self.requests and not self.calls:
@@ -280,6 +289,19 @@ class Scheduler:
         self._end([*waiting, *self._take_in_flight()], "the server is shutting down")
         for _, future in calls:
             settle(future, future.set_exception, SmolError("the server is shutting down"))
+
+    def _warm_up(self) -> None:
+        """A short prompt's prefill and a decoding step through the model's blocks, on this thread and with its
+        threads, into a cache of their own (no row, no prefix cache, no count moves): what the first request
+        would otherwise pay for falls here, before /ready says the server is ready: the OpenMP pool, the first
+        pages of memory, and the kernels' choices for those passes (measured at their first call, and kept for
+        later processes: choosing.py). The logits' product is not run (the first request measures its choice,
+        where no earlier process did), nor a longer prompt's kinds."""
+        cache = untouched_cache(self.model, 1, steps.CACHE_BLOCK, self.engine.kv_cache_dtype)
+        prompt = torch.arange(WARM_UP_PROMPT, device=self.device)[None]
+        prefill_chunk(self.model, prompt, cache, 0)
+        slot = torch.tensor([[WARM_UP_PROMPT]], device=self.device)
+        self.model.hidden_states(prompt[:, -1:], slot, cache.view(length=WARM_UP_PROMPT + 1))
 
     def _call(self) -> None:
         """Run the functions handed over by call(), each to its future."""
