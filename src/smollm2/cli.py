@@ -422,7 +422,8 @@ def serve(args):
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
-                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype)
+                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
+                     prefix_cache_dir=args.prefix_cache_dir)
     draining.serve(app, args.host, args.port, args.drain_timeout)
 
 
@@ -670,6 +671,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=256, metavar="MIB",
                    help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
                         "256 MiB; 0: none)")
+    c.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
+                   help="also keep the prefix cache's chunks as files here, which a restarted server reads "
+                        "instead of prefilling them again")
     # 20 s: within Kubernetes' default grace period (30 s), after which the process is killed
     c.add_argument("--drain-timeout", type=whole_number(0, 3600), default=20, metavar="SECONDS",
                    help="on SIGTERM, wait this long for the requests in flight, refusing new ones with 503, then end "

@@ -21,6 +21,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header
@@ -162,7 +163,8 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 256 << 20, adapters: dict | None = None,
-               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None) -> FastAPI:
+               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None,
+               prefix_cache_dir: str | Path | None = None) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
     The defaults are `smollm2 serve`'s but for the KV cache's dtype (tests/test_server.py holds them equal).
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
@@ -174,14 +176,17 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     with the same tokenizer, which every model served shares (generation.speculative; the same answers either
     way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%;
     `smollm2 serve`'s default) or "int8" (smollm2.model.KVCache); None, the model's dtype, gives the answers and
-    log-probabilities of generate() on the same model, bit for bit."""
+    log-probabilities of generate() on the same model, bit for bit. prefix_cache_dir: a folder where each
+    model's prefix cache also keeps its blocks, as files a later process (or another on a shared disk) reads
+    instead of prefilling them again, with the same bits (generation.prefix_cache.DiskCache)."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
                                   on_end=lambda request, name=name: metrics.ended(request, name),
                                   prefix_cache_bytes=prefix_cache_bytes,
-                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                                  prefix_cache_dir=prefix_cache_dir)
                   for name, m in models.items()}
     metrics = Metrics(schedulers)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],

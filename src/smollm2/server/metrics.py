@@ -101,6 +101,12 @@ class PrefixCacheCounts(Collector):
                                   "not prefilled again", value=sum(cache.found for cache in self.caches))
         yield GaugeMetricFamily("smollm2_prefix_cache_bytes", "Memory the prefix cache's keys and values take",
                                 value=sum(cache.bytes for cache in self.caches))
+        yield CounterMetricFamily("smollm2_prefix_cache_disk_hit_tokens", "Prompt tokens found in the prefix "
+                                  "cache's files (--prefix-cache-dir), of those found", value=sum(
+                                      cache.from_disk for cache in self.caches))
+        yield CounterMetricFamily("smollm2_prefix_cache_disk_refused_files", "Prefix cache files refused (corrupt, "
+                                  "or another model's), their chunks computed again", value=sum(
+                                      cache.disk.refused for cache in self.caches if cache.disk is not None))
 
 
 class VllmLoad(Collector):
@@ -136,7 +142,9 @@ class DecodingCounts(Collector):
         for name, text, field in (("decoding_passes", "Decoding passes over the rows decoding", "passes"),
                                   ("decoded_tokens", "Tokens the decoding passes gave", "decoded"),
                                   ("speculation_guessed_tokens", "Tokens guessed by speculating rows", "guessed"),
-                                  ("speculation_kept_tokens", "Guessed tokens the model kept", "kept")):
+                                  ("speculation_kept_tokens", "Guessed tokens the model kept", "kept"),
+                                  ("prefilled_tokens", "Prompt tokens the prefill computed, not copied from the "
+                                   "prefix cache", "prefilled")):
             yield CounterMetricFamily(f"smollm2_{name}", text, value=sum(getattr(e, field) for e in self.engines))
 
 
