@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+import safetensors.torch
 import torch
+from conftest import TINY, tiny_model
+from fastapi.testclient import TestClient
+from safetensors import safe_open
 
 from smollm2 import SmolLM2, Tokenizer
+from smollm2.errors import SmolError
 from smollm2.generation import Sampling, steps
-from smollm2.generation.prefix_cache import PrefixCache
+from smollm2.generation.prefix_cache import PrefixCache, checksum
 from smollm2.server import create_app
 from smollm2.server.scheduler import Scheduler
 from test_server import running
@@ -210,3 +216,112 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_row(tiny, s
         assert scheduler.load()["active"] == 0
 
     asyncio.run(run())
+
+
+# The prefix cache on disk (--prefix-cache-dir): blocks that outlive the process.
+
+NOTES = [{"role": "user", "content": "Here are my notes. " + " ".join(
+    f"Note {i}: the meeting moved to room {i % 7}." for i in range(20))}]
+
+
+def ask(served, directory, kv_cache_dtype=None, prefix_cache_bytes=64 << 20) -> tuple[list, str]:
+    """A new app (a restarted server: nothing in memory) with its prefix cache kept in `directory`: a long chat's
+    answer, sampled, with its log-probabilities; and the app's /metrics after it."""
+    model, tokenizer = served
+    app = create_app(model, tokenizer, model_name=NAME, prefix_cache_bytes=prefix_cache_bytes,
+                     kv_cache_dtype=kv_cache_dtype, prefix_cache_dir=directory)
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=dict(model=NAME, messages=NOTES, max_tokens=8, temperature=0.8,
+                                                          seed=5, logprobs=True, top_logprobs=2))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"], client.get("/metrics").text
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_a_restarted_server_answers_from_its_disk_cache_bit_for_bit(tiny, small_chunks, tmp_path, kv_cache_dtype):
+    """The first app computes the long prompt and writes its chunks; a second, new app with the same folder
+    prefills nothing (every chunk and the last hidden state read from disk), and its answer and log-probabilities
+    are the first's, and those of an app with no prefix cache at all, bit for bit."""
+    prompt = len(tiny[1].apply_chat_template(NOTES))
+    cold, first = ask(tiny, tmp_path, kv_cache_dtype)
+    assert metric(first, "smollm2_prefilled_tokens_total") == prompt > 16 * 16
+    assert len(list(tmp_path.rglob("*.safetensors"))) == -(-prompt // 16)  # a file a chunk
+    warm, second = ask(tiny, tmp_path, kv_cache_dtype)
+    assert warm == cold
+    assert metric(second, "smollm2_prefilled_tokens_total") == 0
+    assert metric(second, "smollm2_prefix_cache_disk_hit_tokens_total") == prompt
+    assert ask(tiny, None, kv_cache_dtype, prefix_cache_bytes=0)[0] == cold
+
+
+def first_file(directory) -> Path:
+    """The file of a prompt's first chunk: the one that follows no other."""
+    return next(path for path in directory.rglob("*.safetensors")
+                if safe_open(path, framework="pt").metadata()["parent"] == "")
+
+
+def contents(path: Path) -> tuple[dict, dict]:
+    """A file's metadata and tensors (as lists), to compare: its bytes' order may vary (the metadata's keys)."""
+    with safe_open(path, framework="pt") as file:
+        return file.metadata(), {key: file.get_tensor(key).float().tolist() for key in file.keys()}
+
+
+def wrong_dtype(path: Path) -> None:
+    """The file with its metadata (this model's identity) and a checksum that holds, but bf16 keys and values."""
+    with safe_open(path, framework="pt") as file:
+        metadata = file.metadata()
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+    tensors = {key: t.bfloat16() if key.startswith("part.") else t for key, t in tensors.items()}
+    metadata["sha256"] = checksum(tensors)
+    path.write_bytes(safetensors.torch.save(tensors, metadata))
+
+
+def test_corrupt_and_foreign_files_are_refused_and_computed_again(tiny, small_chunks, tmp_path, caplog):
+    """A file spoiled in any way (a flipped bit, cut short, not safetensors, grown, another model's or another
+    cache dtype's under this one's name, the right names but other dtypes) is refused, logged, and its chunks
+    computed again, with the cold answer; the chunk's file is then written anew. Another model, or cache dtype,
+    given the same folder never reads this one's files."""
+    model, tokenizer = tiny
+    other = (tiny_model(TINY["gqa"], seed=1), tokenizer)
+    ours, theirs, bf16 = tmp_path / "ours", tmp_path / "theirs", tmp_path / "bf16"
+    cold, _ = ask(tiny, ours)
+    assert ask(other, theirs)[0] != cold
+    ask(tiny, bf16, "bf16")
+    folders = {path.parent.name for folder in (ours, theirs, bf16) for path in folder.rglob("*.safetensors")}
+    assert len(folders) == 3  # one identity each
+    for foreign, kv_cache_dtype in ((other, None), (tiny, "bf16")):
+        _, metrics = ask(foreign, ours, kv_cache_dtype)
+        assert metric(metrics, "smollm2_prefix_cache_disk_hit_tokens_total") == 0
+        assert metric(metrics, "smollm2_prefix_cache_disk_refused_files_total") == 0  # not even looked at
+
+    prompt = len(tokenizer.apply_chat_template(NOTES))
+    target = first_file(ours)
+    good, written = target.read_bytes(), contents(target)
+    spoils = [  # each spoiling of the file, and the reason it is refused for, where it is ours to give
+        (lambda: target.write_bytes(good[:-1] + bytes([good[-1] ^ 1])), "checksum"),  # a flipped bit
+        (lambda: target.write_bytes(good[:len(good) // 2]), ""),  # cut short: safetensors' own error
+        (lambda: target.write_bytes(b"\x00" * 8 + b"{not json" + b"\xff" * 100), ""),
+        (lambda: target.write_bytes(good + b"\x00" * (1 << 17)), "more than a block"),  # checked before opening
+        (lambda: target.write_bytes(first_file(theirs).read_bytes()), "identity differs"),  # another model's
+        (lambda: target.write_bytes(first_file(bf16).read_bytes()), "identity differs"),  # a bf16 cache's
+        (lambda: wrong_dtype(target), "not F32"),  # checked before a tensor is read
+    ]
+    for spoil, reason in spoils:
+        spoil()
+        caplog.clear()
+        answer, metrics = ask(tiny, ours)
+        assert answer == cold
+        assert metric(metrics, "smollm2_prefix_cache_disk_refused_files_total") == 1
+        assert metric(metrics, "smollm2_prefilled_tokens_total") == prompt  # the chain breaks at its first chunk
+        assert any("refusing" in record.message and reason in record.message for record in caplog.records), reason
+        assert contents(target) == written  # written anew
+    answer, metrics = ask(tiny, ours)
+    assert answer == cold and metric(metrics, "smollm2_prefilled_tokens_total") == 0
+
+
+def test_a_cache_folder_needs_a_prefix_cache_and_a_folder(tiny, tmp_path):
+    model, tokenizer = tiny
+    with pytest.raises(SmolError, match="needs a prefix cache"):
+        create_app(model, tokenizer, prefix_cache_bytes=0, prefix_cache_dir=tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SmolError, match="cannot create it"):
+        create_app(model, tokenizer, prefix_cache_dir=tmp_path / "file" / "cache")

@@ -404,13 +404,9 @@ def lora_name(text: str) -> tuple[str, str]:
 
 
 def serve(args):
-    """The OpenAI-compatible HTTP server, until Ctrl-C or SIGTERM (in-flight answers finish, for up to 10 s)."""
-    import signal
-
-    import uvicorn
-
+    """The OpenAI-compatible HTTP server, until Ctrl-C, or SIGTERM once drained (server.draining)."""
     from .lora import with_adapter
-    from .server import create_app
+    from .server import create_app, draining
 
     if args.compile:
         raise SmolError("--compile is not supported by serve")
@@ -426,14 +422,9 @@ def serve(args):
     app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
-                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype)
-    # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully, for the default handler to kill
-    # the process with; a server stopped by SIGTERM has stopped as asked, so ignore that echo and exit 0.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=10, log_level="info")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
+                     prefix_cache_dir=args.prefix_cache_dir)
+    draining.serve(app, args.host, args.port, args.drain_timeout)
 
 
 def prepare(args):
@@ -680,6 +671,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=256, metavar="MIB",
                    help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
                         "256 MiB; 0: none)")
+    c.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
+                   help="also keep the prefix cache's chunks as files here, which a restarted server reads "
+                        "instead of prefilling them again")
+    # 20 s: within Kubernetes' default grace period (30 s), after which the process is killed
+    c.add_argument("--drain-timeout", type=whole_number(0, 3600), default=20, metavar="SECONDS",
+                   help="on SIGTERM, wait this long for the requests in flight, refusing new ones with 503, then end "
+                        "those left and exit (default: 20)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "

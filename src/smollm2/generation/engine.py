@@ -107,10 +107,18 @@ class Engine:
         self.queued: collections.deque[Row] = collections.deque()  # admitted, waiting for a cache row
         self.passes = self.decoded = 0  # decoding passes run, and the tokens they gave (more with speculation)
         self.guessed = self.kept = 0  # tokens speculating rows guessed, and those the model kept
+        self.prefilled = 0  # prompt tokens the prefill computed (not copied from the prefix cache)
 
     @property
     def counts(self) -> PassCounts:
         return PassCounts(self.passes, self.decoded, self.guessed, self.kept)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the cache's slots (every row's whole length) that rows hold, from 0 to 1. Read from
+        another thread too (metrics): it copies what it reads."""
+        rows = [*self.decoding, self.filling]
+        return sum(row.filled for row in rows if row is not None) / (self.cache_rows * self.cache.max_len)
 
     @property
     def free(self) -> int:
@@ -270,6 +278,7 @@ class Engine:
         if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
             h = prefill_chunk(self.model, ids, cache, begin, hooks=row.hooks)
         row.filled = end
+        self.prefilled += end - begin
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
             block = self.prefix_cache.store(row.blocks, prompt[begin:end],
                                             [t[:, at, :, begin:end] for t in self.cache.parts], h if ends else None)

@@ -1,6 +1,6 @@
 """The HTTP face of the scheduler: OpenAI's /v1/chat/completions, /v1/completions and /v1/models here, its
-/v1/responses (responses.py) and /v1/embeddings (embeddings.py), Anthropic's /v1/messages (messages.py); /health,
-/metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
+/v1/responses (responses.py) and /v1/embeddings (embeddings.py), Anthropic's /v1/messages (messages.py); /health
+(alive), /ready (worth sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize.
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
@@ -21,12 +21,13 @@ import contextlib
 import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as Connection
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -36,6 +37,7 @@ from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
 from ..tools import ToolCall, ToolCallParser, Tools, parse_tool_calls
 from . import embeddings, inspect, messages, page, responses
+from .draining import Admission
 from .metrics import CountResponses, Metrics
 from .scheduler import Delta, PromptLogprobs, QueueFull, Request, Scheduler
 from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
@@ -161,7 +163,8 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
                max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
                api_key: str | None = None, prefix_cache_bytes: int = 256 << 20, adapters: dict | None = None,
-               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None) -> FastAPI:
+               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None,
+               prefix_cache_dir: str | Path | None = None) -> FastAPI:
     """The app; its lifespan starts the scheduler threads (each then owns its model) and stops them.
     The defaults are `smollm2 serve`'s but for the KV cache's dtype (tests/test_server.py holds them equal).
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
@@ -173,23 +176,28 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     with the same tokenizer, which every model served shares (generation.speculative; the same answers either
     way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%;
     `smollm2 serve`'s default) or "int8" (smollm2.model.KVCache); None, the model's dtype, gives the answers and
-    log-probabilities of generate() on the same model, bit for bit."""
+    log-probabilities of generate() on the same model, bit for bit. prefix_cache_dir: a folder where each
+    model's prefix cache also keeps its blocks, as files a later process (or another on a shared disk) reads
+    instead of prefilling them again, with the same bits (generation.prefix_cache.DiskCache)."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                                  on_end=lambda request: metrics.ended(request), prefix_cache_bytes=prefix_cache_bytes,
-                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
+                                  on_end=lambda request, name=name: metrics.ended(request, name),
+                                  prefix_cache_bytes=prefix_cache_bytes,
+                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                                  prefix_cache_dir=prefix_cache_dir)
                   for name, m in models.items()}
-    metrics = Metrics(list(schedulers.values()))
+    metrics = Metrics(schedulers)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
-    app.state.served = Served(schedulers, tokenizer, metrics, api_key)
+    app.state.served = served = Served(schedulers, tokenizer, metrics, api_key)
     for routes in (router, responses.router, messages.router, embeddings.router, inspect.router):
         app.include_router(routes)
     page.serve(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit counts too
+    app.add_middleware(Admission, served=served)
+    app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit, a 503 while draining count
     return app
 
 
@@ -233,6 +241,15 @@ router = APIRouter()
 async def health(served: AppState):
     loads = [scheduler.load() for scheduler in served.schedulers.values()]
     return {"status": "ok", **{key: sum(load[key] for load in loads) for key in loads[0]}}
+
+
+@router.get("/ready")
+async def ready(served: AppState):
+    """Whether a load balancer may send this server requests: 503 until every model has run its warm-up step (the
+    scheduler's, at start), 200 then, 503 again once it drains (SIGTERM)."""
+    if served.ready:
+        return {"status": "ready"}
+    return JSONResponse({"status": "draining" if served.draining else "loading"}, 503)
 
 
 @router.get("/metrics")

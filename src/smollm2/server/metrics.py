@@ -1,6 +1,12 @@
 """What GET /metrics tells Prometheus: requests answered by route and status, tokens in and out, the queue and the
 rows in flight, the prefix cache's hits, and the time to each request's first token and between its tokens.
 
+The same load is also told under vLLM's names (vllm:num_requests_running, vllm:num_requests_waiting,
+vllm:kv_cache_usage_perc, vllm:prompt_tokens_total, vllm:generation_tokens_total, and the histograms
+vllm:time_to_first_token_seconds and vllm:inter_token_latency_seconds with vLLM's buckets), labelled as vLLM labels
+them, model_name and engine, one series per model served: what KEDA, KServe and the Gateway API inference
+extension's endpoint picker read, unmodified.
+
 The metrics live in a registry of the app's own, so two apps in one process (tests) count apart. Token times are
 taken by the scheduler's thread as each token is sampled (Request.token_times) and observed once a request ends,
 finished or cancelled, so the scheduler's step does no more than append a number.
@@ -14,12 +20,19 @@ from prometheus_client.registry import Collector
 
 # Seconds: a 135M model's decoding step is milliseconds, a long prompt's prefill seconds.
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+# vLLM's own bucket bounds, so that dashboards and SLO rules written for vLLM (le="0.25", ...) read ours alike.
+VLLM_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                            10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                            20.0, 40.0, 80.0)
+VLLM_LABELS = ("model_name", "engine")  # engine: vLLM's index of an engine core; here each model has one, "0"
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, schedulers: list):
+    def __init__(self, schedulers: dict):
+        """schedulers: the scheduler of each model served, by name."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("smollm2_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=registry)
@@ -28,26 +41,47 @@ class Metrics:
         self.generated_tokens = Counter("smollm2_generated_tokens", "Tokens generated for the requests ended",
                                         registry=registry)
         Gauge("smollm2_requests_waiting", "Requests queued for a free row", registry=registry).set_function(
-            lambda: sum(scheduler.load()["waiting"] for scheduler in schedulers))
+            lambda: sum(scheduler.load()["waiting"] for scheduler in schedulers.values()))
         Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
-              ).set_function(lambda: sum(scheduler.load()["active"] for scheduler in schedulers))
-        registry.register(PrefixCacheCounts([s.prefix_cache for s in schedulers if s.prefix_cache is not None]))
-        registry.register(DecodingCounts([s.engine for s in schedulers]))
+              ).set_function(lambda: sum(scheduler.load()["active"] for scheduler in schedulers.values()))
+        registry.register(PrefixCacheCounts([scheduler.prefix_cache for scheduler in schedulers.values()
+                                             if scheduler.prefix_cache is not None]))
+        registry.register(DecodingCounts([s.engine for s in schedulers.values()]))
+        registry.register(VllmLoad(schedulers))
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests ended", VLLM_LABELS,
+                                          registry=registry)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated for the requests ended",
+                                              VLLM_LABELS, registry=registry)
+        self.vllm_time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
+                                                  "From a request's arrival to its first token", VLLM_LABELS,
+                                                  buckets=VLLM_FIRST_TOKEN_BUCKETS, registry=registry)
+        self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds",
+                                          "Between two tokens of one request", VLLM_LABELS,
+                                          buckets=VLLM_INTER_TOKEN_BUCKETS, registry=registry)
+        for name in schedulers:  # every series from the start, at 0: a rate() needs the value before the first
+            for metric in (self.vllm_prompt_tokens, self.vllm_generation_tokens, self.vllm_time_to_first_token,
+                           self.vllm_inter_token):
+                metric.labels(name, "0")
         self.time_to_first_token = Histogram("smollm2_time_to_first_token_seconds",
                                              "From a request's arrival to its first token", buckets=TOKEN_BUCKETS,
                                              registry=registry)
         self.inter_token = Histogram("smollm2_inter_token_seconds", "Between two tokens of one request",
                                      buckets=TOKEN_BUCKETS, registry=registry)
 
-    def ended(self, request) -> None:
-        """Count a request that ended (finished, cancelled or failed): its tokens and their times."""
-        times = request.token_times
-        self.prompt_tokens.inc(len(request.sequence.prompt))
-        self.generated_tokens.inc(len(request.sequence.tokens))
+    def ended(self, request, model_name: str) -> None:
+        """Count a request of model `model_name` that ended (finished, cancelled or failed): its tokens and their
+        times."""
+        times, labels = request.token_times, (model_name, "0")
+        for ours, vllm, tokens in ((self.prompt_tokens, self.vllm_prompt_tokens, request.sequence.prompt),
+                                   (self.generated_tokens, self.vllm_generation_tokens, request.sequence.tokens)):
+            ours.inc(len(tokens))
+            vllm.labels(*labels).inc(len(tokens))
         if times:
-            self.time_to_first_token.observe(times[0] - request.submitted)
+            for histogram in (self.time_to_first_token, self.vllm_time_to_first_token.labels(*labels)):
+                histogram.observe(times[0] - request.submitted)
         for before, after in zip(times, times[1:]):
-            self.inter_token.observe(after - before)
+            for histogram in (self.inter_token, self.vllm_inter_token.labels(*labels)):
+                histogram.observe(after - before)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -67,6 +101,33 @@ class PrefixCacheCounts(Collector):
                                   "not prefilled again", value=sum(cache.found for cache in self.caches))
         yield GaugeMetricFamily("smollm2_prefix_cache_bytes", "Memory the prefix cache's keys and values take",
                                 value=sum(cache.bytes for cache in self.caches))
+        yield CounterMetricFamily("smollm2_prefix_cache_disk_hit_tokens", "Prompt tokens found in the prefix "
+                                  "cache's files (--prefix-cache-dir), of those found", value=sum(
+                                      cache.from_disk for cache in self.caches))
+        yield CounterMetricFamily("smollm2_prefix_cache_disk_refused_files", "Prefix cache files refused (corrupt, "
+                                  "or another model's), their chunks computed again", value=sum(
+                                      cache.disk.refused for cache in self.caches if cache.disk is not None))
+
+
+class VllmLoad(Collector):
+    """Each model's load under vLLM's gauges, read as Prometheus scrapes: its requests running (holding a cache
+    row) and waiting, and the share of its KV cache's slots that rows hold, from 0 to 1."""
+
+    def __init__(self, schedulers: dict):
+        self.schedulers = schedulers
+
+    def collect(self):
+        families = (GaugeMetricFamily("vllm:num_requests_running", "Requests in flight, a row of the batch each",
+                                      labels=VLLM_LABELS),
+                    GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued for a free row",
+                                      labels=VLLM_LABELS),
+                    GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache's slots rows hold, 0 to 1",
+                                      labels=VLLM_LABELS))
+        for name, scheduler in self.schedulers.items():
+            load = scheduler.load()
+            for family, value in zip(families, (load["active"], load["waiting"], scheduler.engine.kv_cache_usage)):
+                family.add_metric([name, "0"], value)
+        yield from families
 
 
 class DecodingCounts(Collector):
@@ -81,7 +142,9 @@ class DecodingCounts(Collector):
         for name, text, field in (("decoding_passes", "Decoding passes over the rows decoding", "passes"),
                                   ("decoded_tokens", "Tokens the decoding passes gave", "decoded"),
                                   ("speculation_guessed_tokens", "Tokens guessed by speculating rows", "guessed"),
-                                  ("speculation_kept_tokens", "Guessed tokens the model kept", "kept")):
+                                  ("speculation_kept_tokens", "Guessed tokens the model kept", "kept"),
+                                  ("prefilled_tokens", "Prompt tokens the prefill computed, not copied from the "
+                                   "prefix cache", "prefilled")):
             yield CounterMetricFamily(f"smollm2_{name}", text, value=sum(getattr(e, field) for e in self.engines))
 
 

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,13 +36,15 @@ from ..generation.engine import Engine, PromptLogprobs, Row
 from ..generation.grammar import Grammar
 from ..generation.hooks import Hooks
 from ..generation.logprobs import TokenLogprob, check_top
-from ..generation.prefix_cache import PrefixCache
+from ..generation.prefix_cache import DiskCache, PrefixCache
 from ..generation.sampling import Sampling
 from ..generation.sequence import Sequence, Step, check_request
 from ..generation.speculative import check_speculative
-from ..generation.steps import decode_step
+from ..generation.steps import decode_step, prefill_chunk, untouched_cache
 
 log = logging.getLogger(__name__)
+
+WARM_UP_PROMPT = 8  # tokens of the warm-up's prompt (ids 0..7)
 
 
 @dataclass
@@ -126,13 +129,15 @@ class Scheduler:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
                  max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
                  prefix_cache_bytes: int = 0, threads: int | None = None, speculative=None,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, prefix_cache_dir: str | Path | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
         prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
         request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
         SmolLM2 of the same vocabulary, run on this thread too; generation.speculative). kv_cache_dtype: what
         the KV cache stores (Engine), None for the model's dtype. threads: the
         CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
+        prefix_cache_dir: a folder where the prefix cache's blocks are also kept, for later processes, and looked
+        for (generation.prefix_cache.DiskCache); it needs a prefix cache.
 
         Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
         pools hold more threads than there are CPUs, their workers sleep between parallel regions instead of
@@ -154,6 +159,14 @@ class Scheduler:
         check_speculative(speculative, model.config.vocab_size)
         self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        if prefix_cache_dir is not None:
+            if self.prefix_cache is None:
+                raise SmolError("a prefix cache folder needs a prefix cache: give prefix_cache_bytes > 0")
+            try:
+                Path(prefix_cache_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SmolError(f"the prefix cache folder {prefix_cache_dir}: cannot create it: {e.strerror}") from None
+        self.prefix_cache_dir = prefix_cache_dir
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
                              prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype)
         self.requests: dict[Row, Request] = {}  # in flight: each holds (or is queued for) a row of the engine
@@ -161,6 +174,7 @@ class Scheduler:
         self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
         self._wake = threading.Condition()  # guards waiting, calls and _stopping
         self._stopping = False
+        self.ready = threading.Event()  # set once the thread's warm-up step has run (/ready)
         self._thread = threading.Thread(target=self._run, name="smollm2-scheduler", daemon=True)
 
     # The HTTP side (the event loop's thread).
@@ -261,6 +275,12 @@ class Scheduler:
     @torch.inference_mode()
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # a thread's own setting (OpenMP's), not inherited from its creator
+        try:
+            self._warm_up()
+        except Exception:  # never ready: /ready stays 503, and the requests fail as the steps do
+            log.exception("the warm-up step failed")
+        else:
+            self.ready.set()
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self.requests and not self.calls:
@@ -280,6 +300,21 @@ class Scheduler:
         self._end([*waiting, *self._take_in_flight()], "the server is shutting down")
         for _, future in calls:
             settle(future, future.set_exception, SmolError("the server is shutting down"))
+
+    def _warm_up(self) -> None:
+        """A short prompt's prefill and a decoding step through the model's blocks, on this thread and with its
+        threads, into a cache of their own (no row, no prefix cache, no count moves): what the first request
+        would otherwise pay for falls here, before /ready says the server is ready: the OpenMP pool, the first
+        pages of memory, and the kernels' choices for those passes (measured at their first call, and kept for
+        later processes: choosing.py), and the disk cache's model identity. The logits' product is not run (the
+        first request measures its choice, where no earlier process did), nor a longer prompt's kinds."""
+        if self.prefix_cache_dir is not None:  # hashes the weights (the model's identity): a cost of starting
+            self.prefix_cache.disk = DiskCache(self.prefix_cache_dir, self.model, self.engine.cache, self.threads)
+        cache = untouched_cache(self.model, 1, steps.CACHE_BLOCK, self.engine.kv_cache_dtype)
+        prompt = torch.arange(WARM_UP_PROMPT, device=self.device)[None]
+        prefill_chunk(self.model, prompt, cache, 0)
+        slot = torch.tensor([[WARM_UP_PROMPT]], device=self.device)
+        self.model.hidden_states(prompt[:, -1:], slot, cache.view(length=WARM_UP_PROMPT + 1))
 
     def _call(self) -> None:
         """Run the functions handed over by call(), each to its future."""

@@ -146,12 +146,20 @@ def text_or_ids(value, most: int) -> list[str | list[int]]:
 
 class Served:
     """What one app serves, kept in its app.state.served: a scheduler per model name (the base model's and its
-    adapters'), the tokenizer they share, the metrics, the API key (None: no key asked), and the conversations of
-    the /v1/responses answers stored for a later previous_response_id (responses.py bounds them)."""
+    adapters'), the tokenizer they share, the metrics, the API key (None: no key asked), the conversations of
+    the /v1/responses answers stored for a later previous_response_id (responses.py bounds them), and whether it
+    drains."""
 
     def __init__(self, schedulers: dict[str, Scheduler], tokenizer, metrics: Metrics, api_key: str | None):
         self.schedulers, self.tokenizer, self.metrics, self.api_key = schedulers, tokenizer, metrics, api_key
         self.responses: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+        self.draining = False  # set on SIGTERM: new requests get 503 (draining.py)
+        self.admitted = 0  # HTTP requests being answered, the probes aside
+
+    @property
+    def ready(self) -> bool:
+        """Whether to send this server requests: every model's warm-up step has run, and it is not draining."""
+        return not self.draining and all(scheduler.ready.is_set() for scheduler in self.schedulers.values())
 
     def scheduler(self, name: str) -> Scheduler:
         """The scheduler of the model a request names."""
