@@ -31,7 +31,7 @@ from collections import abc
 import torch
 
 from ..errors import SmolError
-from ..model import KVCache
+from ..kv_cache import KVCache
 
 HookFunction = abc.Callable[[torch.Tensor, str], torch.Tensor | None]
 
