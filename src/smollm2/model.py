@@ -9,8 +9,9 @@ positions in float32 whatever the model dtype.
 
 Hook points, TransformerLens's names (generation/hooks.py): a pass given `hooks` (hidden_states) calls
 hooks(name, activation) at each, a name relative to its module (hooks.at(prefix): a part's), and goes on with
-what it returns; without, a point is a test of None. A hooked pass runs this file's own modules, where an
-accelerated model's (kernels/) compute whole operations in C, and attention with an explicit softmax.
+what it returns; without, a point is a function call that hands the activation back. A hooked pass runs this
+file's own modules, where an accelerated model's (kernels/) compute whole operations in C, and attention with
+an explicit softmax.
 """
 
 from __future__ import annotations
