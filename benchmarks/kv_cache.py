@@ -1,5 +1,5 @@
 """What a smaller KV cache costs in quality: the embedded model's perplexity on a text with its keys and values
-stored in fp32, bf16 and int8 (smollm2.model.KVCache), and how often each one's greedy next token (the top
+stored in fp32, bf16 and int8 (smollm2.kv_cache.KVCache), and how often each one's greedy next token (the top
 logit at every position of the text) is fp32's.
 
     .venv/bin/python benchmarks/kv_cache.py [--file tests/data/english.txt] [--window 1024] [--at-most 0.5]

@@ -16,6 +16,7 @@ from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
 from smollm2.generation.engine import Engine
 from smollm2.generation.hooks import BLOCK_POINTS, Hooks, point_names, steering
+from smollm2.model import RMSNorm
 
 
 @pytest.fixture(params=sorted(TINY))
@@ -67,6 +68,25 @@ def test_run_with_cache_and_the_logit_lens_equal_transformers(config):
     assert probs.shape == top.shape == (layers + 1, 2, 13, 3)
     assert torch.equal(top[-1, ..., 0], hf.logits.argmax(-1))
     assert torch.allclose(probs[-1, ..., 0], hf.logits.softmax(-1).amax(-1), atol=1e-6)
+
+
+def test_run_with_cache_runs_the_models_own_forward(monkeypatch):
+    """A change to model.py's forward (here every norm's output moved by a constant) shows in run_with_cache's
+    logits and activations, which equal the changed model's: they are its forward's, not a copy's."""
+    config = TINY["gqa"]
+    model, ids = tiny_model(config), random_ids(config, (2, 9))
+    plain_logits, plain = lens.run_with_cache(model, ids)
+    forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x, hooks=None: forward(self, x, hooks) + 0.5)
+    logits, cache = lens.run_with_cache(model, ids)
+    with torch.inference_mode():
+        changed = model(ids)
+        q = model.model.layers[0].self_attn.q_proj(model.model.layers[0].input_layernorm(plain["hook_embed"]))
+    assert not torch.allclose(changed, plain_logits, atol=1e-2)
+    assert torch.allclose(logits, changed, atol=1e-5)
+    assert torch.equal(cache["blocks.0.hook_resid_pre"], plain["blocks.0.hook_resid_pre"])  # before any norm
+    assert torch.allclose(cache["blocks.0.attn.hook_q"].flatten(2), q, atol=1e-5)
+    assert not torch.allclose(cache["blocks.1.hook_resid_pre"], plain["blocks.1.hook_resid_pre"], atol=1e-2)
 
 
 def test_the_shapes_at_the_points_are_transformer_lenses(config):

@@ -2,7 +2,8 @@
 
 from .config import PRESETS, SmolConfig
 from .errors import SmolError
-from .model import KVCache, SmolLM2
+from .kv_cache import KVCache
+from .model import SmolLM2
 
 __all__ = ["PRESETS", "KVCache", "SmolConfig", "SmolError", "SmolLM2", "Tokenizer", "accelerate", "load_model"]
 

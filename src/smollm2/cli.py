@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .errors import SmolError
-from .model import KV_CACHE_DTYPES
+from .kv_cache import KV_CACHE_DTYPES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")  # as smollm2.checkpoints.gguf.SAVE_TYPES, without importing gguf here

@@ -56,7 +56,7 @@ def perplexity(model, ids: Sequence[int], window: int, stride: int,
     window: a window's first token is scored by the one before, which holds its predecessors); each scores only
     the tokens the previous one did not. progress(n), if given, is told the number of tokens each window
     scored. kv_cache_dtype: attention reads keys and values through a KV cache that stores this ("fp32",
-    "bf16", "int8"; see model.KVCache), as generation does; None: straight from the pass, unrounded."""
+    "bf16", "int8"; see kv_cache.KVCache), as generation does; None: straight from the pass, unrounded."""
     ids = checked_ids(model, ids, "perplexity")
     if len(ids) < 2:
         raise SmolError(f"perplexity needs at least 2 tokens, has {len(ids)}")

@@ -3,8 +3,8 @@ layer's residual stream would predict (logit_lens), a steering vector from two p
 goes (profile), per layer and operation, with the bytes each reads, against this machine's measured memory
 bandwidth and matrix-product speed (Machine).
 
-All of it runs the reference math op by op through the hook points (generation/hooks.py), torch's operations
-even in an accelerated model (its kernels set aside), so that what is read is what model.py computes.
+All of it runs model.py's own forward through its hook points (generation/hooks.py), on torch's operations even
+in an accelerated model (its kernels set aside), so that what is read is what model.py computes.
 
     logits, cache = run_with_cache(model, ids)          # cache["blocks.3.attn.hook_pattern"]: (B, heads, T, T)
     probs, top = logit_lens(model, residual_stream(cache), top_k=5)    # (layers + 1, B, T, 5) each

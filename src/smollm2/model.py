@@ -6,10 +6,17 @@
 Module and parameter names are exactly transformers' LlamaForCausalLM's, so a HF state dict loads as is.
 Numerics follow transformers: norms and softmax accumulate in float32; RoPE angles come from integer
 positions in float32 whatever the model dtype.
+
+Hook points, TransformerLens's names (generation/hooks.py): a pass given `hooks` (hidden_states) calls
+hooks(name, activation) at each, a name relative to its module (hooks.at(prefix): a part's), and goes on with
+what it returns; without, a point is a function call that hands the activation back. A hooked pass runs this
+file's own modules, where an accelerated model's (kernels/) compute whole operations in C, and attention with
+an explicit softmax.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -18,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import SmolConfig
-from .errors import SmolError
+from .kv_cache import KVCache, kv_cache_dtype
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +34,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
         # Accumulate in float32: bf16 squares lose most of their digits.
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        variance = h.pow(2).mean(-1, keepdim=True) + self.eps  # (..., 1)
+        if hooks is None:
+            h = h * torch.rsqrt(variance)
+        else:  # TransformerLens's points: the scale, sqrt(variance), and x divided by it, before the weight
+            h = hooks("hook_normalized", (h / hooks("hook_scale", variance.sqrt())).to(x.dtype))
         return self.weight * h.to(x.dtype)
+
+
+def hook(hooks, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x, or with hooks what the functions at point `name` make of it."""
+    return x if hooks is None else hooks(name, x)
+
+
+def hooked(module: nn.Module, forward, hooks, prefix: str, *args) -> torch.Tensor:
+    """module(*args), or with hooks this file's `forward` of it, its points named under `prefix` (see the top)."""
+    return module(*args) if hooks is None else forward(module, *args, hooks=hooks.at(prefix))
 
 
 def rope_tables(config: SmolConfig, length: int | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,81 +66,6 @@ def rope_tables(config: SmolConfig, length: int | None = None, device=None) -> t
     return angles.cos(), angles.sin()
 
 
-KV_CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # what a cache may store
-INT8_LIMIT = 127  # an int8 cache's largest magnitude: symmetric, so -x is stored as exactly -(x's int8)
-
-
-def kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a cache stores for `name` (KV_CACHE_DTYPES; None: the model's own, `dtype`)."""
-    if name is None:
-        return dtype
-    if name not in KV_CACHE_DTYPES:
-        raise SmolError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name]
-
-
-class KVCache:
-    """A static cache: every layer's keys and values, (L, B, n_kv, max_len, hd) each, written in place at each
-    token's position. Nothing is re-copied per token; slot s of row b holds position s of that row's sequence.
-
-    It stores the model's dtype, or fewer bytes (kv_dtype): bf16, each value rounded to it; or int8, each head's
-    hd keys (or values) at a slot as int8 times one float32 scale, their largest magnitude / 127, kept in
-    k_scale and v_scale, (L, B, n_kv, max_len, 1). Attention reads them back in the model's dtype, the
-    rounded values: every path (torch's, the CPU kernels', a prompt's and a decoding step's) sees the same."""
-
-    def __init__(self, config: SmolConfig, batch_size: int, max_len: int, device=None, dtype=None, kv_dtype=None):
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.dtype = dtype or torch.get_default_dtype()  # what update() returns
-        kv_dtype = kv_dtype or self.dtype
-        self.k, self.v = (torch.zeros(shape, device=device, dtype=kv_dtype) for _ in "kv")
-        self.k_scale = self.v_scale = None
-        if kv_dtype == torch.int8:
-            self.k_scale, self.v_scale = (torch.zeros(*shape[:4], 1, device=device) for _ in "kv")
-
-    max_len = property(lambda self: self.k.shape[3])
-
-    @property
-    def parts(self) -> list[torch.Tensor]:
-        """Every tensor the cache holds, each (L, B, n_kv, max_len, ...): what moves when a row's slots move."""
-        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
-
-    @parts.setter
-    def parts(self, tensors: list[torch.Tensor]) -> None:
-        self.k, self.v, self.k_scale, self.v_scale = (*tensors, None, None)[:4]
-
-    def view(self, rows: slice = slice(None), length: int | None = None) -> KVCache:
-        """These rows and the first `length` slots, sharing storage: writes land in this cache, and attention
-        reads only those slots instead of the whole window."""
-        view = object.__new__(KVCache)
-        view.dtype, view.parts = self.dtype, [t[:, rows, :, :length] for t in self.parts]
-        return view
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # k, v: (B, T, n_kv, hd) written at (b, :, input_pos[b, t]), or input_pos[t] for every row when it is
-        # (T,) (one copy, cheaper than scattering); returns the layer's whole (B, n_kv, S, hd), as stored.
-        read = []
-        for cache, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if scale is None:
-                write(cache[layer], input_pos, new.to(cache.dtype))
-                read.append(cache[layer].to(self.dtype))
-                continue
-            new_scale = new.float().abs().amax(-1, keepdim=True) / INT8_LIMIT
-            # A head of zeros divides by 1, not 0: its int8 values and scale are zeros.
-            write(cache[layer], input_pos, (new.float() / torch.where(new_scale == 0, 1, new_scale)).round()
-                  .clamp(-INT8_LIMIT, INT8_LIMIT).to(torch.int8))
-            write(scale[layer], input_pos, new_scale)
-            read.append((cache[layer].float() * scale[layer]).to(self.dtype))
-        return read
-
-
-def write(cache: torch.Tensor, input_pos: torch.Tensor, new: torch.Tensor) -> None:
-    """new (B, T, n_kv, n) into a layer's cache (B, n_kv, S, n) at slots input_pos: (T,) or (B, T)."""
-    if input_pos.dim() == 1:
-        cache.index_copy_(2, input_pos, new.transpose(1, 2))
-    else:
-        cache[torch.arange(new.shape[0], device=new.device)[:, None], :, input_pos] = new  # rows: (B, 1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: SmolConfig, layer: int):
         super().__init__()
@@ -129,19 +75,22 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(c, n, bias=bias) for n in (q, kv, kv))
         self.o_proj = nn.Linear(q, c, bias=bias)
 
-    def forward(self, x, rope, mask, cache: KVCache | None, input_pos, last_only: bool = False):
+    def forward(self, x, rope, mask, cache: KVCache | None, input_pos, last_only: bool = False, hooks=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, n_kv, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        q = hook(hooks, "hook_q", self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, nh, hd)
+        k = hook(hooks, "hook_k", self.k_proj(x).view(B, T, self.n_kv, self.head_dim))  # (B, T, n_kv, hd)
+        v = hook(hooks, "hook_v", self.v_proj(x).view(B, T, self.n_kv, self.head_dim))
+        q, k = hook(hooks, "hook_rot_q", self.rotate(q, *rope)), hook(hooks, "hook_rot_k", self.rotate(k, *rope))
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
         else:
             k, v = cache.update(self.layer, input_pos, k, v)  # (B, n_kv, S, hd)
         if last_only:  # every key is written; the last query alone sees them all, and needs no causal mask
             q, mask = q[:, -1:], None if mask is None else mask[:, :, -1:]
-        y = self.attend(q, k, v, mask, is_causal=mask is None and not last_only)  # (B, T, nh, hd)
+        if hooks is None:
+            y = self.attend(q, k, v, mask, is_causal=mask is None and not last_only)  # (B, T, nh, hd)
+        else:
+            y = hooks("hook_z", self.attend_eagerly(q, k, v, mask, hooks))
         return self.o_proj(y.reshape(B, q.shape[1], self.n_heads * self.head_dim))
 
     @staticmethod
@@ -157,6 +106,15 @@ class Attention(nn.Module):
                                            enable_gqa=self.n_kv != self.n_heads)
         return y.transpose(1, 2)
 
+    def attend_eagerly(self, q, k, v, mask, hooks) -> torch.Tensor:
+        """attend() as transformers' eager attention, its scores and pattern (B, nh, T, S) at hook points; mask:
+        (B, 1, T, S), True where a query sees a key. Each K/V head is repeated for its group of query heads."""
+        k, v = (t.repeat_interleave(self.n_heads // self.n_kv, 1) for t in (k, v))  # (B, nh, S, hd)
+        scores = q.transpose(1, 2) @ k.transpose(2, 3) * self.head_dim ** -0.5  # (B, nh, T, S)
+        scores = hooks("hook_attn_scores", scores.masked_fill(~mask, -math.inf))
+        pattern = hooks("hook_pattern", torch.softmax(scores.float(), dim=-1).to(q.dtype))
+        return (pattern @ v).transpose(1, 2)
+
 
 class MLP(nn.Module):
     def __init__(self, config: SmolConfig):
@@ -165,8 +123,9 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj = nn.Linear(c, i, bias=bias), nn.Linear(c, i, bias=bias)
         self.down_proj = nn.Linear(i, c, bias=bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+    def forward(self, x, hooks=None):
+        gate, up = hook(hooks, "hook_pre", self.gate_proj(x)), hook(hooks, "hook_pre_linear", self.up_proj(x))
+        return self.down_proj(hook(hooks, "hook_post", F.silu(gate) * up))  # SwiGLU
 
 
 class Block(nn.Module):
@@ -177,10 +136,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, cache, input_pos, last_only: bool = False):
-        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, input_pos, last_only)
-        x = (x[:, -1:] if last_only else x) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, mask, cache, input_pos, last_only: bool = False, hooks=None):
+        x = hook(hooks, "hook_resid_pre", x)
+        h = hooked(self.input_layernorm, RMSNorm.forward, hooks, "ln1.", x)
+        h = hooked(self.self_attn, Attention.forward, hooks, "attn.", h, rope, mask, cache, input_pos, last_only)
+        x = hook(hooks, "hook_resid_mid", (x[:, -1:] if last_only else x) + hook(hooks, "hook_attn_out", h))
+        h = hooked(self.post_attention_layernorm, RMSNorm.forward, hooks, "ln2.", x)
+        h = hook(hooks, "hook_mlp_out", hooked(self.mlp, MLP.forward, hooks, "mlp.", h))
+        return hook(hooks, "hook_resid_post", x + h)
 
 
 ROPE_POSITIONS_UP_FRONT = 8192  # SmolLM2's whole context window: 4 MB of tables
@@ -223,13 +186,14 @@ class SmolLM2(nn.Module):
             nn.init.zeros_(module.bias)
 
     def hidden_states(self, input_ids, input_pos=None, cache: KVCache | None = None, attention_mask=None,
-                      last_only: bool = False):
+                      last_only: bool = False, hooks=None):
         """The final normed hidden states, (B, T, C); with last_only, the last position's, (B, 1, C).
 
         input_ids: (B, T). input_pos: (T,) or (B, T) positions of these tokens, also their cache slots; default
         0..T-1. attention_mask: (B, S), 0 at padding, over every slot so far (as HF); positions then count real
         tokens only, so left-padded rows get the positions they would alone. last_only: the last block computes
-        only the last position (as llama.cpp): every key and value still reaches the cache.
+        only the last position (as llama.cpp): every key and value still reaches the cache. hooks: called at
+        every hook point (generation/hooks.py's Hooks).
         """
         (B, T), device = input_ids.shape, input_ids.device
         if input_pos is None:
@@ -241,9 +205,9 @@ class SmolLM2(nn.Module):
             attention_mask.long().cumsum(-1) - 1).clamp(min=0).gather(1, input_pos)
 
         # None: plain causal over these T tokens, the fast path, also for a prompt that fills a cache (view)
-        # of exactly T slots, which it can only do at slots 0..T-1.
+        # of exactly T slots, which it can only do at slots 0..T-1; hooks' explicit softmax needs it written out.
         mask = None
-        if attention_mask is not None or (cache is not None and cache.max_len != T):
+        if attention_mask is not None or (cache is not None and cache.max_len != T) or hooks is not None:
             key_slot = torch.arange(cache.max_len if cache is not None else T, device=device)  # (S,)
             mask = key_slot <= input_pos[..., None]  # (B, T, S) causal over slots, any cached length
             if attention_mask is not None:
@@ -254,19 +218,24 @@ class SmolLM2(nn.Module):
 
         # Every slot of the cache, which bounds every position (a compiled step then never grows the tables).
         self.extend_rope(cache.max_len if cache is not None else int(slots.max()) + 1)
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        x = hook(hooks, "hook_embed", self.model.embed_tokens(input_ids))  # (B, T, C)
         rope = (self.rope_cos[positions][:, :, None].to(x.dtype),  # (B, T, 1, hd)
                 self.rope_sin[positions][:, :, None].to(x.dtype))
-        return self.model.norm(self.blocks(x, rope, mask, cache, slots, last_only))
+        if hooks is None:
+            x = self.blocks(x, rope, mask, cache, slots, last_only)
+        else:  # this file's loop (see the top)
+            x = SmolLM2.blocks(self, x, rope, mask, cache, slots, last_only, hooks)
+        return hooked(self.model.norm, RMSNorm.forward, hooks, "ln_final.", x)
 
-    def blocks(self, x, rope, mask, cache, slots, last_only: bool = False) -> torch.Tensor:
+    def blocks(self, x, rope, mask, cache, slots, last_only: bool = False, hooks=None) -> torch.Tensor:
         """The residual stream after every block, one after another (see hidden_states)."""
         for i, block in enumerate(self.model.layers):
             last = last_only and i == len(self.model.layers) - 1
+            at = None if hooks is None else hooks.at(f"blocks.{i}.")
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, mask, cache, slots, last, use_reentrant=False)
+                x = checkpoint(block, x, rope, mask, cache, slots, last, at, use_reentrant=False)
             else:
-                x = block(x, rope, mask, cache, slots, last)
+                x = block(x, rope, mask, cache, slots, last, at)
         return x
 
     @property

@@ -73,7 +73,7 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     hooks: (hook point name, function) pairs (smollm2.generation.hooks, as TransformerLens's fwd_hooks; steering()
     makes a steering vector's): every row's passes run op by op through them, reading or changing activations.
     kv_cache_dtype: what the KV cache stores: "fp32", "bf16" (half the memory), "int8" (a quarter, with a float32
-    scale per head and position), or None (the default) for the model's dtype; see smollm2.model.KVCache.
+    scale per head and position), or None (the default) for the model's dtype; see smollm2.kv_cache.KVCache.
 
     Its return value (StopIteration.value, or `yield from`'s) is the engine's PassCounts: its decoding passes,
     the tokens they gave, and the tokens guessed and kept by speculation.

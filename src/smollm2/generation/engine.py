@@ -90,7 +90,7 @@ class Engine:
         step prefills one at least), or None: every queued prompt at once. prefix_cache: where prompts' chunks
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
-        needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (model.KVCache), None for the
+        needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (kv_cache.KVCache), None for the
         model's dtype; a draft model's cache (speculative.Draft) stores the same."""
         self.model, self.cache_rows, self.kv_cache_dtype = model, rows, kv_cache_dtype
         self.device = model.model.embed_tokens.weight.device

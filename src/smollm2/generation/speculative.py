@@ -117,7 +117,7 @@ class Draft(Guesser):
 
     def __init__(self, model: SmolLM2, length: int, kv_cache_dtype: str | None = None):
         """length: the most tokens the row will hold (its prompt and answer), guesses included; kv_cache_dtype:
-        what its cache stores (model.KVCache), None for the draft model's dtype."""
+        what its cache stores (kv_cache.KVCache), None for the draft model's dtype."""
         super().__init__()
         self.length = 3  # tokens to guess next
         self.model = model

@@ -48,7 +48,8 @@ def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True, hooks=N
     """One chunk: ids (B, n) at slots begin..begin+n-1 into the cache -> the final hidden states, (B, n, C), or with
     last_only the last position's alone, (B, 1, C); the keys and values it writes are the same either way.
     Attention reads only the slots filled so far: a prompt's first chunk is plain causal, which the CPU kernel
-    computes half of. hooks: a Hooks (hooks.py) whose pass computes it instead, op by op."""
+    computes half of. hooks: a Hooks (hooks.py) for the pass to call, which then computes every position (the
+    hooks see them all)."""
     end = begin + ids.shape[1]
     slots, cache = torch.arange(begin, end, device=ids.device), cache.view(length=end)
     if hooks is not None:

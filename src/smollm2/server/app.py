@@ -175,7 +175,7 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
     with the same tokenizer, which every model served shares (generation.speculative; the same answers either
     way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%;
-    `smollm2 serve`'s default) or "int8" (smollm2.model.KVCache); None, the model's dtype, gives the answers and
+    `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the model's dtype, gives the answers and
     log-probabilities of generate() on the same model, bit for bit. prefix_cache_dir: a folder where each
     model's prefix cache also keeps its blocks, as files a later process (or another on a shared disk) reads
     instead of prefilling them again, with the same bits (generation.prefix_cache.DiskCache)."""
