@@ -288,13 +288,13 @@ def test_corrupt_and_foreign_files_are_refused_and_computed_again(tiny, small_ch
     ask(tiny, bf16, "bf16")
     folders = {path.parent.name for folder in (ours, theirs, bf16) for path in folder.rglob("*.safetensors")}
     assert len(folders) == 3  # one identity each
+    target = first_file(ours)  # this model's: the others' asks below write folders of their own beside it
     for foreign, kv_cache_dtype in ((other, None), (tiny, "bf16")):
         _, metrics = ask(foreign, ours, kv_cache_dtype)
         assert metric(metrics, "smollm2_prefix_cache_disk_hit_tokens_total") == 0
         assert metric(metrics, "smollm2_prefix_cache_disk_refused_files_total") == 0  # not even looked at
 
     prompt = len(tokenizer.apply_chat_template(NOTES))
-    target = first_file(ours)
     good, written = target.read_bytes(), contents(target)
     spoils = [  # each spoiling of the file, and the reason it is refused for, where it is ours to give
         (lambda: target.write_bytes(good[:-1] + bytes([good[-1] ^ 1])), "checksum"),  # a flipped bit
@@ -310,7 +310,7 @@ def test_corrupt_and_foreign_files_are_refused_and_computed_again(tiny, small_ch
         caplog.clear()
         answer, metrics = ask(tiny, ours)
         assert answer == cold
-        assert metric(metrics, "smollm2_prefix_cache_disk_refused_files_total") == 1
+        assert metric(metrics, "smollm2_prefix_cache_disk_refused_files_total") == 1, reason
         assert metric(metrics, "smollm2_prefilled_tokens_total") == prompt  # the chain breaks at its first chunk
         assert any("refusing" in record.message and reason in record.message for record in caplog.records), reason
         assert contents(target) == written  # written anew
