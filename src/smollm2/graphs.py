@@ -30,8 +30,8 @@ from .sae import SAE
 
 READS = ("hook_resid_mid", "ln2.hook_normalized")  # where a transcoder may read: the MLP's input, before its norm
 LOGIT_PROBABILITY, MAX_LOGITS = 0.95, 10  # default targets: the likeliest tokens until they hold 95%, 10 at most
-MAX_FEATURES = 4096  # feature nodes whose own inputs are computed: the most influential, found as they come
-BATCH = 64  # targets whose inputs one batched backward pass finds
+MAX_FEATURES = 1024  # feature nodes whose own inputs are computed: the most influential, found as they come
+BATCH = 128  # targets whose inputs one batched backward pass finds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +162,21 @@ class ReplacementRun:
         hooks.append(("ln_final.hook_scale", frozen))
         with reference_math(model):
             self.final = Hooks(layers, hooks).hidden_states(model, prompt)
-        # a feature's reading direction, and its writing direction scaled by its activation (decode's)
+        # a feature's reading direction; its writing direction scaled by its activation (decode's), padded into
+        # a matrix per position (T, C, most features at a position), and where each feature lands in their products
         self.encoders = [tc.W_enc * tc.W_dec.norm(dim=-1) if tc.rescale_by_decoder_norm else tc.W_enc
                          for tc in transcoders]
         self.writers = []
         for layer, tc in enumerate(transcoders):
-            position, index = self.features[layer].nonzero().unbind(1)
+            position, index = self.features[layer].nonzero().unbind(1)  # by position
             decoder = tc.W_dec[index] / tc.W_dec[index].norm(dim=-1, keepdim=True) if tc.rescale_by_decoder_norm \
                 else tc.W_dec[index]
-            self.writers.append((position, decoder * self.features[layer][position, index, None]))
+            counts = torch.bincount(position, minlength=prompt.shape[1])
+            rank = torch.arange(len(position), device=position.device) - (counts.cumsum(0) - counts)[position]
+            width = int(counts.max()) if len(position) else 0
+            padded = torch.zeros(prompt.shape[1], width, tc.W_dec.shape[1], device=position.device)
+            padded[position, rank] = (decoder * self.features[layer][position, index, None]).float()
+            self.writers.append((padded.transpose(1, 2), position * width + rank))
 
     def embed(self, x, name):
         self.leaf = x.detach().requires_grad_()
@@ -184,11 +190,13 @@ class ReplacementRun:
     def write(self, x, name):
         layer = int(name.split(".")[1])
         tc, x_in = self.transcoders[layer], self.reads[layer]
-        self.errors[layer] = tc.error(x_in.detach(), x.detach())[0].to(x.dtype)
         self.nudges[layer] = torch.zeros_like(x, requires_grad=True)
+        written = tc.decode(self.features[layer][None])  # reconstruct(), its features already found
         if tc.W_skip is None:
+            self.errors[layer] = (x.detach() - written)[0].to(x.dtype)
             return x.detach() + self.nudges[layer]
-        skip = (x_in @ tc.W_skip.T).to(x.dtype)  # the skip connection: a linear path of the replacement
+        skip = (x_in.to(tc.W_skip.dtype) @ tc.W_skip.T).to(x.dtype)  # the skip connection: a linear path
+        self.errors[layer] = (x.detach() - written - skip.detach())[0].to(x.dtype)
         return (x - skip).detach() + skip + self.nudges[layer]
 
     def inputs(self, targets: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
@@ -206,18 +214,15 @@ class ReplacementRun:
         embed, *through = [g[:, 0].float() for g in grads]  # (K, T, C) each
         features, errors = [], []
         for layer in range(layers):
-            position, writer = self.writers[layer]
+            padded, where = self.writers[layer]
             if layer >= len(through):  # no path from here to any of these targets
-                features.append(torch.zeros(K, len(position)))
-                errors.append(torch.zeros(K, T))
+                features.append(torch.zeros(K, len(where), device=where.device))
+                errors.append(torch.zeros(K, T, device=where.device))
                 continue
             g = through[layer]
-            # each feature's writer read where it writes: per position, one product
-            effect = torch.zeros(K, len(position), device=g.device)
-            for p in position.unique().tolist():
-                at = (position == p).nonzero()[:, 0]
-                effect[:, at] = g[:, p] @ writer[at].float().T
-            features.append(effect)
+            # each feature's writer read where it writes: one product per position, (T, K, width)
+            effects = torch.bmm(g.transpose(0, 1), padded).transpose(0, 1).reshape(K, -1)
+            features.append(effects[:, where])
             errors.append((g * self.errors[layer].float()).sum(-1))
         tokens = (embed * self.leaf.detach()[0].float()).sum(-1)
         return torch.cat([*features, *errors, tokens], 1).cpu()
