@@ -27,7 +27,8 @@ def dictionary(config, reads: str, writes: str | None = None, seed: int = 0) -> 
     C = config.hidden_size
     W_dec = 0.1 * torch.randn(D_SAE, C, generator=generator)
     W_dec[FEATURE] = tiny_model(config).output_weight[TOKEN].detach() / 0.02  # entries about N(0, 1)
-    return SAE(reads, writes or reads, "relu", writes is not None, C ** -0.5 * torch.randn(C, D_SAE, generator=generator),
+    encoder = C ** -0.5 * torch.randn(C, D_SAE, generator=generator)
+    return SAE(reads, writes or reads, "relu", writes is not None, encoder,
                0.1 * torch.randn(D_SAE, generator=generator), W_dec, torch.zeros(C), None, None, None,
                writes is None, False)
 

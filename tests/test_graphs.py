@@ -179,3 +179,35 @@ def test_a_16_token_graph_of_the_embedded_model_in_under_a_minute(model):
     seconds = time.perf_counter() - begin
     print(f"{seconds:.1f} s, {graph.active_features} active features, {len(graph.features)} nodes")
     assert seconds < 60
+
+
+def test_the_readmes_graph_of_paris(model):
+    """The README's worked example: "The capital of France is" with 30 random transcoders."""
+    from smollm2 import Tokenizer
+
+    tok = Tokenizer.from_pretrained()
+    generator = torch.Generator().manual_seed(0)
+
+    def transcoder(layer, width=576, d_sae=1024):  # as the README builds them
+        def random(*shape, scale):
+            return scale * torch.randn(*shape, generator=generator)
+
+        return SAE(f"blocks.{layer}.ln2.hook_normalized", f"blocks.{layer}.hook_mlp_out", "jumprelu", True,
+                   random(width, d_sae, scale=width ** -0.5), random(d_sae, scale=0.1),
+                   random(d_sae, width, scale=0.1), torch.zeros(width), torch.full((d_sae,), 2.3), None, None, False,
+                   False)
+
+    ids = tok.encode("The capital of France is")
+    graph = graphs.attribute(model, [transcoder(layer) for layer in range(30)], ids, max_features=64)
+    F, T, layers = len(graph.features), len(ids), 30
+    assert [tok.decode([t]) for t in graph.logits[:3]] == [" Paris", " the", " London"]
+    assert len(graph.logits) == 10 and round(float(graph.probabilities[0]), 2) == 0.77
+    assert graph.active_features == 1720 and F == 64
+    paris = graph.adjacency[F + layers * T + T]  # the Paris logit's inputs
+    top = paris.topk(2)
+    assert [divmod(int(i) - F, T) for i in top.indices] == [(24, 4), (0, 3)]  # error nodes: (block, position)
+    assert [round(float(v), 1) for v in top.values] == [3.2, 2.3]
+    weights = torch.zeros(len(paris))
+    weights[-len(graph.logits):] = graph.probabilities
+    influence = graphs.influence(graph.adjacency, torch.arange(len(paris)), weights, layers)
+    assert round(float(influence[F:F + layers * T].sum() / influence.sum()), 2) == 0.81  # the errors' share
