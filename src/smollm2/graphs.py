@@ -64,7 +64,7 @@ def attribute(model, transcoders: abc.Sequence[SAE], ids, targets: abc.Sequence[
     for name, value in (("max_features", max_features), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SmolError(f"{name} must be a whole number, 1 or more, got {value!r}")
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # backward passes, wherever it is called from
         run = ReplacementRun(model, transcoders, prompt)
         logits = model.logits(run.final).detach()[0, -1].float()
         chosen, probabilities, logit_vectors = target_logits(model, logits, targets)
@@ -185,7 +185,7 @@ class ReplacementRun:
     def read(self, x, name):
         layer = int(name.split(".")[1])
         self.reads[layer] = x
-        self.features[layer] = self.transcoders[layer].encode(x.detach())[0].detach()
+        self.features[layer] = self.transcoders[layer].encode(x.detach())[0]
 
     def write(self, x, name):
         layer = int(name.split(".")[1])
@@ -299,7 +299,7 @@ def above(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     return ranked[min(int(torch.searchsorted(held, torch.tensor(fraction))), len(ranked) - 1)]
 
 
-def graph_json(graph: Graph, decode: abc.Callable[[list[int]], str] = str, slug: str = "graph",
+def graph_json(graph: Graph, decode: abc.Callable[[list[int]], str], slug: str = "graph",
                scan: str = "custom", node_threshold: float = 0.8, edge_threshold: float = 0.98) -> dict:
     """The graph, pruned, in circuit-tracer's graph JSON, which its local server and Neuronpedia's viewer read:
     metadata, qParams, nodes (every kept node with a kept edge, and every token and logit) and links (the kept
@@ -312,6 +312,7 @@ def graph_json(graph: Graph, decode: abc.Callable[[list[int]], str] = str, slug:
         share = float(pruned.influence[i])
         if i < F:
             layer, position, index = graph.features[i].tolist()
+            # feature: Neuronpedia's one number for (block, index), their Cantor pairing, as circuit-tracer writes it
             nodes[i] = dict(node_id=f"{layer}_{index}_{position}", feature=(layer + index) * (layer + index + 1) // 2
                             + index, layer=str(layer), ctx_idx=position, feature_type="cross layer transcoder",
                             jsNodeId=f"{layer}_{index}-0", influence=share, activation=float(graph.activations[i]))
