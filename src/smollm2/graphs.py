@@ -65,7 +65,7 @@ def attribute(model, transcoders: abc.Sequence[SAE], ids, targets: abc.Sequence[
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SmolError(f"{name} must be a whole number, 1 or more, got {value!r}")
     with torch.inference_mode(False), torch.enable_grad():  # backward passes, wherever it is called from
-        run = ReplacementRun(model, transcoders, prompt)
+        run = ReplacementRun(model, transcoders, prompt.clone())  # a tensor autograd may keep
         logits = model.logits(run.final).detach()[0, -1].float()
         chosen, probabilities, logit_vectors = target_logits(model, logits, targets)
 
