@@ -1,11 +1,11 @@
 """Attribution graphs: every edge equals the perturbation definition on a tiny model (scale the source, everything
 frozen as in the replacement model, measure the target), the influence-ranked selection keeps those rows, and the
-JSON has circuit-tracer's fields. On the embedded model (slow): a 16-token graph, timed."""
+JSON has circuit-tracer's fields; the README's example on the embedded model (benchmarks/graphs.py times a 16-token
+graph)."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -169,19 +169,6 @@ def test_bad_graph_requests_are_smol_errors(tiny):
         graphs.prune(graph, node_threshold=2)
 
 
-@pytest.mark.slow
-def test_a_16_token_graph_of_the_embedded_model_in_under_a_minute(model):
-    config = model.config
-    transcoders = [random_transcoder(layer, config.hidden_size, 4096, layer, "ln2.hook_normalized",
-                                     activation="jumprelu", threshold=2.3) for layer in range(config.num_hidden_layers)]
-    ids = [504, 3458, 282, 4649, 314, 7042, 30, 378, 3458, 282, 8820, 314, 8671, 30, 378, 3458]
-    begin = time.perf_counter()
-    graph = graphs.attribute(model, transcoders, ids)
-    seconds = time.perf_counter() - begin
-    print(f"{seconds:.1f} s, {graph.active_features} active features, {len(graph.features)} nodes")
-    assert seconds < 60
-
-
 def test_the_readmes_graph_of_paris(model):
     """The README's worked example: "The capital of France is" with 30 random transcoders."""
     from smollm2 import Tokenizer
@@ -203,7 +190,8 @@ def test_the_readmes_graph_of_paris(model):
     F, T, layers = len(graph.features), len(ids), 30
     assert [tok.decode([t]) for t in graph.logits[:3]] == [" Paris", " the", " London"]
     assert len(graph.logits) == 10 and round(float(graph.probabilities[0]), 2) == 0.77
-    assert graph.active_features == 1720 and F == 64
+    # A pre-activation at a threshold falls either way with another CPU tier's summation order: about 1,720.
+    assert abs(graph.active_features - 1720) <= 17 and F == 64
     paris = graph.adjacency[F + layers * T + T]  # the Paris logit's inputs
     top = paris.topk(2)
     assert [divmod(int(i) - F, T) for i in top.indices] == [(24, 4), (0, 3)]  # error nodes: (block, position)
