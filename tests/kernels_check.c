@@ -5,9 +5,9 @@
  *
  * References sum in double; the kernels in float32 and in other orders, so results are compared within
  * tolerances relative to the magnitude of what was summed. What the kernels promise bit for bit is compared
- * with memcmp: a product row's result whatever rows share the call, Q4_1 / Q8_0 blocks giving the results
- * of the float32 weights they decode to, and a decoding step's RMSNorm, RoPE and SiLU giving the prompt
- * functions' results on the same rows.
+ * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
+ * giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize rounds),
+ * and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
  *
  * Prints one line per check, then a hash of every result's bits, then "N passed, M failed"; exits 1 on any
  * failure. */
@@ -18,8 +18,9 @@
 #include <string.h>
 
 /* As kernels.c (and the Python side) number and lay them out. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
-enum { BLOCK = 32, Q4_1_BYTES = 24, Q8_0_BYTES = 36 };
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
+enum { BLOCK = 32 };
+static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 24, 28, 32};  /* by type; 0: not blocks */
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K);
@@ -47,7 +48,7 @@ struct cache {  /* kernels.c's struct cache, field for field */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
 
-static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0"};
+static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
 static int passed, failed;
 
 /* ---- inputs: a fixed-seed generator, bf16 conversions ---- */
@@ -169,24 +170,18 @@ static struct weights random_weights(int w_type, long N, long K) {
         for (long n = 0; n < N; n++) w.scale[n] = uniform(0.005f, 0.01f);
         w.data = q;
     } else {
-        /* GGUF blocks with their float16 scales widened to float32: d and m hold 11 significant bits, so d * q is
-         * exact in float32 and d * q + m rounds once, as the loader's decoding does. */
-        const long bytes = w_type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-        uint8_t *blocks = malloc(N * K / BLOCK * bytes);
+        /* Blocks in kernels.c's layout, their scales float32 as packed.py makes them: a float16's value (11
+         * significant bits, either sign), or for K-quants a product of one with the sub-block's integer scale
+         * (and minus dmin times its integer min), as gguf computes them. Each value is decoded as
+         * gguf.quants.dequantize does in float32, operation by operation: Q4_1 d * q + m; Q8_0 d * q; Q4_0
+         * d * (q - 8); Q4_K, Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). */
+        const long bytes = BLOCK_BYTES[w_type];
+        uint8_t *blocks = calloc(N * K / BLOCK, bytes);
         for (long b = 0; b < N * K / BLOCK; b++) {
             uint8_t *block = blocks + b * bytes;
             float *values = w.values + b * BLOCK;
-            if (w_type == Q4_1) {
-                float d = ldexpf((float)(1024 + next_random() % 1024), -16);
-                float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
-                memcpy(block, &d, 4), memcpy(block + 4, &m, 4);
-                for (int j = 0; j < BLOCK / 2; j++) {  /* byte j: weight j in its low half, j + 16 in its high */
-                    uint8_t low = next_random() % 16, high = next_random() % 16;
-                    block[8 + j] = (uint8_t)(low | high << 4);
-                    values[j] = d * (float)low + m;
-                    values[j + BLOCK / 2] = d * (float)high + m;
-                }
-            } else {
+            const float sign = next_random() % 2 ? 1.0f : -1.0f;
+            if (w_type == Q8_0) {
                 float d = ldexpf((float)(1024 + next_random() % 1024), -17);
                 memcpy(block, &d, 4);
                 for (int j = 0; j < BLOCK; j++) {
@@ -194,6 +189,42 @@ static struct weights random_weights(int w_type, long N, long K) {
                     block[4 + j] = (uint8_t)q;
                     values[j] = d * (float)q;
                 }
+                continue;
+            }
+            int q[BLOCK];
+            const int levels = w_type == Q5_K ? 32 : w_type == Q6_K ? 64 : 16;
+            for (int j = 0; j < BLOCK; j++) q[j] = (int)(next_random() % levels);
+            uint8_t *nibbles = block + (w_type == Q4_0 ? 4 : 8);
+            uint32_t fifth = 0, sixth = 0;
+            for (int j = 0; j < BLOCK / 2; j++)  /* byte j: weight j in its low half, j + 16 in its high */
+                nibbles[j] = (uint8_t)((q[j] & 15) | (q[j + BLOCK / 2] & 15) << 4);
+            for (int j = 0; j < BLOCK; j++)  /* bit j: weight j's fifth (sixth) bit */
+                fifth |= (uint32_t)(q[j] >> 4 & 1) << j, sixth |= (uint32_t)(q[j] >> 5 & 1) << j;
+            if (w_type == Q4_1) {
+                float d = ldexpf((float)(1024 + next_random() % 1024), -16);
+                float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
+                memcpy(block, &d, 4), memcpy(block + 4, &m, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
+            } else if (w_type == Q4_0) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -16);
+                memcpy(block, &d, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 8);
+            } else if (w_type == Q4_K || w_type == Q5_K) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -20);
+                float dmin = ldexpf((float)(1024 + next_random() % 1024), -19);
+                float scaled = d * (float)(next_random() % 64), least = dmin * (float)(next_random() % 64);
+                float offset = -least;
+                memcpy(block, &scaled, 4), memcpy(block + 4, &offset, 4);
+                if (w_type == Q5_K) memcpy(block + 24, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) {
+                    float product = scaled * (float)q[j];  /* numpy's d * qs, then - dm: two roundings */
+                    values[j] = product - least;
+                }
+            } else {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -21);
+                float scaled[2] = {d * (float)(int8_t)(next_random() % 256), d * (float)(int8_t)(next_random() % 256)};
+                memcpy(block, scaled, 8), memcpy(block + 24, &fifth, 4), memcpy(block + 28, &sixth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = scaled[j / 16] * (float)(q[j] - 32);
             }
         }
         w.data = blocks;
@@ -276,7 +307,7 @@ static void check_linear(int x_type, int w_type, long K) {
     }
 
     /* blocks stream the float32 weights they decode to: the same bits, at every row count */
-    if (w_type == Q4_1 || w_type == Q8_0) {
+    if (BLOCK_BYTES[w_type]) {
         struct weights decoded[COUNT];
         for (int m = 0; m < COUNT; m++) decoded[m] = (struct weights){w[m].values, w[m].values, NULL};
         int equal = 1;
@@ -473,7 +504,7 @@ static double largest(const double *v, long n) {
 
 /* Bytes of an (N, K) weight matrix of w_type. */
 static long weight_bytes(int w_type, long N, long K) {
-    if (w_type == Q4_1 || w_type == Q8_0) return N * K / BLOCK * (w_type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    if (BLOCK_BYTES[w_type]) return N * K / BLOCK * BLOCK_BYTES[w_type];
     return N * K * (w_type == I8 ? 1 : w_type == BF16 ? 2 : 4);
 }
 
@@ -531,7 +562,7 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
             w[i].data = as_type(w[i].values, sizes[i][0] * sizes[i][1], w_type);
         }
     }
-    if (zero_o) {  /* every encoding's zero bytes are weights of +0 */
+    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's and Q6_K's -0: sums from +0 stay +0) */
         memset(w[3].data, 0, weight_bytes(w_type, BC, QD));
         memset(w[3].values, 0, sizeof(float) * BC * QD);
     }
@@ -648,7 +679,7 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
 
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
-        for (int w_type = F32; w_type <= Q8_0; w_type++)
+        for (int w_type = F32; w_type <= Q6_K; w_type++)
             for (long K = 64; K <= 96; K += 32) check_linear(x_type, w_type, K);
     for (int type = F32; type <= BF16; type++) {
         const long T[] = {1, 5, 16, 17, 40, 70};  /* within one tile of keys and queries, and across them */
@@ -661,8 +692,9 @@ int main(void) {
         check_norm_rows(type, 7, 96);
     }
     /* activations and weights as models have them */
-    const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8}};
-    for (int i = 0; i < 6; i++) {
+    const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8},
+                             {F32, Q4_0}, {F32, Q4_K}, {F32, Q5_K}, {F32, Q6_K}};
+    for (int i = 0; i < 10; i++) {
         check_blocks(layers[i][0], layers[i][1], 2, 3, 32, 0);
         check_blocks(layers[i][0], layers[i][1], 2, 3, 64, 1);
     }
