@@ -35,7 +35,7 @@ struct block {  /* kernels.c's struct block, field for field */
     const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;
     const float *q_proj_scale, *k_proj_scale, *v_proj_scale, *o_proj_scale, *gate_proj_scale, *up_proj_scale,
         *down_proj_scale;
-    int w_type;
+    int w_type[7];
     long C, H, KVH, D, I;
     float eps;
 };
@@ -520,8 +520,8 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
          *roped = malloc(size * R * KVD), *gate = malloc(size * R * BI), *up = malloc(size * R * BI),
          *a = malloc(size * R * BI), *down = malloc(size * R * BC);
     norm_rows(x, layer->attn_norm, h, type, R, BC, layer->eps);
-    linear(h, type, 1, &layer->k_proj, layer->w_type, &layer->k_proj_scale, k, R, kv_sizes, BC);
-    linear(h, type, 1, &layer->v_proj, layer->w_type, &layer->v_proj_scale, v, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC);
     rope_rows(k, cos, sin, roped, type, R, BKVH, D);
     int same = 1;
     for (long r = 0; r < R && same; r++)
@@ -533,10 +533,10 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
         }
     if (same && zero_o) {
         norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
-        linear(h, type, 1, &layer->gate_proj, layer->w_type, &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
-        linear(h, type, 1, &layer->up_proj, layer->w_type, &layer->up_proj_scale, up, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC);
         silu_mul(gate, up, a, type, R * BI);
-        linear(a, type, 1, &layer->down_proj, layer->w_type, &layer->down_proj_scale, down, R, out_sizes, BI);
+        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI);
         for (long i = 0; i < R * BC && same; i++)
             same = rounded(type, read_value(x, i, type) + read_value(down, i, type)) == read_value(run.x, i, type);
     }
@@ -546,16 +546,16 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
     free(h), free(k), free(v), free(roped), free(gate), free(up), free(a), free(down);
 }
 
-/* One layer (of activations `type`, weights w_type, head size D; with zero_o, o_proj zero) against a double
- * reference; then each sequence decoded alone, which must give the same bits as among B; then against the prompt
- * functions. */
-static void check_blocks(int type, int w_type, long B, long T, long D, int zero_o) {
+/* One layer (of activations `type`, weights w_type but v_proj and down_proj of vd_type, as a Q4_K_M file mixes
+ * them; head size D; with zero_o, o_proj zero) against a double reference; then each sequence decoded alone, which
+ * must give the same bits as among B; then against the prompt functions. */
+static void check_layer(int type, int w_type, int vd_type, long B, long T, long D, int zero_o) {
     const long R = B * T, S = PAST + T, QD = BH * D, KVD = BKVH * D, cache = BKVH * S * D;
     const long size = type == BF16 ? 2 : 4;
     const long sizes[7][2] = {{QD, BC}, {KVD, BC}, {KVD, BC}, {BC, QD}, {BI, BC}, {BI, BC}, {BC, BI}};
     struct weights w[7];
     for (int i = 0; i < 7; i++) {
-        w[i] = random_weights(w_type, sizes[i][0], sizes[i][1]);
+        w[i] = random_weights(i == 2 || i == 6 ? vd_type : w_type, sizes[i][0], sizes[i][1]);
         if (w_type == F32 || w_type == BF16) {  /* about the size of the integer types' weights times their scales */
             for (long e = 0; e < sizes[i][0] * sizes[i][1]; e++) w[i].values[e] *= 0.125f;  /* exact */
             free(w[i].data);
@@ -583,10 +583,12 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
          *k_t = as_type(k, B * cache, type), *v_t = as_type(v, B * cache, type);
     const struct block layer = {norms[0], norms[1], w[0].data, w[1].data, w[2].data, w[3].data, w[4].data,
                                 w[5].data, w[6].data, w[0].scale, w[1].scale, w[2].scale, w[3].scale, w[4].scale,
-                                w[5].scale, w[6].scale, w_type, BC, BH, BKVH, D, BI, 1e-5f};
-    char name[160];
-    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type],
-             type_name[w_type], B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
+                                w[5].scale, w[6].scale, {w_type, w_type, vd_type, w_type, w_type, w_type, vd_type},
+                                BC, BH, BKVH, D, BI, 1e-5f};
+    char name[160], types[40];
+    snprintf(types, sizeof types, vd_type == w_type ? "%s" : "%s v,down=%s", type_name[w_type], type_name[vd_type]);
+    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type], types,
+             B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
     struct layer_run run = run_blocks(&layer, type, 0, B, T, xt, cos_t, sin_t, k_t, v_t);
     if (!run.x) {
         printf("FAIL %s: returned out of memory\n", name);
@@ -677,6 +679,10 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
         free(run.v), free(rx), free(rk), free(rv), free(q), free(scale);
 }
 
+static void check_blocks(int type, int w_type, long B, long T, long D, int zero_o) {
+    check_layer(type, w_type, w_type, B, T, D, zero_o);
+}
+
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
         for (int w_type = F32; w_type <= Q6_K; w_type++)
@@ -698,6 +704,8 @@ int main(void) {
         check_blocks(layers[i][0], layers[i][1], 2, 3, 32, 0);
         check_blocks(layers[i][0], layers[i][1], 2, 3, 64, 1);
     }
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 32, 0);
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
     check_blocks(F32, F32, 1, 1, 32, 0);
     check_blocks(BF16, BF16, 1, 1, 32, 0);
     /* head sizes whose half is not a whole number of vectors with AVX-512: RoPE's last elements one at a time */

@@ -268,16 +268,18 @@ def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
     assert torch.equal(got.T[nonzero].view(torch.int32), want[nonzero].view(torch.int32))
 
 
-def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True) -> SmolLM2:
+def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | None = None) -> SmolLM2:
     """A tiny random model (WIDE: its matrices' rows are whole super-blocks) written as GGUF with every matrix
-    crafted blocks of qtype and norms in F32, read back and accelerated, as gguf_model."""
+    crafted blocks of qtype (v_proj and down_proj of v_down where given, as Q4_K_M files mix Q6_K ones in) and
+    norms in F32, read back and accelerated, as gguf_model."""
     source, rng = tiny_model(WIDE), np.random.default_rng(0)
     tensors = {}
     for name, t in source.state_dict().items():
+        kind = v_down if v_down and ("v_proj" in name or "down_proj" in name) else qtype
         if t.dim() == 1:
             tensors[gguf_name(name)] = (t.numpy(), None)
         else:
-            tensors[gguf_name(name)] = (crafted_blocks(*t.shape, qtype, rng), qtype)
+            tensors[gguf_name(name)] = (crafted_blocks(*t.shape, kind, rng), kind)
     write_gguf(path, WIDE, tensors)
     return SmolLM2.from_pretrained(path) if packed else accelerate(SmolLM2.from_pretrained(path, accelerate=False))
 
@@ -298,6 +300,20 @@ def test_gguf_packed_blocks_give_the_float32_weights_results(tmp_path, qtype):
     weights, weights_cache = decode(read(tmp_path / "tiny.gguf", qtype, packed=False), ids, torch.ones_like(ids), 3)
     assert torch.equal(packed, weights)
     assert all(torch.equal(a, b) for a, b in zip(packed_cache, weights_cache))
+
+
+def test_a_layer_of_mixed_block_types_streams_each(tmp_path):
+    """As a Q4_K_M file: Q4_K matrices, v_proj and down_proj Q6_K. The decoding step reads each matrix's blocks
+    and gives its float32 weights' logits to the last bit."""
+    model = crafted_gguf_model(tmp_path / "tiny.gguf", Q.Q4_K, v_down=Q.Q6_K)
+    assert kernels.weight_format(model) == "Q4_K packed+Q6_K packed"
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    runs = model.accelerator.kernel_runs["blocks"]
+    packed, _ = decode(model, ids, torch.ones_like(ids), 3)
+    assert model.accelerator.kernel_runs["blocks"] > runs
+    weights, _ = decode(crafted_gguf_model(tmp_path / "tiny.gguf", Q.Q4_K, packed=False, v_down=Q.Q6_K), ids,
+                        torch.ones_like(ids), 3)
+    assert torch.equal(packed, weights)
 
 
 def test_a_weight_changed_in_place_is_streamed_itself(tmp_path):

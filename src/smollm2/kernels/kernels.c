@@ -505,10 +505,10 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
 }
 
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
- * times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices of one input
- * (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as torch's
- * y + product would be. */
-static void products(const void *x, int x_type, int type, int count, const void *const *w, int w_type,
+ * w[m] of w_type[m], times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices
+ * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
+ * torch's y + product would be. */
+static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
@@ -518,7 +518,7 @@ static void products(const void *x, int x_type, int type, int count, const void 
         long n = row;
         while (n >= N[m]) n -= N[m++];
         float sums[B * LANES];
-        dot_rows(x, x_type, w[m], w_type, B, n, K, sums);
+        dot_rows(x, x_type, w[m], w_type[m], B, n, K, sums);
         for (long b = 0; b < B; b++) {
             vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
@@ -542,13 +542,15 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     float *wide = type == BF16 && B > COLS && !as_pairs(type, w_type) ? malloc(sizeof(float) * B * K) : NULL;
     for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
     const int x_type = wide ? F32 : type;
+    int types[count];
+    for (int m = 0; m < count; m++) types[m] = w_type;
 #pragma omp parallel
     for (long b = 0; b < B; b += ROW_BLOCK) {
         const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
         void *ys[count];
         for (int m = 0, before = 0; m < count; before += N[m++])
             ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, w_type, scale,
+        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
                  ys, 0, rows, N, K);
     }
     free(wide);
@@ -557,10 +559,10 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {
     const void *attn_norm, *mlp_norm;  /* (C,), in the activations' type */
-    const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;  /* (out, in), of w_type */
+    const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;  /* (out, in) */
     const float *q_proj_scale, *k_proj_scale, *v_proj_scale, *o_proj_scale, *gate_proj_scale, *up_proj_scale,
         *down_proj_scale;  /* or NULL */
-    int w_type;
+    int w_type[7];  /* each matrix's type, in the order above: a GGUF file mixes them (Q4_K_M's Q6_K ones) */
     long C, H, KVH, D, I;  /* hidden size, query and K/V heads, head size, MLP size */
     float eps;
 };
@@ -759,7 +761,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
-    const int in = as_pairs(type, w->w_type) ? BF16 : F32;
+    const int in = as_pairs(type, w->w_type[0]) ? BF16 : F32;  /* bf16 models' matrices are all bf16 */
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
@@ -803,7 +805,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
                    s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
-    products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+    products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
 
@@ -811,8 +813,8 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 #pragma omp for schedule(static)
     for (long n = 0; n < I; n += LANES) {
         float g[R * LANES], u[R * LANES];
-        dot_rows(m->h, in, w->gate_proj, w->w_type, R, n, C, g);
-        dot_rows(m->h, in, w->up_proj, w->w_type, R, n, C, u);
+        dot_rows(m->h, in, w->gate_proj, w->w_type[4], R, n, C, g);
+        dot_rows(m->h, in, w->up_proj, w->w_type[5], R, n, C, u);
         for (long r = 0; r < R; r++) {
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
@@ -821,7 +823,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
         }
     }
 
-    products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+    products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, I);
 }
 

@@ -67,6 +67,11 @@ def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+def formats(types) -> str:
+    """What weights of kernels.c's `types` are read as, each format once: "Q4_K packed+Q6_K packed"."""
+    return "+".join(dict.fromkeys(WEIGHT_FORMATS[t] for t in types))
+
+
 def streamed(weights: list[torch.Tensor], packed: list[Packed | None]) -> tuple[int, list[int]]:
     """kernels.c's type and the addresses of what it reads for these weights: their packed copies where all
     have them, of one type; else the weights themselves."""
@@ -113,7 +118,8 @@ class BlockWeights(ctypes.Structure):
     """kernels.c's struct block: where a transformer block's weights are, and its sizes."""
     _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", *LINEARS)]
                 + [(name + "_scale", ctypes.c_void_p) for name in LINEARS]
-                + [("w_type", ctypes.c_int)] + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
+                + [("w_type", ctypes.c_int * len(LINEARS))]  # each matrix's: GGUF files mix them
+                + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
                 + [("eps", ctypes.c_float)])
 
 
@@ -171,7 +177,7 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
-    return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
+    return choices.pick(Key("blocks", DTYPES[x.dtype], formats(w.w_type), rows_bucket(B * T),
                             torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I, TYPES[k.dtype])), kernel, plain)
 
 
