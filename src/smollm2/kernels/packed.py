@@ -36,7 +36,7 @@ def half(bytes_: np.ndarray) -> np.ndarray:
 
 
 def words(values: np.ndarray) -> np.ndarray:
-    """float32 (..., n) or uint32 as their bytes (..., 4n)."""
+    """float32 (..., n) as their bytes (..., 4n)."""
     return np.ascontiguousarray(values).view(np.uint8)
 
 
@@ -46,8 +46,9 @@ def nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def bit_word(q: np.ndarray, bit: int) -> np.ndarray:
-    """Bit `bit` of each of 32 integers (..., 32) as one uint32 (..., 1): bit j for weight j."""
-    return ((q.astype(np.uint32) >> bit & 1) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)[..., None]
+    """Bit `bit` of each of 32 integers (..., 32), uint8, as the 4 bytes of one little-endian 32-bit word: its
+    bit j is weight j's."""
+    return np.packbits(q >> bit & 1, axis=-1, bitorder="little")
 
 
 def k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -79,15 +80,15 @@ def blocks_of(kind: Q, blocks: np.ndarray) -> np.ndarray:
         parts = [words(scaled), words(-least), nibbles(q)]
         if kind == Q.Q5_K:  # 32 bytes from byte 16: bit i of byte j is sub-block i's weight j's fifth bit
             high = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            parts.append(words(bit_word(high, 0)))
+            parts.append(bit_word(high, 0))
         return np.concatenate(parts, axis=-1)
     # Q6_K: 128 bytes of low 4 bits, 64 of high 2, 16 int8 scales (one per 16 weights), float16 d
     low = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = (low & 15).reshape(n, 8, 32) | ((high & 3).reshape(n, 8, 32) << 4)
     scaled = half(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # (n, 16)
-    return np.concatenate([words(scaled.reshape(n, 8, 2)), nibbles(q & 15), words(bit_word(q, 4)),
-                           words(bit_word(q, 5))], axis=-1)
+    return np.concatenate([words(scaled.reshape(n, 8, 2)), nibbles(q & 15), bit_word(q, 4), bit_word(q, 5)],
+                          axis=-1)
 
 
 def packed_layout(kind: int, blocks: torch.Tensor) -> Packed | None:
