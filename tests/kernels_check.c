@@ -5,9 +5,9 @@
  *
  * References sum in double; the kernels in float32 and in other orders, so results are compared within
  * tolerances relative to the magnitude of what was summed. What the kernels promise bit for bit is compared
- * with memcmp: a product row's result whatever rows share the call, Q4_1 / Q8_0 blocks giving the results
- * of the float32 weights they decode to, and a decoding step's RMSNorm, RoPE and SiLU giving the prompt
- * functions' results on the same rows.
+ * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
+ * giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize rounds),
+ * and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
  *
  * Prints one line per check, then a hash of every result's bits, then "N passed, M failed"; exits 1 on any
  * failure. */
@@ -18,8 +18,9 @@
 #include <string.h>
 
 /* As kernels.c (and the Python side) number and lay them out. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
-enum { BLOCK = 32, Q4_1_BYTES = 24, Q8_0_BYTES = 36 };
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
+enum { BLOCK = 32 };
+static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 24, 28, 32};  /* by type; 0: not blocks */
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K);
@@ -34,7 +35,7 @@ struct block {  /* kernels.c's struct block, field for field */
     const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;
     const float *q_proj_scale, *k_proj_scale, *v_proj_scale, *o_proj_scale, *gate_proj_scale, *up_proj_scale,
         *down_proj_scale;
-    int w_type;
+    int w_type[7];
     long C, H, KVH, D, I;
     float eps;
 };
@@ -47,7 +48,7 @@ struct cache {  /* kernels.c's struct cache, field for field */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
 
-static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0"};
+static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
 static int passed, failed;
 
 /* ---- inputs: a fixed-seed generator, bf16 conversions ---- */
@@ -169,24 +170,18 @@ static struct weights random_weights(int w_type, long N, long K) {
         for (long n = 0; n < N; n++) w.scale[n] = uniform(0.005f, 0.01f);
         w.data = q;
     } else {
-        /* GGUF blocks with their float16 scales widened to float32: d and m hold 11 significant bits, so d * q is
-         * exact in float32 and d * q + m rounds once, as the loader's decoding does. */
-        const long bytes = w_type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-        uint8_t *blocks = malloc(N * K / BLOCK * bytes);
+        /* Blocks in kernels.c's layout, their scales float32 as packed.py makes them: a float16's value (11
+         * significant bits, either sign), or for K-quants a product of one with the sub-block's integer scale
+         * (and minus dmin times its integer min), as gguf computes them. Each value is decoded as
+         * gguf.quants.dequantize does in float32, operation by operation: Q4_1 d * q + m; Q8_0 d * q; Q4_0
+         * d * (q - 8); Q4_K, Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). */
+        const long bytes = BLOCK_BYTES[w_type];
+        uint8_t *blocks = calloc(N * K / BLOCK, bytes);
         for (long b = 0; b < N * K / BLOCK; b++) {
             uint8_t *block = blocks + b * bytes;
             float *values = w.values + b * BLOCK;
-            if (w_type == Q4_1) {
-                float d = ldexpf((float)(1024 + next_random() % 1024), -16);
-                float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
-                memcpy(block, &d, 4), memcpy(block + 4, &m, 4);
-                for (int j = 0; j < BLOCK / 2; j++) {  /* byte j: weight j in its low half, j + 16 in its high */
-                    uint8_t low = next_random() % 16, high = next_random() % 16;
-                    block[8 + j] = (uint8_t)(low | high << 4);
-                    values[j] = d * (float)low + m;
-                    values[j + BLOCK / 2] = d * (float)high + m;
-                }
-            } else {
+            const float sign = next_random() % 2 ? 1.0f : -1.0f;
+            if (w_type == Q8_0) {
                 float d = ldexpf((float)(1024 + next_random() % 1024), -17);
                 memcpy(block, &d, 4);
                 for (int j = 0; j < BLOCK; j++) {
@@ -194,6 +189,42 @@ static struct weights random_weights(int w_type, long N, long K) {
                     block[4 + j] = (uint8_t)q;
                     values[j] = d * (float)q;
                 }
+                continue;
+            }
+            int q[BLOCK];
+            const int levels = w_type == Q5_K ? 32 : w_type == Q6_K ? 64 : 16;
+            for (int j = 0; j < BLOCK; j++) q[j] = (int)(next_random() % levels);
+            uint8_t *nibbles = block + (w_type == Q4_0 ? 4 : 8);
+            uint32_t fifth = 0, sixth = 0;
+            for (int j = 0; j < BLOCK / 2; j++)  /* byte j: weight j in its low half, j + 16 in its high */
+                nibbles[j] = (uint8_t)((q[j] & 15) | (q[j + BLOCK / 2] & 15) << 4);
+            for (int j = 0; j < BLOCK; j++)  /* bit j: weight j's fifth (sixth) bit */
+                fifth |= (uint32_t)(q[j] >> 4 & 1) << j, sixth |= (uint32_t)(q[j] >> 5 & 1) << j;
+            if (w_type == Q4_1) {
+                float d = ldexpf((float)(1024 + next_random() % 1024), -16);
+                float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
+                memcpy(block, &d, 4), memcpy(block + 4, &m, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
+            } else if (w_type == Q4_0) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -16);
+                memcpy(block, &d, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 8);
+            } else if (w_type == Q4_K || w_type == Q5_K) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -20);
+                float dmin = ldexpf((float)(1024 + next_random() % 1024), -19);
+                float scaled = d * (float)(next_random() % 64), least = dmin * (float)(next_random() % 64);
+                float offset = -least;
+                memcpy(block, &scaled, 4), memcpy(block + 4, &offset, 4);
+                if (w_type == Q5_K) memcpy(block + 24, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) {
+                    float product = scaled * (float)q[j];  /* numpy's d * qs, then - dm: two roundings */
+                    values[j] = product - least;
+                }
+            } else {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -21);
+                float scaled[2] = {d * (float)(int8_t)(next_random() % 256), d * (float)(int8_t)(next_random() % 256)};
+                memcpy(block, scaled, 8), memcpy(block + 24, &fifth, 4), memcpy(block + 28, &sixth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = scaled[j / 16] * (float)(q[j] - 32);
             }
         }
         w.data = blocks;
@@ -276,7 +307,7 @@ static void check_linear(int x_type, int w_type, long K) {
     }
 
     /* blocks stream the float32 weights they decode to: the same bits, at every row count */
-    if (w_type == Q4_1 || w_type == Q8_0) {
+    if (BLOCK_BYTES[w_type]) {
         struct weights decoded[COUNT];
         for (int m = 0; m < COUNT; m++) decoded[m] = (struct weights){w[m].values, w[m].values, NULL};
         int equal = 1;
@@ -473,7 +504,7 @@ static double largest(const double *v, long n) {
 
 /* Bytes of an (N, K) weight matrix of w_type. */
 static long weight_bytes(int w_type, long N, long K) {
-    if (w_type == Q4_1 || w_type == Q8_0) return N * K / BLOCK * (w_type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    if (BLOCK_BYTES[w_type]) return N * K / BLOCK * BLOCK_BYTES[w_type];
     return N * K * (w_type == I8 ? 1 : w_type == BF16 ? 2 : 4);
 }
 
@@ -489,8 +520,8 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
          *roped = malloc(size * R * KVD), *gate = malloc(size * R * BI), *up = malloc(size * R * BI),
          *a = malloc(size * R * BI), *down = malloc(size * R * BC);
     norm_rows(x, layer->attn_norm, h, type, R, BC, layer->eps);
-    linear(h, type, 1, &layer->k_proj, layer->w_type, &layer->k_proj_scale, k, R, kv_sizes, BC);
-    linear(h, type, 1, &layer->v_proj, layer->w_type, &layer->v_proj_scale, v, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC);
     rope_rows(k, cos, sin, roped, type, R, BKVH, D);
     int same = 1;
     for (long r = 0; r < R && same; r++)
@@ -502,10 +533,10 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
         }
     if (same && zero_o) {
         norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
-        linear(h, type, 1, &layer->gate_proj, layer->w_type, &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
-        linear(h, type, 1, &layer->up_proj, layer->w_type, &layer->up_proj_scale, up, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC);
         silu_mul(gate, up, a, type, R * BI);
-        linear(a, type, 1, &layer->down_proj, layer->w_type, &layer->down_proj_scale, down, R, out_sizes, BI);
+        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI);
         for (long i = 0; i < R * BC && same; i++)
             same = rounded(type, read_value(x, i, type) + read_value(down, i, type)) == read_value(run.x, i, type);
     }
@@ -515,23 +546,23 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
     free(h), free(k), free(v), free(roped), free(gate), free(up), free(a), free(down);
 }
 
-/* One layer (of activations `type`, weights w_type, head size D; with zero_o, o_proj zero) against a double
- * reference; then each sequence decoded alone, which must give the same bits as among B; then against the prompt
- * functions. */
-static void check_blocks(int type, int w_type, long B, long T, long D, int zero_o) {
+/* One layer (of activations `type`, weights w_type but v_proj and down_proj of vd_type, as a Q4_K_M file mixes
+ * them; head size D; with zero_o, o_proj zero) against a double reference; then each sequence decoded alone, which
+ * must give the same bits as among B; then against the prompt functions. */
+static void check_layer(int type, int w_type, int vd_type, long B, long T, long D, int zero_o) {
     const long R = B * T, S = PAST + T, QD = BH * D, KVD = BKVH * D, cache = BKVH * S * D;
     const long size = type == BF16 ? 2 : 4;
     const long sizes[7][2] = {{QD, BC}, {KVD, BC}, {KVD, BC}, {BC, QD}, {BI, BC}, {BI, BC}, {BC, BI}};
     struct weights w[7];
     for (int i = 0; i < 7; i++) {
-        w[i] = random_weights(w_type, sizes[i][0], sizes[i][1]);
+        w[i] = random_weights(i == 2 || i == 6 ? vd_type : w_type, sizes[i][0], sizes[i][1]);
         if (w_type == F32 || w_type == BF16) {  /* about the size of the integer types' weights times their scales */
             for (long e = 0; e < sizes[i][0] * sizes[i][1]; e++) w[i].values[e] *= 0.125f;  /* exact */
             free(w[i].data);
             w[i].data = as_type(w[i].values, sizes[i][0] * sizes[i][1], w_type);
         }
     }
-    if (zero_o) {  /* every encoding's zero bytes are weights of +0 */
+    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's and Q6_K's -0: sums from +0 stay +0) */
         memset(w[3].data, 0, weight_bytes(w_type, BC, QD));
         memset(w[3].values, 0, sizeof(float) * BC * QD);
     }
@@ -552,10 +583,12 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
          *k_t = as_type(k, B * cache, type), *v_t = as_type(v, B * cache, type);
     const struct block layer = {norms[0], norms[1], w[0].data, w[1].data, w[2].data, w[3].data, w[4].data,
                                 w[5].data, w[6].data, w[0].scale, w[1].scale, w[2].scale, w[3].scale, w[4].scale,
-                                w[5].scale, w[6].scale, w_type, BC, BH, BKVH, D, BI, 1e-5f};
-    char name[160];
-    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type],
-             type_name[w_type], B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
+                                w[5].scale, w[6].scale, {w_type, w_type, vd_type, w_type, w_type, w_type, vd_type},
+                                BC, BH, BKVH, D, BI, 1e-5f};
+    char name[160], types[40];
+    snprintf(types, sizeof types, vd_type == w_type ? "%s" : "%s v,down=%s", type_name[w_type], type_name[vd_type]);
+    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type], types,
+             B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
     struct layer_run run = run_blocks(&layer, type, 0, B, T, xt, cos_t, sin_t, k_t, v_t);
     if (!run.x) {
         printf("FAIL %s: returned out of memory\n", name);
@@ -646,9 +679,13 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
         free(run.v), free(rx), free(rk), free(rv), free(q), free(scale);
 }
 
+static void check_blocks(int type, int w_type, long B, long T, long D, int zero_o) {
+    check_layer(type, w_type, w_type, B, T, D, zero_o);
+}
+
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
-        for (int w_type = F32; w_type <= Q8_0; w_type++)
+        for (int w_type = F32; w_type <= Q6_K; w_type++)
             for (long K = 64; K <= 96; K += 32) check_linear(x_type, w_type, K);
     for (int type = F32; type <= BF16; type++) {
         const long T[] = {1, 5, 16, 17, 40, 70};  /* within one tile of keys and queries, and across them */
@@ -661,11 +698,14 @@ int main(void) {
         check_norm_rows(type, 7, 96);
     }
     /* activations and weights as models have them */
-    const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8}};
-    for (int i = 0; i < 6; i++) {
+    const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8},
+                             {F32, Q4_0}, {F32, Q4_K}, {F32, Q5_K}, {F32, Q6_K}};
+    for (int i = 0; i < 10; i++) {
         check_blocks(layers[i][0], layers[i][1], 2, 3, 32, 0);
         check_blocks(layers[i][0], layers[i][1], 2, 3, 64, 1);
     }
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 32, 0);
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
     check_blocks(F32, F32, 1, 1, 32, 0);
     check_blocks(BF16, BF16, 1, 1, 32, 0);
     /* head sizes whose half is not a whole number of vectors with AVX-512: RoPE's last elements one at a time */

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import os
+from pathlib import Path
 import platform
 import subprocess
 import threading
@@ -16,8 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, clear_leads, tiny_model
+import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf_files import gguf_tensors, write_gguf
+from gguf.quants import dequantize
+from gguf_files import gguf_name, gguf_tensors, write_gguf
 
 from smollm2 import SmolError, SmolLM2, Tokenizer, kernels
 from smollm2.generation import generate
@@ -26,7 +30,7 @@ from smollm2.kernels import accelerate, ops
 from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.build import choices_file
 from smollm2.kernels.choosing import BUDGET_S, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key, rows_bucket
-from smollm2.kernels.packed import PACKED_TYPES
+from smollm2.kernels.packed import PACKED_TYPES, packed_layout
 from smollm2.model import MLP
 from smollm2.quantize import quantize_int8
 
@@ -234,19 +238,82 @@ def linears(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SCALES_AT = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+WIDE = dataclasses.replace(TINY["gqa"], hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=1024)
+
+
+def crafted_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes are valid blocks of qtype (every integer and sub-block scale a valid one); their float16
+    scales set to finite values of either sign, so that every weight is. uint8 (rows, bytes a row)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in SCALES_AT[qtype]:
+        scale = (rng.uniform(2e-4, 2e-3, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+        raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
+    """The weights the kernel multiplies are gguf.quants.dequantize's float32 values, bit for bit: a product
+    with the identity gives them back (a sum of one weight and zeros; -0 comes back +0)."""
+    N, K = 32, 512
+    blocks = crafted_blocks(N, K, qtype, np.random.default_rng(int(qtype)))
+    want = torch.from_numpy(dequantize(blocks, qtype).reshape(N, K))
+    weight = torch.zeros(N, K)  # only its shape and dtype matter: the packed blocks are streamed
+    got, = ops.linear(ON, torch.eye(K), [weight], packed=[packed_layout(qtype, torch.from_numpy(blocks))])
+    assert torch.equal(got.T, want)
+    nonzero = want != 0
+    assert torch.equal(got.T[nonzero].view(torch.int32), want[nonzero].view(torch.int32))
+
+
+def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | None = None) -> SmolLM2:
+    """A tiny random model (WIDE: its matrices' rows are whole super-blocks) written as GGUF with every matrix
+    crafted blocks of qtype (v_proj and down_proj of v_down where given, as Q4_K_M files mix Q6_K ones in) and
+    norms in F32, read back and accelerated, as gguf_model."""
+    source, rng = tiny_model(WIDE), np.random.default_rng(0)
+    tensors = {}
+    for name, t in source.state_dict().items():
+        kind = v_down if v_down and ("v_proj" in name or "down_proj" in name) else qtype
+        if t.dim() == 1:
+            tensors[gguf_name(name)] = (t.numpy(), None)
+        else:
+            tensors[gguf_name(name)] = (crafted_blocks(*t.shape, kind, rng), kind)
+    write_gguf(path, WIDE, tensors)
+    return SmolLM2.from_pretrained(path) if packed else accelerate(SmolLM2.from_pretrained(path, accelerate=False))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0, *K_QUANTS], ids=lambda q: q.name)
 def test_gguf_packed_blocks_give_the_float32_weights_results(tmp_path, qtype):
     """A float32 model read from GGUF's packed blocks streams them: its logits and cache are those of its
-    float32 weights, to the last bit."""
-    model = gguf_model(tmp_path / "tiny.gguf", qtype)
+    float32 weights, to the last bit; the decoding step reads the blocks."""
+    read = crafted_gguf_model if qtype in K_QUANTS else gguf_model
+    model = read(tmp_path / "tiny.gguf", qtype)
     assert all(packed_of(m) is not None for m in [*linears(model), model.model.embed_tokens])
+    assert kernels.weight_format(model) == f"{qtype.name} packed"
     assert "packed" not in str(model.state_dict().keys())  # non-persistent: never saved
     ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    runs = model.accelerator.kernel_runs["blocks"]
     packed, packed_cache = decode(model, ids, torch.ones_like(ids), 3)
-    weights, weights_cache = decode(gguf_model(tmp_path / "tiny.gguf", qtype, packed=False), ids,
-                                    torch.ones_like(ids), 3)
+    assert model.accelerator.kernel_runs["blocks"] > runs
+    weights, weights_cache = decode(read(tmp_path / "tiny.gguf", qtype, packed=False), ids, torch.ones_like(ids), 3)
     assert torch.equal(packed, weights)
     assert all(torch.equal(a, b) for a, b in zip(packed_cache, weights_cache))
+
+
+def test_a_layer_of_mixed_block_types_streams_each(tmp_path):
+    """As a Q4_K_M file: Q4_K matrices, v_proj and down_proj Q6_K. The decoding step reads each matrix's blocks
+    and gives its float32 weights' logits to the last bit."""
+    model = crafted_gguf_model(tmp_path / "tiny.gguf", Q.Q4_K, v_down=Q.Q6_K)
+    assert kernels.weight_format(model) == "Q4_K packed+Q6_K packed"
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    runs = model.accelerator.kernel_runs["blocks"]
+    packed, _ = decode(model, ids, torch.ones_like(ids), 3)
+    assert model.accelerator.kernel_runs["blocks"] > runs
+    weights, _ = decode(crafted_gguf_model(tmp_path / "tiny.gguf", Q.Q4_K, packed=False, v_down=Q.Q6_K), ids,
+                        torch.ones_like(ids), 3)
+    assert torch.equal(packed, weights)
 
 
 def test_a_weight_changed_in_place_is_streamed_itself(tmp_path):

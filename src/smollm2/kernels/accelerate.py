@@ -21,6 +21,7 @@ threads of their own) never change each other's:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
 from collections import Counter
@@ -244,9 +245,10 @@ def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | 
             and all(n.weight.dtype == dtype for n in norms)):
         return None
     scales = [None if getattr(m, "scale", None) is None else m.scale.float().contiguous() for m in linears]
-    kind, addresses = ops.streamed([m.weight for m in linears], [packed_of(m) for m in linears])
-    return (ops.BlockWeights(*(n.weight.data_ptr() for n in norms), *addresses,
-                             *(None if s is None else s.data_ptr() for s in scales), kind, C, attn.n_heads,
+    kinds, addresses = zip(*(ops.streamed([m.weight], [packed_of(m)]) for m in linears))  # each its own
+    return (ops.BlockWeights(*(n.weight.data_ptr() for n in norms), *(a for a, in addresses),
+                             *(None if s is None else s.data_ptr() for s in scales),
+                             (ctypes.c_int * len(kinds))(*kinds), C, attn.n_heads,
                              attn.n_kv, D, I, norms[0].eps), scales)
 
 
@@ -319,11 +321,11 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
 
 def weight_format(model: SmolLM2) -> str:
     """The format the decoding step reads the blocks' linear weights in: the model's dtype, or the GGUF
-    packed blocks a float32 model streams (for benchmarks to say what they measured)."""
+    packed blocks a float32 model streams, each kind once (for benchmarks to say what they measured)."""
     linears = [m for block in model.model.layers for m in block_linears(block)]
     weights = [m.weight for m in linears]
     accelerator = model.__dict__.get("accelerator")
     if (accelerator is None or accelerator.mode == "off" or weights[0].device.type != "cpu"
             or weights[0].dtype not in ops.TYPES):
         return str(weights[0].dtype).removeprefix("torch.")
-    return ops.WEIGHT_FORMATS[ops.streamed(weights, [packed_of(m) for m in linears])[0]]
+    return ops.formats(ops.streamed([m.weight], [packed_of(m)])[0] for m in linears)

@@ -48,15 +48,37 @@ typedef uint16_t vu16u __attribute__((vector_size(2 * LANES), aligned(2)));
 typedef int8_t vi8u __attribute__((vector_size(LANES), aligned(1)));
 typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 
-/* Element types, as the Python side numbers them. Q4_1 and Q8_0 hold GGUF's blocks of 32 weights: a float32
- * scale d (Q4_1: then an offset m; GGUF's float16 ones, converted exactly), then the 4-bit (Q4_1, two a
- * byte) or 8-bit integers q. A weight is d * q (+ m), computed exactly as the float32 value the loader
- * decoded (d * q needs at most 19 bits; adding m rounds once, as there), so streaming the blocks gives a
- * float32 model's results from 4-5x fewer bytes than its float32 weights. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4 };
-enum { WIDE = 5 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
-#define BLOCK 32  /* weights per Q4_1 / Q8_0 block, */
-enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36 };  /* in this many bytes */
+/* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights in blocks of 32,
+ * in a layout of ours (packed.py) with every scale a float32 whose value is the one gguf's decoding computes
+ * (GGUF's float16 ones converted exactly; a K-quant's sub-block scale times its super-block's, an exact product):
+ *   Q4_1, Q4_K: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
+ *   Q8_0: scale a, 32 int8 q; a * q
+ *   Q4_0: scale a, 16 bytes as Q4_1's; a * (q - 8)
+ *   Q5_K: as Q4_K, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
+ *   Q6_K: scales a0 (weights 0-15) and a1 (16-31), 16 bytes as Q4_1's, then two words of bits: q's fifth and
+ *         sixth; a0 or a1 times (q - 32)
+ * A weight is computed exactly as the float32 value the loader decoded (gguf.quants.dequantize): the products
+ * a * q of Q4_0, Q4_1, Q4_K, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact; adding b rounds
+ * once, as there (Q4_K's b is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds
+ * once, its one float32 product there too. So streaming the blocks gives a float32 model's results from 5-8 bits a
+ * weight instead of 32. */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
+enum { WIDE = 9 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+#define BLOCK 32  /* weights a block, */
+enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q4_K_BYTES = 24, Q5_K_BYTES = 28, Q6_K_BYTES = 32 };
+
+static inline long block_bytes(int type) {  /* bytes a block of `type`; 0 for types of one value an element */
+    switch (type) {
+    case Q4_1: return Q4_1_BYTES;
+    case Q8_0: return Q8_0_BYTES;
+    case Q4_0: return Q4_0_BYTES;
+    case Q4_K: return Q4_K_BYTES;
+    case Q5_K: return Q5_K_BYTES;
+    case Q6_K: return Q6_K_BYTES;
+    default: return 0;
+    }
+}
+
 #define ROWS 4  /* weight rows per inner step, times */
 #define COLS (REGISTERS / 8)  /* activation rows: ROWS * COLS accumulators, ROWS weights, an input in registers */
 #define HELD (LANES == 16 ? ROWS : 1)  /* weight rows whose GGUF block is unpacked at once, as registers allow */
@@ -91,6 +113,7 @@ static inline vf load_bf16(const uint16_t *p) {
 static inline vf load_i8(const int8_t *p) {
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline vi load_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #elif LANES == 8
 #include <immintrin.h>
 static inline vf load_f32(const float *p) { return (vf)_mm256_loadu_ps(p); }
@@ -185,31 +208,64 @@ static inline vf splat(float x) {  /* x in every lane: one broadcast (0 + x woul
 
 static inline vf iota(void) { return (vf){EACH(SAME)}; }  /* 0, 1, 2, ... */
 
-/* Block i's 32 weights as BLOCK / LANES vectors: d * q + m (Q4_1) or d * q (Q8_0). A Q4_1 block's bytes hold
- * weights j (low 4 bits) and j + 16 (high); its weights take only 16 values, so with AVX-512 each weight is a
- * lane permutation of those values by its q. */
+/* Lane l's bit of a block's 32-bit word of bits, for the weights first + l: 1 << (first + l). */
+static inline vi lane_bits(int first) {
+    vi bits;
+    for (int l = 0; l < LANES; l++) bits[l] = (int32_t)(1u << (first + l));
+    return bits;
+}
+
+/* Block i's 32 weights as BLOCK / LANES vectors (the layouts above). Bytes of 4-bit q hold weights j (low 4 bits)
+ * and j + 16 (high): a vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take
+ * only 16 values, so with AVX-512 each weight is a lane permutation of those values by its q. Q5_K's and Q6_K's
+ * further bits are tested lane by lane against the word of bits (a mask, then the bit's value: no variable
+ * shifts, which SSE2 lacks). */
 static inline __attribute__((always_inline)) void load_block(const void *p, long i, int type, vf *out) {
-    float d, m;
-    if (type == Q4_1) {
-        const uint8_t *block = (const uint8_t *)p + i * Q4_1_BYTES, *q = block + 8;
-        memcpy(&d, block, 4), memcpy(&m, block + 4, 4);
+    const uint8_t *block = (const uint8_t *)p + i * block_bytes(type);
+    float a, b;
+    memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
+    if (type == Q8_0) {
+        for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(a) * load_i8((const int8_t *)block + 4 + v * LANES);
+        return;
+    }
+    if (type == Q4_0 || type == Q4_1 || type == Q4_K) {
+        const uint8_t *q = block + (type == Q4_0 ? 4 : 8);
 #if LANES == 16
-        __m512 values = (__m512)(splat(d) * iota() + m);
+        __m512 values = (__m512)(type == Q4_0 ? splat(a) * (iota() - 8.0f) : splat(a) * iota() + b);
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
         out[0] = (vf)_mm512_permutexvar_ps(bytes, values);  /* it reads each lane's low 4 bits */
         out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 #else
         for (int v = 0; v < 16 / LANES; v++) {  /* a byte's two weights from one widened load */
             vi bytes = load_u8(q + v * LANES);
-            out[v] = splat(d) * __builtin_convertvector(bytes & 15, vf) + m;
-            out[v + 16 / LANES] = splat(d) * __builtin_convertvector(bytes >> 4, vf) + m;
+            if (type == Q4_0) {
+                out[v] = splat(a) * __builtin_convertvector((bytes & 15) - 8, vf);
+                out[v + 16 / LANES] = splat(a) * __builtin_convertvector((bytes >> 4) - 8, vf);
+            } else {
+                out[v] = splat(a) * __builtin_convertvector(bytes & 15, vf) + b;
+                out[v + 16 / LANES] = splat(a) * __builtin_convertvector(bytes >> 4, vf) + b;
+            }
         }
 #endif
         return;
     }
-    const uint8_t *block = (const uint8_t *)p + i * Q8_0_BYTES;
-    memcpy(&d, block, 4);
-    for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(d) * load_i8((const int8_t *)block + 4 + v * LANES);
+    const uint8_t *q = block + 8;
+    uint32_t fifth, sixth = 0;
+    memcpy(&fifth, block + 24, 4);
+    if (type == Q6_K) memcpy(&sixth, block + 28, 4);
+    for (int v = 0; v < 16 / LANES; v++) {
+        vi bytes = load_u8(q + v * LANES), low = bytes & 15, high = bytes >> 4;
+        const vi low_bits = lane_bits(v * LANES), high_bits = lane_bits(16 + v * LANES);
+        low |= ((low_bits & (int32_t)fifth) != 0) & 16, high |= ((high_bits & (int32_t)fifth) != 0) & 16;
+        if (type == Q5_K) {
+            out[v] = splat(a) * __builtin_convertvector(low, vf) + b;
+            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high, vf) + b;
+        } else {
+            low |= ((low_bits & (int32_t)sixth) != 0) & 32, high |= ((high_bits & (int32_t)sixth) != 0) & 32;
+            out[v] = splat(a) * __builtin_convertvector(low - 32, vf);
+            out[v + 16 / LANES] = splat(b) * __builtin_convertvector(high - 32, vf);
+        }
+    }
 }
 
 /* Lanes added pairwise, halves first: a fixed order. */
@@ -330,7 +386,7 @@ static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
 
 static inline long offset_of(long i, int type) {  /* where element i's bytes are */
-    return type == Q4_1 ? i / BLOCK * Q4_1_BYTES : type == Q8_0 ? i / BLOCK * Q8_0_BYTES : i * size_of(type);
+    return block_bytes(type) ? i / BLOCK * block_bytes(type) : i * size_of(type);
 }
 
 static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahead of element i, into L2 */
@@ -344,7 +400,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                                                             const int w_type, const int c, long K, float *sums,
                                                             float *keep) {
     vf acc[COLS][ROWS] = {{{0}}};
-    if (w_type == Q4_1 || w_type == Q8_0) {  /* a block at a time: each lane's sums in the float32 weights' order */
+    if (block_bytes(w_type)) {  /* a block at a time: each lane's sums in the float32 weights' order */
         for (long k = 0; k < K; k += BLOCK)
             for (int j0 = 0; j0 < ROWS; j0 += HELD) {
                 vf wv[HELD][BLOCK / LANES];
@@ -438,6 +494,10 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
         case I8: dot_rows_of(x, X, AT(w, n + j, I8), I8, B, K, sums + j); break;                      \
         case Q4_1: dot_rows_of(x, X, AT(w, n + j, Q4_1), Q4_1, B, K, sums + j); break;                \
         case Q8_0: dot_rows_of(x, X, AT(w, n + j, Q8_0), Q8_0, B, K, sums + j); break;                \
+        case Q4_0: dot_rows_of(x, X, AT(w, n + j, Q4_0), Q4_0, B, K, sums + j); break;                \
+        case Q4_K: dot_rows_of(x, X, AT(w, n + j, Q4_K), Q4_K, B, K, sums + j); break;                \
+        case Q5_K: dot_rows_of(x, X, AT(w, n + j, Q5_K), Q5_K, B, K, sums + j); break;                \
+        case Q6_K: dot_rows_of(x, X, AT(w, n + j, Q6_K), Q6_K, B, K, sums + j); break;                \
         }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS
@@ -445,10 +505,10 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
 }
 
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
- * times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices of one input
- * (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as torch's
- * y + product would be. */
-static void products(const void *x, int x_type, int type, int count, const void *const *w, int w_type,
+ * w[m] of w_type[m], times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices
+ * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
+ * torch's y + product would be. */
+static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
@@ -458,7 +518,7 @@ static void products(const void *x, int x_type, int type, int count, const void 
         long n = row;
         while (n >= N[m]) n -= N[m++];
         float sums[B * LANES];
-        dot_rows(x, x_type, w[m], w_type, B, n, K, sums);
+        dot_rows(x, x_type, w[m], w_type[m], B, n, K, sums);
         for (long b = 0; b < B; b++) {
             vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
@@ -469,8 +529,8 @@ static void products(const void *x, int x_type, int type, int count, const void 
 }
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
- * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales), Q4_1 or Q8_0; K is a multiple of 16 (of
- * BLOCK for Q4_1 and Q8_0), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a time: a block's
+ * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales) or a block type; K is a multiple of 16 (of
+ * BLOCK for block types), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a time: a block's
  * activations stay in L2 while every weight row streams past them. */
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 64
@@ -482,13 +542,15 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     float *wide = type == BF16 && B > COLS && !as_pairs(type, w_type) ? malloc(sizeof(float) * B * K) : NULL;
     for (long i = 0; wide && i < B * K; i++) wide[i] = element(x, i, BF16);
     const int x_type = wide ? F32 : type;
+    int types[count];
+    for (int m = 0; m < count; m++) types[m] = w_type;
 #pragma omp parallel
     for (long b = 0; b < B; b += ROW_BLOCK) {
         const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
         void *ys[count];
         for (int m = 0, before = 0; m < count; before += N[m++])
             ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, w_type, scale,
+        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
                  ys, 0, rows, N, K);
     }
     free(wide);
@@ -497,10 +559,10 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {
     const void *attn_norm, *mlp_norm;  /* (C,), in the activations' type */
-    const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;  /* (out, in), of w_type */
+    const void *q_proj, *k_proj, *v_proj, *o_proj, *gate_proj, *up_proj, *down_proj;  /* (out, in) */
     const float *q_proj_scale, *k_proj_scale, *v_proj_scale, *o_proj_scale, *gate_proj_scale, *up_proj_scale,
         *down_proj_scale;  /* or NULL */
-    int w_type;
+    int w_type[7];  /* each matrix's type, in the order above: a GGUF file mixes them (Q4_K_M's Q6_K ones) */
     long C, H, KVH, D, I;  /* hidden size, query and K/V heads, head size, MLP size */
     float eps;
 };
@@ -699,7 +761,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
-    const int in = as_pairs(type, w->w_type) ? BF16 : F32;
+    const int in = as_pairs(type, w->w_type[0]) ? BF16 : F32;  /* bf16 models' matrices are all bf16 */
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
@@ -743,7 +805,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
                    s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
-    products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type, (const float *[]){w->o_proj_scale},
+    products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
 
@@ -751,8 +813,8 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 #pragma omp for schedule(static)
     for (long n = 0; n < I; n += LANES) {
         float g[R * LANES], u[R * LANES];
-        dot_rows(m->h, in, w->gate_proj, w->w_type, R, n, C, g);
-        dot_rows(m->h, in, w->up_proj, w->w_type, R, n, C, u);
+        dot_rows(m->h, in, w->gate_proj, w->w_type[4], R, n, C, g);
+        dot_rows(m->h, in, w->up_proj, w->w_type[5], R, n, C, u);
         for (long r = 0; r < R; r++) {
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
@@ -761,7 +823,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
         }
     }
 
-    products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type, (const float *[]){w->down_proj_scale},
+    products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, I);
 }
 

@@ -26,7 +26,8 @@ MAX_PROMPT_K = 2560
 MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed")  # by kernels.c's type
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed", "Q4_0 packed", "Q4_K packed",
+                  "Q5_K packed", "Q6_K packed")  # by kernels.c's type
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
 # bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
@@ -64,6 +65,11 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def formats(types) -> str:
+    """What weights of kernels.c's `types` are read as, each format once: "Q4_K packed+Q6_K packed"."""
+    return "+".join(dict.fromkeys(WEIGHT_FORMATS[t] for t in types))
 
 
 def streamed(weights: list[torch.Tensor], packed: list[Packed | None]) -> tuple[int, list[int]]:
@@ -112,7 +118,8 @@ class BlockWeights(ctypes.Structure):
     """kernels.c's struct block: where a transformer block's weights are, and its sizes."""
     _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", *LINEARS)]
                 + [(name + "_scale", ctypes.c_void_p) for name in LINEARS]
-                + [("w_type", ctypes.c_int)] + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
+                + [("w_type", ctypes.c_int * len(LINEARS))]  # each matrix's: GGUF files mix them
+                + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
                 + [("eps", ctypes.c_float)])
 
 
@@ -170,7 +177,7 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
-    return choices.pick(Key("blocks", DTYPES[x.dtype], WEIGHT_FORMATS[w.w_type], rows_bucket(B * T),
+    return choices.pick(Key("blocks", DTYPES[x.dtype], formats(w.w_type), rows_bucket(B * T),
                             torch.get_num_threads(), (L, w.C, w.H, w.KVH, w.D, w.I, TYPES[k.dtype])), kernel, plain)
 
 
