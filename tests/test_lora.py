@@ -454,6 +454,53 @@ def test_the_server_serves_adapters_by_model_name(tiny_dir, tmp_path):
         create_app(base, tokenizer, model_name="tiny", adapters={"tiny": base})
 
 
+def test_adapters_served_at_once_each_draft_with_a_draft_of_their_own(tiny_dir, tmp_path):
+    """A draft model changes as it runs (its accelerator's plans and choices, its RoPE tables): each adapter's
+    scheduler thread drafts with its own copy, the weights shared, and every request, asked of the three models
+    at once, gets the tokens of decoding alone without a draft."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import running
+
+    from smollm2 import accelerate
+    from smollm2.lora import with_adapter
+    from smollm2.server import create_app
+
+    for name, seed in (("a", 1), ("b", 2)):
+        save_adapter(randomize(add_lora(tiny_model(TINY["gqa"]), r=4, targets=ALL), seed), tmp_path / name)
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    base = load(tiny_dir)
+    draft = SmolLM2(dataclasses.replace(base.config, num_hidden_layers=1)).eval()  # the base's first block alone
+    draft.load_state_dict({k: v for k, v in load(tiny_dir, kernels=False).state_dict().items()
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
+    app = create_app(base, tokenizer, model_name="tiny", speculative=accelerate(draft),
+                     adapters={name: with_adapter(base, tmp_path / name) for name in ("a", "b")})
+    drafts = [scheduler.draft for scheduler in app.state.served.schedulers.values()]
+    assert len({id(d) for d in drafts}) == 3 and drafts[0] is draft
+    assert all(d.model.embed_tokens.weight is draft.model.embed_tokens.weight for d in drafts)  # shared, not copied
+    prompts = ["Once upon a time", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "The capital of France is"]
+
+    def alone(adapter, prompt):
+        ids = tokenizer.encode(prompt)
+        model = load(tiny_dir, adapter=adapter)
+        return tokenizer.decode(generate(model, [ids], 16, temperature=0)[0, len(ids):].tolist())
+
+    asks = [(name, prompt) for name in ("tiny", "a", "b") for prompt in prompts] * 2
+    want = {(name, prompt): alone(None if name == "tiny" else tmp_path / name, prompt) for name, prompt in asks}
+    with running(app) as url, ThreadPoolExecutor(len(asks)) as pool:
+        def ask(name_prompt):
+            name, prompt = name_prompt
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+                model=name, prompt=prompt, max_tokens=16, temperature=0, speculative="draft"))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert list(pool.map(ask, asks)) == [want[a] for a in asks]
+    assert all(scheduler.engine.guessed > 0 for scheduler in app.state.served.schedulers.values())  # all drafted
+
+
 def test_serve_lora_flag_is_checked_before_loading(capsys, tmp_path):
     for flag, message in (("nameonly", "expected NAME=DIR"), (f"x={tmp_path / 'missing'}", "is not a directory")):
         assert cli.main(["serve", "--lora", flag, "--port", "1"]) == 1
