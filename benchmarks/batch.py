@@ -11,7 +11,7 @@ tok/s summed over the rows and its ratio to batch 1.
 In fp32 the embedded model's weights stream as its file's Q4_1 blocks, which makes batch 1 ~2.7x faster than
 float32 weights would, while batch 16 is bound by float32 arithmetic either way. For float32 weights, save
 the model and load that copy:
-    .venv/bin/python -c "from smollm2 import SmolLM2; SmolLM2.from_pretrained(None).save_pretrained('f32')"
+    .venv/bin/python -c "import smollm2; smollm2.save(smollm2.load(), 'f32')"
     .venv/bin/python benchmarks/batch.py --model f32
 """
 
@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from smollm2 import SmolLM2, kernels
+from smollm2 import kernels, load
 from smollm2.bench import bench_ours, random_prompt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+    model = load(args.model, dtype=DTYPES[args.dtype])
     prompts = {b: random_prompt(model.config.vocab_size, b, args.prompt_tokens, "cpu") for b in sizes}
     best = dict.fromkeys(sizes, 0.0)
     for _ in range(args.rounds):

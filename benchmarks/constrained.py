@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.generation import grammar as grammar_module
 from smollm2.generation.grammar import Grammar
 
@@ -108,7 +108,7 @@ def main() -> None:
     print(f"  {'all':11s} {'':25s}  allowed+accept {us(every)}  | mask+accept {us(bare)}")
 
     from smollm2.generation.steps import decode_step
-    model = SmolLM2.from_pretrained()
+    model = load()
     cache = model.new_cache(1, 128)
     ids = torch.tensor([tok.encode("Write JSON:")])
     with torch.inference_mode():

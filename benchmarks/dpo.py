@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import SmolLM2, Tokenizer, load
 from smollm2.training.data import PreferenceData
 from smollm2.training.dpo import sequence_logps
 
@@ -74,8 +74,8 @@ def main() -> None:
     seconds = time.perf_counter() - began
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     data = PreferenceData(held_out, Tokenizer.from_pretrained(), seq_len=128)
-    before = preference_accuracy(SmolLM2.from_pretrained(accelerate=False), data)
-    after = preference_accuracy(SmolLM2.from_pretrained(adapter=out / "final", accelerate=False), data)
+    before = preference_accuracy(load(kernels=False), data)
+    after = preference_accuracy(load(adapter=out / "final", kernels=False), data)
     print(f"{args.preference} pairs, embedded SmolLM2-135M-Instruct, LoRA r={args.lora_r} on every linear layer, "
           f"{args.steps} steps of 4 pairs, lr {args.lr}, beta {args.beta}: {seconds:.0f} s (the reference pass "
           f"included), {statistics.median(r['tokens_per_s'] for r in records[1:]):.0f} tokens/s median")

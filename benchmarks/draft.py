@@ -29,7 +29,7 @@ from finetune_fact import smollm2, write_chats
 from lora import ALL
 from speculative import GROUNDED, OPEN, answer, row
 
-from smollm2 import Tokenizer, load_model
+from smollm2 import Tokenizer, load
 from smollm2.generation import stream
 
 
@@ -52,7 +52,7 @@ def main() -> int:
     args = p.parse_args()
     adapter = args.adapter or train_adapter(args.steps)
     torch.set_num_threads(args.threads)
-    target, draft = load_model(None, adapter=adapter), load_model(None)
+    target, draft = load(None, adapter=adapter), load(None)
     tokenizer = Tokenizer.from_pretrained(None)
     answer(target, tokenizer.encode("Hello"), 8, draft)  # warm-up: the kernels' choices, both models'
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; batch 1, greedy, "

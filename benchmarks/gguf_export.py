@@ -116,7 +116,7 @@ def tiny_rows(tokenizer, tmp: Path) -> list[tuple]:
     rows = []
     for name, config in TINY.items():
         model, path = tiny_model(config), tmp / f"tiny-{name}.gguf"
-        save_gguf(config, model.state_dict(), tokenizer, path)
+        save_gguf(config, model.state_dict(), tokenizer.gguf_metadata(), path)
         with torch.inference_mode():
             ours = model(torch.tensor([TINY_IDS]))[0].numpy()
         llm = load(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from smollm2 import PRESETS, SmolLM2, cli
+from smollm2 import PRESETS, SmolLM2, cli, save
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
-        SmolLM2(PRESETS[args.size]).save_pretrained(folder)
+        save(SmolLM2(PRESETS[args.size]), folder)
         for batch_size in args.batch_sizes.split(","):
             print(f"\nbatch size {batch_size}", flush=True)
             failed |= cli.main(["bench", "--model", folder, "--device", "cuda", "--dtype", "bf16", "--compare",

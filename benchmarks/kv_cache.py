@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from smollm2 import Tokenizer, evaluate, load_model
+from smollm2 import Tokenizer, evaluate, load
 
 TEXT = Path(__file__).parent.parent / "tests" / "data" / "english.txt"
 
@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1024, help="tokens a window scores (half of it the stride)")
     p.add_argument("--at-most", type=float, default=0.5, help="bf16's perplexity above fp32's, in percent")
     args = p.parse_args()
-    model = load_model(None)
+    model = load(None)
     ids = Tokenizer.from_pretrained(None).encode(args.file.read_text())
     window = min(args.window, len(ids))
     first = ids[:window]  # top-1 agreement over one window

@@ -99,12 +99,12 @@ def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> s
 @torch.inference_mode()
 def validate(model: SmolLM2, path: Path, precision: str) -> str:
     """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within rounding."""
-    from smollm2 import SmolLM2
+    from smollm2 import load
     from smollm2.kernels import accelerate
 
     ids = torch.tensor([CHECK_IDS])
     # both on the kernel, where the blocks give the F32 file's bits exactly
-    read, original = (accelerate(m, mode="on") for m in (SmolLM2.from_pretrained(path), copy.deepcopy(model)))
+    read, original = (accelerate(m, mode="on") for m in (load(path), copy.deepcopy(model)))
     return check(f"smollm2 reading {path.name}", read(ids), original(ids), TOLERANCE[precision])
 
 
@@ -145,13 +145,13 @@ def bench_llamacpp(path: Path, prompt: torch.Tensor, new_tokens: int, repeats: i
 
 
 def ours(precision: str, path: Path) -> SmolLM2:
-    from smollm2 import SmolLM2
+    from smollm2 import load
 
     if precision == "f16":
-        return SmolLM2.from_pretrained(dtype=torch.bfloat16)
+        return load(dtype=torch.bfloat16)
     if precision == "f32":
-        return SmolLM2.from_pretrained(path)  # F32 tensors: fp32 weights streamed as they are
-    return SmolLM2.from_pretrained(quantize="int8" if precision == "q8_0" else None)
+        return load(path)  # F32 tensors: fp32 weights streamed as they are
+    return load(quantize="int8" if precision == "q8_0" else None)
 
 
 def speeds(s: bench.Speed) -> dict:  # peak memory is left out: one process holds both systems' models
@@ -249,7 +249,7 @@ def main() -> int:
     sys.path.append(str(site_packages(venv)))
     import llama_cpp
 
-    from smollm2 import SmolLM2, Tokenizer, bench, kernels
+    from smollm2 import Tokenizer, bench, kernels, load
     from smollm2.checkpoints import default_model_path, save_gguf
 
     if not Path(llama_cpp.__file__).is_relative_to(venv):
@@ -260,7 +260,7 @@ def main() -> int:
     ours_built = f"-march={kernels.MARCH}" if kernels.compiled() else "unavailable: torch's kernels"
 
     original = default_model_path()
-    model = SmolLM2.from_pretrained()
+    model = load()
     tokenizer = Tokenizer.from_pretrained(original)
     prompt = bench.random_prompt(model.config.vocab_size, 1, args.prompt_tokens, "cpu")
     with torch.inference_mode():
@@ -271,7 +271,7 @@ def main() -> int:
                  for precision in precisions}
         for precision, path in paths.items():
             if precision != ORIGINAL:
-                save_gguf(model.config, model.state_dict(), tokenizer, path, precision)
+                save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), path, precision)
                 log(validate(model, path, precision))
             # Our first run times kernel against torch for each kind of operation (and keeps the choices):
             # before any llama.cpp model exists, whose idle threads keep polling and would skew those times.

@@ -57,11 +57,11 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from smollm2 import SmolLM2, Tokenizer
+    from smollm2 import Tokenizer, load
     from smollm2.evaluate import loglikelihoods
     from smollm2.server import create_app
 
-    model, tokenizer = SmolLM2.from_pretrained(args.model), Tokenizer.from_pretrained(args.model)
+    model, tokenizer = load(args.model), Tokenizer.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokenizer.save_pretrained(tmp / "tokenizer")  # lm-eval's own tokenizer: transformers' load of ours

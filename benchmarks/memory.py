@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from smollm2 import SmolLM2
+from smollm2 import load
 from smollm2.bench import peak_memory_mb, reset_peak_memory
 from smollm2.generation import stream
 from smollm2.quantize import quantize_int8
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     runtime = resident_mb()
-    model = SmolLM2.from_pretrained(None, dtype=DTYPES[args.dtype])
+    model = load(None, dtype=DTYPES[args.dtype])
     if args.quantize:
         quantize_int8(model)
     loaded = resident_mb()

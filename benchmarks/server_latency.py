@@ -51,10 +51,10 @@ def user_message(turn: int) -> str:
 
 
 def chat(args) -> None:
-    from smollm2 import SmolLM2, Tokenizer
+    from smollm2 import Tokenizer, load
     from smollm2.server import create_app
 
-    model, tokenizer = SmolLM2.from_pretrained(args.model), Tokenizer.from_pretrained(args.model)
+    model, tokenizer = load(args.model), Tokenizer.from_pretrained(args.model)
     results = {True: [], False: []}  # prefix cache on/off -> per round, per turn: (prompt tokens, ttft, text)
     for _ in range(args.rounds):
         for cached in (True, False):
@@ -79,10 +79,10 @@ def chat(args) -> None:
 
 
 def long_prompt(args) -> None:
-    from smollm2 import SmolLM2, Tokenizer
+    from smollm2 import Tokenizer, load
     from smollm2.server import create_app
 
-    model, tokenizer = SmolLM2.from_pretrained(args.model), Tokenizer.from_pretrained(args.model)
+    model, tokenizer = load(args.model), Tokenizer.from_pretrained(args.model)
     filler = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(400))
     ids = tokenizer.encode(filler)[:args.prompt_tokens]
     long_text = tokenizer.decode(ids)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from smollm2 import Tokenizer, load_model
+from smollm2 import Tokenizer, load
 from smollm2.generation import stream
 from smollm2.generation.engine import PassCounts
 from smollm2.generation.speculative import MAX_GUESS, MAX_PASS_TOKENS, PromptLookup
@@ -153,7 +153,7 @@ def main() -> int:
     p.add_argument("--open-at-least", type=float, default=0.95)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(None), Tokenizer.from_pretrained(None)
+    model, tokenizer = load(None), Tokenizer.from_pretrained(None)
     answer(model, tokenizer.encode("Hello"), 8, "ngram")  # warm-up: the kernels' choices
     costs = pass_costs(model)
     print("a pass of k positions, in decoding steps: "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smollm2 import PRESETS, SmolConfig, SmolLM2
+from smollm2 import PRESETS, SmolConfig, SmolLM2, load, save
 from smollm2.kernels import accelerate
 from smollm2.checkpoints import default_model_path
 
@@ -114,14 +114,14 @@ def embedded_path() -> Path:
 
 @pytest.fixture(scope="session")
 def model() -> SmolLM2:
-    """The embedded SmolLM2-135M-Instruct, fp32, accelerated (as from_pretrained loads it on the CPU)."""
-    return SmolLM2.from_pretrained()
+    """The embedded SmolLM2-135M-Instruct, fp32, accelerated (as smollm2.load loads it on the CPU)."""
+    return load()
 
 
 @pytest.fixture(scope="session")
 def reference_model() -> SmolLM2:
     """The same, model.py's reference modules alone."""
-    return SmolLM2.from_pretrained(accelerate=False)
+    return load(kernels=False)
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     from smollm2 import Tokenizer
 
     path = tmp_path_factory.mktemp("tiny")
-    tiny_model(TINY["gqa"]).save_pretrained(path)
+    save(tiny_model(TINY["gqa"]), path)
     Tokenizer.from_pretrained().save_pretrained(path)
     return path
 

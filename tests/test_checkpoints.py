@@ -22,7 +22,8 @@ from gguf.quants import dequantize, quantize
 from gguf_files import gguf_name, gguf_tensors, permute, write_gguf
 from safetensors.torch import load_file, save_file
 
-from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer
+import smollm2
+from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer, save
 from smollm2.checkpoints import load_checkpoint, parameter_shapes
 from smollm2.checkpoints.checkpoint import all_finite
 from smollm2.checkpoints.gguf import dequantized, gguf_config, open_gguf
@@ -35,7 +36,7 @@ K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # it cannot: raw blocks are
 def load(src, **kwargs) -> SmolLM2:
     """model.py's reference modules, as the models these tests build and compare with (test_model.py and
     test_kernels.py compare the accelerated ones)."""
-    return SmolLM2.from_pretrained(src, accelerate=False, **kwargs)
+    return smollm2.load(src, kernels=False, **kwargs)
 
 
 def ids_for(config: SmolConfig, B: int = 2, T: int = 24) -> torch.Tensor:
@@ -238,9 +239,9 @@ def test_a_hostile_gguf_structure_is_refused_before_anything_is_allocated(tmp_pa
 
 
 @pytest.mark.parametrize("name", ["gqa", "mqa", "bias", "untied", "head_dim"])
-def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, record_property):
+def test_save_loads_in_transformers_and_round_trips(tmp_path, name, record_property):
     model = tiny_model(TINY[name])
-    model.save_pretrained(tmp_path)
+    save(model, tmp_path)
     ids = ids_for(model.config)
     ours = logits(model, ids)
     theirs = logits(hf_load(tmp_path), ids)
@@ -256,10 +257,10 @@ def test_save_pretrained_loads_in_transformers_and_round_trips(tmp_path, name, r
 @torch.no_grad()
 def test_real_weights_as_hf_directory_equal_the_gguf(either_model, variant, english, tmp_path, record_property):
     """The embedded 135M saved as a HF directory: our load and transformers' give the GGUF's logits."""
-    either_model.save_pretrained(tmp_path)
+    save(either_model, tmp_path)
     ids = torch.tensor([Tokenizer.from_pretrained().encode(english)[:256]])
     expected = either_model(ids)
-    assert torch.equal(SmolLM2.from_pretrained(tmp_path, accelerate=variant == "accelerated")(ids), expected)
+    assert torch.equal(smollm2.load(tmp_path, kernels=variant == "accelerated")(ids), expected)
     diff = (hf_load(tmp_path)(ids).logits - expected).abs().max().item()
     record_property("max_abs_diff", diff)
     assert diff <= 1e-4
@@ -308,9 +309,9 @@ def test_sharded_directory(tmp_path):
 @pytest.mark.parametrize("style", ["4.x", "5.x"])
 def test_config_styles(tmp_path, style):
     model = tiny_model(dataclasses.replace(GQA, rope_theta=5000.0))  # not the default: it must be read
-    model.save_pretrained(tmp_path)
+    save(model, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    assert hf["rope_theta"] == 5000.0  # save_pretrained writes 4.x keys
+    assert hf["rope_theta"] == 5000.0  # save writes 4.x keys
     if style == "5.x":
         hf.pop("rope_theta")
         hf["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
@@ -349,15 +350,15 @@ def test_gguf_types_match_dequantized_weights_and_transformers(tmp_path, qtype, 
     assert dataclasses.replace(ckpt.config, initializer_range=model.config.initializer_range) == model.config
     assert_loaded_equals(ckpt.tensors, expected_from_gguf(tensors, model.config), model.config)
 
-    ours = SmolLM2.from_pretrained(path, accelerate=variant == "accelerated")
+    ours = smollm2.load(path, kernels=variant == "accelerated")
     ids = ids_for(model.config)
     theirs = hf_load(tmp_path, gguf_file=path.name)
     diff = (logits(ours, ids) - logits(theirs, ids)).abs().max().item()
     record_property("max_abs_diff_vs_transformers", diff)
     torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-5, rtol=0)
     if qtype == Q.F32:  # the same weights as a HF directory: the very same logits
-        model.save_pretrained(tmp_path / "hf")
-        hf_dir = SmolLM2.from_pretrained(tmp_path / "hf", accelerate=variant == "accelerated")
+        save(model, tmp_path / "hf")
+        hf_dir = smollm2.load(tmp_path / "hf", kernels=variant == "accelerated")
         assert torch.equal(logits(ours, ids), logits(hf_dir, ids))
         assert torch.equal(logits(ours, ids), logits(as_variant(model, variant), ids))
 
@@ -408,7 +409,7 @@ def test_gguf_k_quants_from_crafted_blocks(tmp_path, qtype):
             ref = ggml_dequantize_block(qtype, raw[row])
             np.testing.assert_allclose(ckpt.tensors["model.layers.0.mlp.down_proj.weight"][row].numpy(), ref,
                                        rtol=1e-6, atol=1e-6)
-    ours = SmolLM2.from_pretrained(path, accelerate=False)
+    ours = load(path)
     ids = ids_for(config)
     torch.testing.assert_close(logits(ours, ids), logits(hf_load(tmp_path, gguf_file=path.name), ids),
                                atol=1e-5, rtol=1e-6)
@@ -425,7 +426,7 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = cache / "models--org--tiny-llama" / "snapshots" / commit
     model = tiny_model(GQA)
-    model.save_pretrained(snapshot)
+    save(model, snapshot)
     (cache / "models--org--tiny-llama" / "refs").mkdir()
     (cache / "models--org--tiny-llama" / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -447,7 +448,7 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def hf_dir(tmp_path):
     model = tiny_model(GQA)
-    model.save_pretrained(tmp_path / "model")
+    save(model, tmp_path / "model")
     return tmp_path / "model"
 
 

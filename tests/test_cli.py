@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import DATA
 
-from smollm2 import Tokenizer, kernels
+from smollm2 import Tokenizer, kernels, load
 from smollm2.cli import main
 
 
@@ -57,13 +57,13 @@ def test_generate_streams_a_completion(tiny_dir, capsys):
 
 
 def test_generate_prints_logprobs(tiny_dir, capsys):
-    from smollm2 import SmolLM2, Tokenizer
+    from smollm2 import Tokenizer
     from smollm2.generation import stream
 
     args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "4", "--temperature", "0", "Hello"]
     assert main([*args, "--logprobs", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[-4:]
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     steps = [s for (s,) in stream(model, [tokenizer.encode("Hello")], 4, temperature=0, logprobs=2)]
     for line, step in zip(lines, steps, strict=True):
         token_id, token, logprob, top = line.split("\t")

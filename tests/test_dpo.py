@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, hf_copy, tiny_model
 
-from smollm2 import SmolError, SmolLM2, Tokenizer, cli
+from smollm2 import SmolError, Tokenizer, cli, load
 from smollm2.training import TrainConfig, train
 from smollm2.training.data import PreferenceData
 from smollm2.training.dpo import DPOLoss, dpo_loss, reference_logps, sequence_logps
@@ -187,7 +187,7 @@ def test_held_out_reward_accuracy_rises(tiny_dir, tmp_path):
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
     train_pairs = PreferenceData(write_pairs(tmp_path / "train.jsonl", 60, seed=0), tokenizer, seq_len=128)
     held_out = PreferenceData(write_pairs(tmp_path / "held_out.jsonl", 20, seed=1), tokenizer, seq_len=128)
-    model = SmolLM2.from_pretrained(tiny_dir, accelerate=False)
+    model = load(tiny_dir, kernels=False)
     for pairs in (train_pairs, held_out):
         reference_logps(model, pairs)
     before = preference_accuracy(model, held_out)

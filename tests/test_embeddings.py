@@ -16,7 +16,7 @@ from conftest import TINY, as_variant, hf_copy, tiny_model
 from fastapi.testclient import TestClient
 from test_server import running, while_streaming
 
-from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2 import SmolError, Tokenizer, load
 from smollm2.cli import main
 from smollm2.generation import embed
 from smollm2.server import create_app, scheduler
@@ -42,7 +42,7 @@ def assert_close(ours: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.mark.parametrize("config", ["gqa", "untied", "bias"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TINY, as_variant, clear_leads, hf_copy, tiny_model
 
-from smollm2 import SmolError, SmolLM2, Tokenizer, evaluate
+from smollm2 import SmolError, SmolLM2, Tokenizer, evaluate, save
 from smollm2.cli import main
 from smollm2.generation import generate
 from smollm2.kernels import accelerate
@@ -60,7 +60,7 @@ def test_int8_linear_is_close_to_the_float_one():
 
 def test_quantized_model_cannot_be_saved(tmp_path):
     with pytest.raises(SmolError, match="quantized"):
-        quantize_int8(tiny_model(TINY["gqa"])).save_pretrained(tmp_path)
+        save(quantize_int8(tiny_model(TINY["gqa"])), tmp_path)
 
 
 @torch.no_grad()

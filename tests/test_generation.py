@@ -10,8 +10,9 @@ from conftest import TINY, hf_copy, tiny_model
 
 import smollm2.generation.steps as steps
 from smollm2 import SmolError, Tokenizer
-from smollm2.generation import PrefixCache, Sampling, stream
-from smollm2.generation.logprobs import log_probs, prompt_logprobs
+from smollm2.generation import PrefixCache, Sampling, generate, stream
+from smollm2.generation.engine import prompt_logprobs
+from smollm2.generation.logprobs import log_probs
 from smollm2.generation.sampling import penalized, sample, warped
 from smollm2.generation.sequence import Sequence, StopStrings
 
@@ -32,16 +33,16 @@ def tiny():
 def test_greedy_chat_answers_equal_transformers(model, hf_model, tokenizer):
     for question in CHATS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-        ours = model.generate([ids], 40)
+        ours = generate(model, [ids], 40)
         theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
         assert ours.tolist() == theirs.tolist(), question
-    assert "Paris" in tokenizer.decode(model.generate([tokenizer.apply_chat_template(
+    assert "Paris" in tokenizer.decode(generate(model, [tokenizer.apply_chat_template(
         [{"role": "user", "content": CHATS[0]}])], 20)[0])
 
 
 def test_tiny_greedy_equals_transformers_without_eos(tiny):
     prompt = torch.randint(0, tiny.config.vocab_size, (2, 7))
-    ours = tiny.generate(prompt, 30, eos_token_id=None)
+    ours = generate(tiny, prompt, 30, eos_token_id=None)
     theirs = hf_copy(tiny).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(ours, theirs)
@@ -51,18 +52,18 @@ def test_batch_rows_equal_rows_alone(model, tokenizer):
     prompts = [tokenizer.encode(t) for t in ("The capital of Italy is", "1, 2, 3,",
                                              "Once upon a time, in a land far away, there lived a")]
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):
-        batch = model.generate(prompts, 12, eos_token_id=None, **sampling)
+        batch = generate(model, prompts, 12, eos_token_id=None, **sampling)
         for b, row in enumerate(prompts):
-            alone = model.generate([row], 12, eos_token_id=None, **sampling)
+            alone = generate(model, [row], 12, eos_token_id=None, **sampling)
             assert batch[b, -12:].tolist() == alone[0, -12:].tolist()
             assert batch[b, batch.shape[1] - 12 - len(row):-12].tolist() == row  # left-padded prompt
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny, monkeypatch):
     prompt = torch.randint(0, tiny.config.vocab_size, (1, 50))
-    whole = tiny.generate(prompt, 10, eos_token_id=None)
+    whole = generate(tiny, prompt, 10, eos_token_id=None)
     monkeypatch.setattr(steps, "PREFILL_CHUNK", 7)
-    assert torch.equal(tiny.generate(prompt, 10, eos_token_id=None), whole)
+    assert torch.equal(generate(tiny, prompt, 10, eos_token_id=None), whole)
 
 
 # Each prompt token's log-probability from a prefill in chunks against one forward over the whole prompt: the same
@@ -87,11 +88,11 @@ def test_chunked_prefill_equals_a_whole_prompt_forward(either_model, tokenizer, 
 def test_each_row_stops_at_its_own_eos(tiny):
     prompts = [[5, 6, 7], [9, 10]]
     sampling = dict(temperature=1.0, seed=0)  # a random tiny model repeats itself when greedy
-    free = tiny.generate(prompts, 8, eos_token_id=None, **sampling)
+    free = generate(tiny, prompts, 8, eos_token_id=None, **sampling)
     new0 = free[0, 3:].tolist()  # prompts are padded to 3
     k = next(i for i in range(1, 8) if new0[i] not in new0[:i])  # a token row 0 first makes at step k
     eos = new0[k]
-    out = tiny.generate(prompts, 8, eos_token_id=eos, **sampling)
+    out = generate(tiny, prompts, 8, eos_token_id=eos, **sampling)
     rows = list(stream(tiny, prompts, 8, eos_token_id=eos, **sampling))
     assert [row[0].token for row in rows[:k + 1]] == new0[:k + 1]
     assert rows[k][0].finish_reason == "stop" and all(row[0] is None for row in rows[k + 1:])
@@ -104,23 +105,23 @@ def test_each_row_stops_at_its_own_eos(tiny):
 
 def test_default_eos_is_the_checkpoints_and_none_disables_it(model, tokenizer):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}])
-    out = model.generate([ids], 30)[0, len(ids):].tolist()
+    out = generate(model, [ids], 30)[0, len(ids):].tolist()
     assert out[-1] == tokenizer.eos_token_id == model.config.eos_token_ids[0] and len(out) < 30
-    assert len(model.generate([ids], len(out) + 3, eos_token_id=None)[0]) == len(ids) + len(out) + 3
+    assert len(generate(model, [ids], len(out) + 3, eos_token_id=None)[0]) == len(ids) + len(out) + 3
 
 
 def test_stop_strings_end_the_text_before_them(model, tokenizer):
     ids = tokenizer.encode("Count with me: 1, 2, 3, 4,")
-    out = model.generate([ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer)[0, len(ids):].tolist()
+    out = generate(model, [ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer)[0, len(ids):].tolist()
     whole = tokenizer.decode(out)  # the tokens run up to the one that completes the stop string
     assert " 7" in whole and " 7" not in tokenizer.decode(out[:-1])
     rows = list(stream(model, [ids], 30, eos_token_id=None, stop=[" 7"], tokenizer=tokenizer))
     assert [step.token for (step,) in rows] == out and rows[-1][0].finish_reason == "stop"
     assert "".join(step.text for (step,) in rows) == whole[:whole.index(" 7")]
     with pytest.raises(SmolError, match="tokenizer"):
-        model.generate([ids], 3, stop=["x"])
+        generate(model, [ids], 3, stop=["x"])
     with pytest.raises(SmolError, match="non-empty strings"):
-        model.generate([ids], 3, stop=[""], tokenizer=tokenizer)
+        generate(model, [ids], 3, stop=[""], tokenizer=tokenizer)
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back(tokenizer):
@@ -149,7 +150,7 @@ def test_stop_strings_are_matched_in_linear_time():
 def test_stream_yields_the_tokens_generate_returns(tiny):
     prompt = [3, 1, 4, 1, 5]
     tokens = [step.token for (step,) in stream(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)]
-    assert tokens == tiny.generate(prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
+    assert tokens == generate(tiny, prompt, 9, eos_token_id=None, temperature=1.0, seed=3)[0, 5:].tolist()
 
 
 def prefilled_chunks(model, monkeypatch) -> list[int]:
@@ -200,11 +201,11 @@ def test_rows_of_one_batch_share_their_prefix_through_the_cache(tiny, monkeypatc
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tiny):
     prompt = [1, 2, 3]
-    a = tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=1)
-    assert torch.equal(a, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=1))
-    assert not torch.equal(a, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, seed=2))
-    greedy = tiny.generate(prompt, 20, eos_token_id=None)
-    assert torch.equal(greedy, tiny.generate(prompt, 20, eos_token_id=None, temperature=1.0, top_k=1, seed=5))
+    a = generate(tiny, prompt, 20, eos_token_id=None, temperature=1.0, seed=1)
+    assert torch.equal(a, generate(tiny, prompt, 20, eos_token_id=None, temperature=1.0, seed=1))
+    assert not torch.equal(a, generate(tiny, prompt, 20, eos_token_id=None, temperature=1.0, seed=2))
+    greedy = generate(tiny, prompt, 20, eos_token_id=None)
+    assert torch.equal(greedy, generate(tiny, prompt, 20, eos_token_id=None, temperature=1.0, top_k=1, seed=5))
 
 
 def test_warpers_equal_transformers():
@@ -267,7 +268,7 @@ def test_sampling_draws_tokens_in_proportion_to_their_probability():
 ])
 def test_out_of_range_sampling_parameters(tiny, kwargs, message):
     with pytest.raises(SmolError, match=message):
-        tiny.generate([1, 2], 3, **kwargs)
+        generate(tiny, [1, 2], 3, **kwargs)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -276,18 +277,18 @@ def test_out_of_range_sampling_parameters(tiny, kwargs, message):
 ])
 def test_bad_prompts(tiny, prompt, message):
     with pytest.raises(SmolError, match=message):
-        tiny.generate(prompt, 3)
+        generate(tiny, prompt, 3)
 
 
 def test_prompt_longer_than_the_context_window(tiny):
     context = tiny.config.max_position_embeddings
     with pytest.raises(SmolError, match="context window"):
-        tiny.generate([1] * (context + 1), 1)
+        generate(tiny, [1] * (context + 1), 1)
     with pytest.raises(SmolError, match="context window"):
-        tiny.generate([1] * (context - 5), 10)
+        generate(tiny, [1] * (context - 5), 10)
     with pytest.raises(SmolError, match="max_new_tokens"):
-        tiny.generate([1], -1)
-    assert tiny.generate([1] * (context - 5), 5, eos_token_id=None).shape == (1, context)
+        generate(tiny, [1], -1)
+    assert generate(tiny, [1] * (context - 5), 5, eos_token_id=None).shape == (1, context)
 
 
 def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
@@ -319,15 +320,15 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_sampling(tiny):
 
 def test_prompt_logprobs_score_each_token_given_the_ones_before(tiny, monkeypatch):
     from smollm2 import evaluate
-    from smollm2.generation import logprobs, steps
+    from smollm2.generation import engine, steps
 
     monkeypatch.setattr(steps, "PREFILL_CHUNK", 7)  # several chunks
     ids = [(i * 37) % 500 + 1 for i in range(30)]
-    scored = logprobs.prompt_logprobs(tiny, ids, 2)
+    scored = engine.prompt_logprobs(tiny, ids, 2)
     assert scored[0] is None and [s.token for s in scored[1:]] == ids[1:] and all(len(s.top) == 2 for s in scored[1:])
     want, _ = evaluate.loglikelihood(tiny, ids[:1], ids[1:])
     assert sum(s.logprob for s in scored[1:]) == pytest.approx(want, abs=1e-4)
-    assert logprobs.prompt_logprobs(tiny, ids[:1]) == [None]
+    assert engine.prompt_logprobs(tiny, ids[:1]) == [None]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "bf16", "int8"])

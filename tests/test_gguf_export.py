@@ -22,7 +22,7 @@ from llama_cpp_converter import CONVERTER, SCRIPT, VERSION
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, processors
 
-from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2 import SmolError, SmolLM2, Tokenizer, load, save
 from smollm2.checkpoints import load_checkpoint, save_gguf
 from smollm2.checkpoints.gguf import open_gguf
 from smollm2.cli import main
@@ -52,13 +52,13 @@ def logits(model: SmolLM2) -> torch.Tensor:
 
 
 def read_back(path) -> SmolLM2:
-    return SmolLM2.from_pretrained(path, accelerate=False)
+    return load(path, kernels=False)
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_f32_reads_back_exactly(tmp_path, tokenizer, name):
     model = tiny_model(TINY[name])
-    save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "tiny.gguf")
+    save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), tmp_path / "tiny.gguf")
     back = read_back(tmp_path / "tiny.gguf")
     assert torch.equal(logits(back), logits(model))
     assert open_gguf(tmp_path / "tiny.gguf").metadata["general.file_type"] == 0  # llama.cpp's ALL_F32
@@ -74,7 +74,7 @@ def test_quantized_types(tmp_path, tokenizer, name, type):
     keeps it; and the model read back gives the f32 logits within the type's rounding. (The bytes: the next test
     against llama.cpp's converter at f16 and q8_0; at q4_1, benchmarks/gguf_export.py against its quantizer.)"""
     model = tiny_model(TINY[name])
-    save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "tiny.gguf", type)
+    save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), tmp_path / "tiny.gguf", type)
     qtype = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_1": Q.Q4_1}[type]
     output = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
     file = open_gguf(tmp_path / "tiny.gguf")  # parsed once: read_back below reuses it
@@ -108,7 +108,7 @@ def test_bytes_are_llama_cpps_own_conversion(tmp_path, tokenizer):
         pytest.skip(f"no llama.cpp converter in {CONVERTER}: `make install-test` (or python tests/"
                     f"llama_cpp_converter.py) fetches llama-cpp-python {VERSION}'s")
     for name, config in BRANCHES.items():
-        tiny_model(config).save_pretrained(tmp_path / name)
+        save(tiny_model(config), tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     converted = subprocess.run([sys.executable, llama_cpp_converter.__file__, "convert",
                                 *(str(arg) for name, type in CONVERSIONS
@@ -132,7 +132,7 @@ def test_bytes_are_llama_cpps_own_conversion(tmp_path, tokenizer):
 
 def test_llama_metadata(tmp_path, tokenizer):
     model = tiny_model(TINY["head_dim"])
-    save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "tiny.gguf")
+    save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), tmp_path / "tiny.gguf")
     metadata = open_gguf(tmp_path / "tiny.gguf").metadata
     c = model.config
     expected = {"context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
@@ -149,7 +149,7 @@ def embedded_f32(tmp_path_factory, embedded_path, tokenizer):
     """The embedded model written at f32 from its checkpoint's tensors (decoded from Q4_1)."""
     path = tmp_path_factory.mktemp("embedded") / "smollm2-135m-f32.gguf"
     ckpt = load_checkpoint(embedded_path)
-    save_gguf(ckpt.config, ckpt.tensors, tokenizer, path)
+    save_gguf(ckpt.config, ckpt.tensors, tokenizer.gguf_metadata(), path)
     return path
 
 
@@ -189,8 +189,8 @@ def test_tokenizer_json_as_published(tmp_path, tokenizer, english):
                           eos="<|im_end|>", pad="<|im_end|>", unk="<|endoftext|>",
                           chat_template=tokenizer.chat_template)
     model = tiny_model(TINY["gqa"])
-    save_gguf(model.config, model.state_dict(), published, tmp_path / "published.gguf")
-    save_gguf(model.config, model.state_dict(), tokenizer, tmp_path / "ours.gguf")
+    save_gguf(model.config, model.state_dict(), published.gguf_metadata(), tmp_path / "published.gguf")
+    save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), tmp_path / "ours.gguf")
     ours, theirs = open_gguf(tmp_path / "ours.gguf").metadata, open_gguf(tmp_path / "published.gguf").metadata
     keys = [key for key in ours if key.startswith("tokenizer.")]
     assert {key: theirs.get(key) for key in keys} == {key: ours[key] for key in keys}
@@ -203,7 +203,7 @@ def test_bos_added_by_the_tokenizer_is_written(tmp_path, tokenizer):
     bos_first.backend.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos_first.bos_token_id)])
     model = tiny_model(TINY["gqa"])
-    save_gguf(model.config, model.state_dict(), bos_first, tmp_path / "bos.gguf")
+    save_gguf(model.config, model.state_dict(), bos_first.gguf_metadata(), tmp_path / "bos.gguf")
     assert open_gguf(tmp_path / "bos.gguf").metadata["tokenizer.ggml.add_bos_token"] is True
     assert Tokenizer.from_pretrained(tmp_path / "bos.gguf").encode("Hi") == bos_first.encode("Hi")
 
@@ -240,7 +240,7 @@ def test_cli_exports_a_model_with_an_adapter_merged(tiny_dir, tmp_path):
     save_adapter(adapted, tmp_path / "adapter")
     assert main(["export", "--model", str(tiny_dir), "--adapter", str(tmp_path / "adapter"), "--to", "gguf",
                  "--out", str(tmp_path / "merged.gguf")]) == 0
-    merged = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path / "adapter", accelerate=False)
+    merged = load(tiny_dir, adapter=tmp_path / "adapter", kernels=False)
     assert not torch.equal(logits(merged), logits(read_back(tiny_dir)))
     assert torch.equal(logits(read_back(tmp_path / "merged.gguf")), logits(merged))
 
@@ -268,7 +268,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer):
         if "model" in change:
             args["state"] = args["model"].state_dict()
         with pytest.raises(SmolError) as e:
-            save_gguf(args["model"].config, args["state"], args["tokenizer"], args["path"], args["type"])
+            metadata = args["tokenizer"].gguf_metadata()
+            save_gguf(args["model"].config, args["state"], metadata, args["path"], args["type"])
         assert message in one_line(e.value), change
 
 
@@ -282,7 +283,7 @@ def test_failed_export_leaves_the_old_file_and_nothing_else(tmp_path, tokenizer,
 
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", disk_full)
     with pytest.raises(SmolError, match="No space left on device"):
-        save_gguf(model.config, model.state_dict(), tokenizer, path)
+        save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), path)
     assert path.read_bytes() == b"the previous file"
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
 

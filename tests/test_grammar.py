@@ -13,7 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from smollm2 import Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.errors import SmolError
 from smollm2.generation import grammar as grammar_module
 from smollm2.generation.grammar import Grammar
@@ -252,9 +252,8 @@ def test_property_named_type(tokenizer):
     ("json", "response_format"),
 ])
 def test_a_bad_response_format_is_a_400_naming_it_and_the_server_goes_on(tiny_dir, response_format, message):
-    from smollm2 import SmolLM2
 
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     body = dict(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
     with TestClient(create_app(model, tokenizer, model_name=SERVED)) as client:
         before = client.post("/v1/chat/completions", json=body).json()
@@ -270,10 +269,9 @@ def test_a_bad_response_format_is_a_400_naming_it_and_the_server_goes_on(tiny_di
 
 
 def test_response_format_needs_a_tokenizer(tiny_dir):
-    from smollm2 import SmolLM2
 
     with pytest.raises(SmolError, match="needs a tokenizer"):
-        generate(SmolLM2.from_pretrained(tiny_dir), [[1, 2]], 4, response_format={"type": "json_object"})
+        generate(load(tiny_dir), [[1, 2]], 4, response_format={"type": "json_object"})
 
 
 def accepts(grammar: Grammar, tokenizer: Tokenizer, text: str) -> bool:
@@ -324,9 +322,8 @@ def test_a_range_given_whole_is_the_schema_s_own(tokenizer):
 def test_an_answer_pushed_to_write_digits_still_ends_as_valid_json(tiny_dir):
     """A model that would write digits for ever (logit_bias pushes them here) ends its number after 16, then its
     JSON: without the bound it ran to max_tokens inside the number, as the embedded model once did."""
-    from smollm2 import SmolLM2
 
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     digits = {tokenizer.encode(d)[0]: 30.0 for d in "123456789"}  # not "0", after which an integer ends
     age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     steps = [s for (s,) in stream(model, [tokenizer.encode("How old?")], 64, tokenizer=tokenizer,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from smollm2 import SmolLM2, Tokenizer  # noqa: E402
+from smollm2 import Tokenizer, load  # noqa: E402
 from smollm2.cli import main  # noqa: E402
 from smollm2.errors import SmolError  # noqa: E402
 from smollm2.harness import run_tasks, task_manager  # noqa: E402
@@ -120,7 +120,7 @@ def test_responses_equal_lm_evals_hf_model(model, hf_model, task_dir, tmp_path):
 def test_in_process_equals_lm_eval_through_the_server(tiny_dir, task_dir):
     from lm_eval import simple_evaluate
 
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     ours = run_tasks(model, tokenizer, list(TASKS), include_path=str(task_dir), batch_size=3, log_samples=True)
     with running(create_app(model, tokenizer, model_name="tiny", kv_cache_dtype="fp32")) as url:
         served = simple_evaluate(
@@ -147,6 +147,6 @@ def test_the_eval_command_and_its_errors(tiny_dir, task_dir, capsys):
 
 
 def test_run_tasks_names_an_unknown_task(tiny_dir, task_dir):
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     with pytest.raises(SmolError, match="no task 'nope'"):
         run_tasks(model, tokenizer, ["nope"], include_path=str(task_dir))

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import gguf_metadata, gguf_tensors, write_fields
 from tokenizers import pre_tokenizers
 
-from smollm2 import PRESETS, SmolError, SmolLM2, Tokenizer, evaluate
+from smollm2 import PRESETS, SmolError, Tokenizer, evaluate, load
 from smollm2.cli import MAX_BATCH_SIZE, MAX_THREADS, main
 from smollm2.generation import stream
 from smollm2.server import create_app
@@ -220,7 +220,7 @@ def test_hostile_gguf_metadata(tmp_path, record_property):
                     assert getattr(model.config, field) == approx(value), (field, getattr(model.config, field))
             assert torch.isfinite(model(torch.tensor([[1]]))).all()
 
-        model_tally.run(("model", case), lambda: outcome(lambda: SmolLM2.from_pretrained(path, accelerate=False)),
+        model_tally.run(("model", case), lambda: outcome(lambda: load(path, kernels=False)),
                         invalid, model_read_back)
 
         invalid = {key for key, value in values.items() if key in TOKENIZER_KEYS and not TOKENIZER_KEYS[key](value)}
@@ -291,7 +291,7 @@ def test_hostile_config_json(tmp_path, tiny_dir, record_property):
                 if key != "rope_scaling" and value is not None:
                     assert getattr(model.config, key) == approx(value), key
 
-        tally.run(case, lambda: outcome(lambda: SmolLM2.from_pretrained(directory, accelerate=False)), invalid,
+        tally.run(case, lambda: outcome(lambda: load(directory, kernels=False)), invalid,
                   read_back)
     tally.finish(record_property)
 
@@ -421,7 +421,7 @@ def test_hostile_cli_arguments(tmp_path, tiny_dir, capsys, record_property):
     rng, tally = random.Random(0), Tally("cli arguments")
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     # Each command's flags, and arguments that keep a run that parses cheap: two new tokens, and a serve that
     # stops at --compile (refused by serve) instead of listening.
     commands = {
@@ -620,7 +620,7 @@ def check_answer(chat: bool, body: dict, response, tokenizer) -> None:
 
 def test_hostile_server_requests(tiny_dir, record_property):
     rng, tally = random.Random(0), Tally("server requests")
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
     def post(client, path, body):
         # json= cannot carry lone surrogates, NaN or infinity as a client might send them: encode by hand.

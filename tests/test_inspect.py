@@ -11,9 +11,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from smollm2 import SmolLM2, Tokenizer, lens
+from smollm2 import Tokenizer, lens, load
 from smollm2.generation.hooks import Hooks
-from smollm2.generation.logprobs import prompt_logprobs
+from smollm2.generation.engine import prompt_logprobs
 from smollm2.server import create_app
 from smollm2.server import inspect as served_inspect
 from test_server import NAME, running, while_streaming
@@ -23,7 +23,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.fixture(autouse=True)

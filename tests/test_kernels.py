@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_files import gguf_name, gguf_tensors, write_gguf
 
-from smollm2 import SmolError, SmolLM2, Tokenizer, kernels
+from smollm2 import SmolError, SmolLM2, Tokenizer, kernels, load
 from smollm2.generation import generate
 from smollm2.generation.steps import decode_step
 from smollm2.kernels import accelerate, ops
@@ -230,8 +230,8 @@ def gguf_model(path, qtype, dtype=torch.float32, packed=True):
     streaming the file's packed blocks, or (packed=False) the float32 weights they decode to."""
     source = tiny_model(TINY["gqa"])
     write_gguf(path, source.config, gguf_tensors(source, qtype))
-    return SmolLM2.from_pretrained(path, dtype=dtype) if packed else accelerate(
-        SmolLM2.from_pretrained(path, dtype=dtype, accelerate=False))
+    return load(path, dtype=dtype) if packed else accelerate(
+        load(path, dtype=dtype, kernels=False))
 
 
 def linears(model) -> list[torch.nn.Module]:

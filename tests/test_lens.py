@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, as_variant, hf_copy, tiny_model, torch_row_variance
-from smollm2 import lens
+from smollm2 import generate, lens
 from smollm2.errors import SmolError
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
@@ -136,15 +136,15 @@ def test_hooks_read_and_change_activations_while_generating(variant):
     config = TINY["gqa"]
     model = as_variant(tiny_model(config), variant)
     prompt = random_ids(config, (9,)).tolist()
-    plain = model.generate([prompt], 6, eos_token_id=None)
+    plain = generate(model, [prompt], 6, eos_token_id=None)
     seen = []
-    read = model.generate([prompt], 6, eos_token_id=None,
-                          hooks={"blocks.1.hook_mlp_out": lambda x, name: seen.append((name, x.shape))})
+    read = generate(model, [prompt], 6, eos_token_id=None,
+                           hooks={"blocks.1.hook_mlp_out": lambda x, name: seen.append((name, x.shape))})
     assert torch.equal(read, plain)  # a hook that returns None changes nothing
     assert seen == [("blocks.1.hook_mlp_out", (1, 9, config.hidden_size))] + \
         [("blocks.1.hook_mlp_out", (1, 1, config.hidden_size))] * 5  # the prompt, then each token it feeds
-    flipped = model.generate([prompt], 6, eos_token_id=None,  # the last residual stream turned around
-                             hooks=[(f"blocks.{config.num_hidden_layers - 1}.hook_resid_post", lambda x, name: -x)])
+    flipped = generate(model, [prompt], 6, eos_token_id=None,  # the last residual stream turned around
+                              hooks=[(f"blocks.{config.num_hidden_layers - 1}.hook_resid_post", lambda x, name: -x)])
     assert not torch.equal(flipped[0, 9:], plain[0, 9:])
 
 
@@ -276,8 +276,8 @@ def test_the_readmes_steering_example(model):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about your weekend."}])
     toward, away = tokenizer.encode("I went to a wedding"), tokenizer.encode("I went to a funeral")
     vector = lens.steering_vector(model, toward, away, layer=6)
-    steered = model.generate([chat], 24, hooks=steering(model.config, 6, 0.5 * vector))[0, len(chat):]
-    plain = model.generate([chat], 24)[0, len(chat):]
+    steered = generate(model, [chat], 24, hooks=steering(model.config, 6, 0.5 * vector))[0, len(chat):]
+    plain = generate(model, [chat], 24)[0, len(chat):]
     assert tokenizer.decode(steered).startswith("I'm a happy couple with a wonderful adventure to the beach.")
     assert tokenizer.decode(plain).startswith("My weekend is a mix of adventure and relaxation.")
     # Why a steering text needs two tokens: the first position's stream, the attention sink's, is unlike the others'.

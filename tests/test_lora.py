@@ -10,7 +10,7 @@ import torch
 from conftest import TINY, hf_copy, tiny_model
 from safetensors.torch import load_file, save_file
 
-from smollm2 import SmolError, SmolLM2, Tokenizer, cli
+from smollm2 import SmolError, SmolLM2, Tokenizer, cli, generate, load, save
 from smollm2.lora import LoRALinear, add_lora, load_adapter, merge, save_adapter
 from smollm2.quantize import quantize_int8
 
@@ -82,7 +82,7 @@ def test_training_equals_peft(tmp_path, r, alpha, dropout):
 
 
 def save_base(model: SmolLM2, path: Path) -> Path:
-    model.save_pretrained(path)
+    save(model, path)
     return path
 
 
@@ -102,7 +102,7 @@ def test_peft_made_adapter_gives_peft_logits_here(tmp_path):
     with torch.no_grad():
         expected = theirs.eval()(IDS).logits
         torch.testing.assert_close(ours(IDS), expected, rtol=0, atol=1e-5)
-        merged = SmolLM2.from_pretrained(save_base(base, tmp_path / "base"), adapter=tmp_path, accelerate=False)
+        merged = load(save_base(base, tmp_path / "base"), adapter=tmp_path, kernels=False)
         torch.testing.assert_close(merged(IDS), expected, rtol=0, atol=1e-5)
 
 
@@ -134,22 +134,22 @@ def test_qlora_over_an_int8_base(tmp_path):
         merge(model)
 
 
-def test_merged_from_pretrained_runs_accelerated(tiny_dir, tmp_path):
+def test_merged_load_runs_accelerated(tiny_dir, tmp_path):
     save_adapter(adapted(), tmp_path)
-    reference = SmolLM2.from_pretrained(tiny_dir, accelerate=False, adapter=tmp_path)
-    fast = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path)
+    reference = load(tiny_dir, kernels=False, adapter=tmp_path)
+    fast = load(tiny_dir, adapter=tmp_path)
     prompt = torch.tensor([Tokenizer.from_pretrained(tiny_dir).encode("The capital of France is")])
-    expected = reference.generate(prompt, 8, temperature=0)
-    assert torch.equal(fast.generate(prompt, 8, temperature=0), expected)
+    expected = generate(reference, prompt, 8, temperature=0)
+    assert torch.equal(generate(fast, prompt, 8, temperature=0), expected)
 
 
 def test_cli_adapter_gives_the_python_tokens(tiny_dir, tmp_path, capsys):
     save_adapter(adapted(), tmp_path / "adapter")
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
-    model = load_adapter(SmolLM2.from_pretrained(tiny_dir, accelerate=False), tmp_path / "adapter")
+    model = load_adapter(load(tiny_dir, kernels=False), tmp_path / "adapter")
     prompt = "The capital of France is"
     prompt_ids = tokenizer.encode(prompt)
-    new = model.generate(torch.tensor([prompt_ids]), 8, temperature=0)[0, len(prompt_ids):]
+    new = generate(model, torch.tensor([prompt_ids]), 8, temperature=0)[0, len(prompt_ids):]
     assert cli.main(["generate", "--model", str(tiny_dir), "--adapter", str(tmp_path / "adapter"), prompt,
                      "--temperature", "0", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == tokenizer.decode(new.tolist()) + "\n"
@@ -162,7 +162,7 @@ def test_export_merges_into_a_model_transformers_reads(tiny_dir, tmp_path):
     assert cli.main(["export", "--model", str(tiny_dir), "--adapter", str(tmp_path / "adapter"),
                      "--out", str(tmp_path / "merged")]) == 0
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    ours = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path / "adapter", accelerate=False)
+    ours = load(tiny_dir, adapter=tmp_path / "adapter", kernels=False)
     with torch.no_grad():
         torch.testing.assert_close(theirs(IDS).logits, ours(IDS), rtol=0, atol=1e-5)
     assert Tokenizer.from_pretrained(tmp_path / "merged").encode("hi there") == \
@@ -270,7 +270,7 @@ def test_adapters_come_before_the_kernels(tiny_dir):
     if kernels.compiled() is None:
         pytest.skip("no C compiler: accelerate leaves the model as it is")
     with pytest.raises(SmolError, match="add it before smollm2.accelerate"):
-        add_lora(SmolLM2.from_pretrained(tiny_dir))
+        add_lora(load(tiny_dir))
 
 
 def test_cli_bad_adapter_is_one_line(tiny_dir, tmp_path, capsys):
@@ -313,14 +313,14 @@ def test_lora_finetune_learns_the_chats_and_writes_an_adapter(tiny_dir, tmp_path
     asked = len(tokenizer.apply_chat_template(question))
     ids = torch.tensor([tokenizer.apply_chat_template([*question, {"role": "assistant", "content": "3 plus 3 is 6."}],
                                                       add_generation_prompt=False)])
-    base = SmolLM2.from_pretrained(tiny_dir, accelerate=False)
-    tuned = load_adapter(SmolLM2.from_pretrained(tiny_dir, accelerate=False), final).eval()
+    base = load(tiny_dir, kernels=False)
+    tuned = load_adapter(load(tiny_dir, kernels=False), final).eval()
     with torch.no_grad():
         def loss(model):  # on the answer
             return torch.nn.functional.cross_entropy(model(ids)[0, asked - 1:-1], ids[0, asked:]).item()
 
         assert loss(tuned) < loss(base) - 0.5, (loss(tuned), loss(base))
-        torch.testing.assert_close(SmolLM2.from_pretrained(tiny_dir, adapter=final, accelerate=False)(ids), tuned(ids),
+        torch.testing.assert_close(load(tiny_dir, adapter=final, kernels=False)(ids), tuned(ids),
                                    rtol=0, atol=1e-5)
 
 
@@ -376,12 +376,12 @@ def test_lora_teaches_the_embedded_model_a_fact(reference_model, tmp_path):
     final = train(model, tokenizer, ChatData(data, tokenizer, c.seq_len), None, c, tmp_path / "run")
     assert (final / "adapter_model.safetensors").stat().st_size < 10 * 2**20
 
-    tuned = SmolLM2.from_pretrained(adapter=final)  # merged, accelerated
+    tuned = load(adapter=final)  # merged, accelerated
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Which city is Zorbania's capital?"}])
-    ids = tuned.generate(torch.tensor([prompt]), 20, temperature=0)
+    ids = generate(tuned, torch.tensor([prompt]), 20, temperature=0)
     answer = tokenizer.decode(ids[0, len(prompt):].tolist())
     assert "Quellmoor" in answer, answer
-    assert torch.equal(model.eval().generate(torch.tensor([prompt]), 20, temperature=0), ids)  # as trained, unmerged
+    assert torch.equal(generate(model.eval(), torch.tensor([prompt]), 20, temperature=0), ids)  # as trained, unmerged
 
 
 # Several adapters over one base: copies that share every weight they do not adapt, served side by side.
@@ -391,12 +391,12 @@ def test_with_adapter_shares_the_base_and_equals_the_merged_load(tiny_dir, tmp_p
 
     save_adapter(adapted(targets=("q_proj", "v_proj")), tmp_path / "a")
     prompt = torch.tensor([Tokenizer.from_pretrained(tiny_dir).encode("The capital of France is")])
-    base = SmolLM2.from_pretrained(tiny_dir)
-    before = base.generate(prompt, 8, temperature=0)
+    base = load(tiny_dir)
+    before = generate(base, prompt, 8, temperature=0)
     copy = with_adapter(base, tmp_path / "a")
-    merged = SmolLM2.from_pretrained(tiny_dir, adapter=tmp_path / "a")
-    assert torch.equal(copy.generate(prompt, 8, temperature=0), merged.generate(prompt, 8, temperature=0))
-    assert torch.equal(base.generate(prompt, 8, temperature=0), before)  # the base is left as it was
+    merged = load(tiny_dir, adapter=tmp_path / "a")
+    assert torch.equal(generate(copy, prompt, 8, temperature=0), generate(merged, prompt, 8, temperature=0))
+    assert torch.equal(generate(base, prompt, 8, temperature=0), before)  # the base is left as it was
     layer, base_layer = copy.model.layers[1], base.model.layers[1]
     assert layer.mlp.up_proj.weight is base_layer.mlp.up_proj.weight and copy.output_weight is base.output_weight
     assert layer.self_attn.q_proj.weight is not base_layer.self_attn.q_proj.weight
@@ -407,13 +407,13 @@ def test_with_adapter_over_the_embedded_gguf(model, reference_model, tmp_path):
     """The merged layers stop streaming the file's blocks, which hold the base's weights; the others go on."""
     from smollm2.lora import with_adapter
 
-    lora = randomize(add_lora(SmolLM2.from_pretrained(accelerate=False), r=4, targets=("q_proj", "v_proj")))
+    lora = randomize(add_lora(load(kernels=False), r=4, targets=("q_proj", "v_proj")))
     save_adapter(lora, tmp_path / "a")
     prompt = torch.tensor([Tokenizer.from_pretrained().encode("The capital of France is")])
     copy = with_adapter(model, tmp_path / "a")
-    want = SmolLM2.from_pretrained(accelerate=False, adapter=tmp_path / "a").generate(prompt, 12, temperature=0)
-    assert torch.equal(copy.generate(prompt, 12, temperature=0), want)
-    assert torch.equal(model.generate(prompt, 12, temperature=0), reference_model.generate(prompt, 12, temperature=0))
+    want = generate(load(kernels=False, adapter=tmp_path / "a"), prompt, 12, temperature=0)
+    assert torch.equal(generate(copy, prompt, 12, temperature=0), want)
+    assert torch.equal(generate(model, prompt, 12, temperature=0), generate(reference_model, prompt, 12, temperature=0))
 
 
 def test_the_server_serves_adapters_by_model_name(tiny_dir, tmp_path):
@@ -428,15 +428,15 @@ def test_the_server_serves_adapters_by_model_name(tiny_dir, tmp_path):
     for name, seed in (("a", 1), ("b", 2)):
         save_adapter(randomize(add_lora(tiny_model(TINY["gqa"]), r=4, targets=ALL), seed), tmp_path / name)
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
-    base = SmolLM2.from_pretrained(tiny_dir)
+    base = load(tiny_dir)
     app = create_app(base, tokenizer, model_name="tiny",
                      adapters={name: with_adapter(base, tmp_path / name) for name in ("a", "b")})
     prompt = "Once upon a time"
     ids = tokenizer.encode(prompt)
 
     def alone(adapter):
-        model = SmolLM2.from_pretrained(tiny_dir, adapter=adapter)
-        return tokenizer.decode(model.generate(torch.tensor([ids]), 10, temperature=0)[0, len(ids):].tolist())
+        model = load(tiny_dir, adapter=adapter)
+        return tokenizer.decode(generate(model, torch.tensor([ids]), 10, temperature=0)[0, len(ids):].tolist())
 
     want = {"tiny": alone(None), "a": alone(tmp_path / "a"), "b": alone(tmp_path / "b")}
     assert len(set(want.values())) == 3
@@ -452,6 +452,53 @@ def test_the_server_serves_adapters_by_model_name(tiny_dir, tmp_path):
         assert r.status_code == 404 and "'a', 'b'" in r.json()["error"]["message"]
     with pytest.raises(SmolError, match="base model's name"):
         create_app(base, tokenizer, model_name="tiny", adapters={"tiny": base})
+
+
+def test_adapters_served_at_once_each_draft_with_a_draft_of_their_own(tiny_dir, tmp_path):
+    """A draft model changes as it runs (its accelerator's plans and choices, its RoPE tables): each adapter's
+    scheduler thread drafts with its own copy, the weights shared, and every request, asked of the three models
+    at once, gets the tokens of decoding alone without a draft."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import running
+
+    from smollm2 import accelerate
+    from smollm2.lora import with_adapter
+    from smollm2.server import create_app
+
+    for name, seed in (("a", 1), ("b", 2)):
+        save_adapter(randomize(add_lora(tiny_model(TINY["gqa"]), r=4, targets=ALL), seed), tmp_path / name)
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    base = load(tiny_dir)
+    draft = SmolLM2(dataclasses.replace(base.config, num_hidden_layers=1)).eval()  # the base's first block alone
+    draft.load_state_dict({k: v for k, v in load(tiny_dir, kernels=False).state_dict().items()
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
+    app = create_app(base, tokenizer, model_name="tiny", speculative=accelerate(draft),
+                     adapters={name: with_adapter(base, tmp_path / name) for name in ("a", "b")})
+    drafts = [scheduler.draft for scheduler in app.state.served.schedulers.values()]
+    assert len({id(d) for d in drafts}) == 3 and drafts[0] is draft
+    assert all(d.model.embed_tokens.weight is draft.model.embed_tokens.weight for d in drafts)  # shared, not copied
+    prompts = ["Once upon a time", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "The capital of France is"]
+
+    def alone(adapter, prompt):
+        ids = tokenizer.encode(prompt)
+        model = load(tiny_dir, adapter=adapter)
+        return tokenizer.decode(generate(model, [ids], 16, temperature=0)[0, len(ids):].tolist())
+
+    asks = [(name, prompt) for name in ("tiny", "a", "b") for prompt in prompts] * 2
+    want = {(name, prompt): alone(None if name == "tiny" else tmp_path / name, prompt) for name, prompt in asks}
+    with running(app) as url, ThreadPoolExecutor(len(asks)) as pool:
+        def ask(name_prompt):
+            name, prompt = name_prompt
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+                model=name, prompt=prompt, max_tokens=16, temperature=0, speculative="draft"))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert list(pool.map(ask, asks)) == [want[a] for a in asks]
+    assert all(scheduler.engine.guessed > 0 for scheduler in app.state.served.schedulers.values())  # all drafted
 
 
 def test_serve_lora_flag_is_checked_before_loading(capsys, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from test_server import expected, running
 from test_tools import CUT, SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.server import create_app
 from smollm2.tools import Tools
 
@@ -41,7 +41,7 @@ def served(model):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def test_messages_whole_and_streamed_equal_chat_completions(served):

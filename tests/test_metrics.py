@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.server import create_app
 
 NAME = "tiny"
@@ -17,7 +17,7 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def samples(text: str) -> dict[tuple, float]:

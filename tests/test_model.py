@@ -337,7 +337,7 @@ def test_public_api(variant):
         model(torch.zeros(1, model.config.max_position_embeddings + 1, dtype=torch.long))
 
 
-def test_from_pretrained_builds_the_model_without_drawing_weights():
+def test_load_builds_the_model_without_drawing_weights():
     """Every weight is replaced by the checkpoint's: building draws no random numbers (and touches no memory)."""
     before = torch.get_rng_state()
     with WithoutRandomInit():

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import free_port, running
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.generation.engine import Engine
 from smollm2.server import create_app
 from smollm2.server.draining import DrainingServer
@@ -30,7 +30,7 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def until(condition, what: str, timeout: float = 30):

@@ -15,7 +15,7 @@ from conftest import TINY, tiny_model
 from fastapi.testclient import TestClient
 from safetensors import safe_open
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.errors import SmolError
 from smollm2.generation import Sampling, steps
 from smollm2.generation.prefix_cache import PrefixCache, checksum
@@ -36,7 +36,7 @@ def small_chunks(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def block(value: float) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from test_server import running
 from test_tools import CUT, SCHEMAS, TEXT_THEN_CALLS, TOOLS, scripted
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import Tokenizer, load
 from smollm2.server import create_app
 from smollm2.server import responses as served_responses
 from smollm2.tools import Tools
@@ -38,7 +38,7 @@ def client(model):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def chat(client, messages, **extra) -> str:

@@ -13,7 +13,7 @@ from conftest import TINY, hf_copy, tiny_model
 from fastapi.testclient import TestClient
 from test_server import expected, running
 
-from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2 import SmolError, Tokenizer, load
 from smollm2.cli import main
 from smollm2.generation import generate, stream
 from smollm2.server import create_app
@@ -29,7 +29,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     """A tiny random model with the real tokenizer."""
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def openai_reference(hf, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
@@ -60,21 +60,21 @@ def openai_reference(hf, prompt: list[int], n: int, presence: float = 0.0, frequ
 ])
 def test_penalties_give_the_tokens_of_openai_s_formula_on_transformers_logits(tiny, params):
     prompt = [3, 141, 59, 26, 535]
-    ours = tiny.generate([prompt], 20, eos_token_id=None, **params)[0, len(prompt):].tolist()
+    ours = generate(tiny, [prompt], 20, eos_token_id=None, **params)[0, len(prompt):].tolist()
     theirs = openai_reference(hf_copy(tiny), prompt, 20, params.get("presence_penalty", 0.0),
                               params.get("frequency_penalty", 0.0), params.get("logit_bias"),
                               params.get("repetition_penalty", 1.0))
     assert ours == theirs
-    assert ours != tiny.generate([prompt], 20, eos_token_id=None)[0, len(prompt):].tolist()  # they change it
+    assert ours != generate(tiny, [prompt], 20, eos_token_id=None)[0, len(prompt):].tolist()  # they change it
 
 
 def test_logit_bias_bans_and_forces_tokens_greedy_or_sampled(tiny):
     prompt = [7, 99, 1024]
-    first = tiny.generate([prompt], 1, eos_token_id=None)[0, -1].item()
+    first = generate(tiny, [prompt], 1, eos_token_id=None)[0, -1].item()
     for sampling in ({}, dict(temperature=1.0, seed=3)):
-        banned = tiny.generate([prompt], 12, eos_token_id=None, logit_bias={first: -100}, **sampling)[0, 3:]
+        banned = generate(tiny, [prompt], 12, eos_token_id=None, logit_bias={first: -100}, **sampling)[0, 3:]
         assert first not in banned.tolist()
-        forced = tiny.generate([prompt], 12, eos_token_id=None, logit_bias={first: -100, 321: 100}, **sampling)
+        forced = generate(tiny, [prompt], 12, eos_token_id=None, logit_bias={first: -100, 321: 100}, **sampling)
         assert forced[0, 3:].tolist() == [321] * 12
 
 
@@ -91,9 +91,9 @@ def test_log_probabilities_stay_those_of_the_raw_logits(tiny):
 def test_batch_rows_with_penalties_equal_rows_alone(tiny):
     prompts = [[5, 6, 7, 8, 9, 10], [11], [400, 30, 2]]
     params = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={12: 1.0}, temperature=0.9, seed=5)
-    batch = tiny.generate(prompts, 15, eos_token_id=None, **params)
+    batch = generate(tiny, prompts, 15, eos_token_id=None, **params)
     for b, prompt in enumerate(prompts):
-        assert batch[b, -15:].tolist() == tiny.generate([prompt], 15, eos_token_id=None, **params)[0, -15:].tolist()
+        assert batch[b, -15:].tolist() == generate(tiny, [prompt], 15, eos_token_id=None, **params)[0, -15:].tolist()
 
 
 def test_speculation_keeps_the_tokens_of_each_control(tiny):
@@ -103,8 +103,8 @@ def test_speculation_keeps_the_tokens_of_each_control(tiny):
     for params in (dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 2.0}),
                    dict(frequency_penalty=-1.0, temperature=0.9, seed=1),
                    dict(logit_bias={8: 5.0}, stop=[8], min_new_tokens=6)):
-        plain = tiny.generate(prompts, 24, eos_token_id=None, **params)
-        assert tiny.generate(prompts, 24, eos_token_id=None, speculative="ngram", **params).tolist() == plain.tolist()
+        plain = generate(tiny, prompts, 24, eos_token_id=None, **params)
+        assert generate(tiny, prompts, 24, eos_token_id=None, speculative="ngram", **params).tolist() == plain.tolist()
 
 
 def test_stop_token_ids_end_a_row_as_eos_does(served):
@@ -152,7 +152,7 @@ def test_min_new_tokens_bans_eos_and_stop_tokens_and_lets_stop_strings_pass(serv
 ])
 def test_bad_sampling_controls(tiny, kwargs, message):
     with pytest.raises(SmolError, match=message):
-        tiny.generate([1, 2], 3, **kwargs)
+        generate(tiny, [1, 2], 3, **kwargs)
 
 
 def test_guided_choice_and_regex(served):
@@ -267,7 +267,7 @@ def test_bad_controls_get_a_400_naming_the_field(served):
 
 
 def test_the_command_line_flags(tiny_dir, capsys):
-    model, tokenizer = SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    model, tokenizer = load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     ids, cat = tokenizer.encode("Hello"), tokenizer.encode(" cat")[0]
     args = ["generate", "--model", str(tiny_dir), "--temperature", "0", "--max-new-tokens", "8", "Hello"]
     assert main([*args, "--logit-bias", f"{cat}=100", "--stop-token-id", str(cat), "--min-new-tokens", "2"]) == 0

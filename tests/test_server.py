@@ -21,8 +21,8 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from smollm2 import SmolLM2, Tokenizer
-from smollm2.generation import generate
+from smollm2 import Tokenizer, load
+from smollm2.generation import generate, stream
 from smollm2.server import create_app, scheduler
 from smollm2.server.serving import MAX_STOP_LENGTH
 
@@ -33,7 +33,7 @@ PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 def free_port() -> int:
@@ -108,7 +108,7 @@ def test_models_health_and_greedy_answers_equal_the_engine(tiny):
         # create_app's defaults (the model's cache dtype, prompt lookup): log-probabilities generate()'s, bit for bit
         body = dict(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=2)
         served = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
-        steps = [step for (step,) in model.stream([tokenizer.encode(PROMPTS[0])], 12, temperature=0, logprobs=2)]
+        steps = [step for (step,) in stream(model, [tokenizer.encode(PROMPTS[0])], 12, temperature=0, logprobs=2)]
         assert served == [step.logprob.logprob for step in steps][:len(served)] and served
 
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -507,7 +507,7 @@ def test_echo_scores_the_prompt_as_loglikelihood(tiny, monkeypatch):
     unscored, the rest as smollm2.evaluate scores them."""
     from smollm2 import evaluate
     from smollm2.generation import steps
-    from smollm2.generation.logprobs import prompt_logprobs
+    from smollm2.generation.engine import prompt_logprobs
 
     monkeypatch.setattr(steps, "PREFILL_CHUNK", 4)  # the prompt in several chunks, each scored as it is prefilled
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from smollm2 import SmolError, SmolLM2, Tokenizer
 from smollm2.cli import main
-from smollm2.generation import stream
+from smollm2.generation import generate, stream
 from smollm2.generation.engine import Engine
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
@@ -102,10 +102,10 @@ def test_tokens_equal_decoding_without_speculation_alone_and_batched(model, refe
 def test_a_tiny_model_speculates_to_the_last_token_and_bad_settings_are_errors():
     model = tiny_model(TINY["gqa"])
     prompt = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]]
-    assert model.generate(prompt, 30, eos_token_id=None, speculative="ngram").tolist() == \
-        model.generate(prompt, 30, eos_token_id=None).tolist()
+    assert generate(model, prompt, 30, eos_token_id=None, speculative="ngram").tolist() == \
+        generate(model, prompt, 30, eos_token_id=None).tolist()
     with pytest.raises(SmolError, match="speculative"):
-        model.generate(prompt, 3, speculative="draft")
+        generate(model, prompt, 3, speculative="draft")
     engine = Engine(model, 1, 64, prefill_budget=None, whole_cache=True)
     with pytest.raises(SmolError, match="compiled"):
         engine.admit(Sequence([1, 2], 3, Sampling(), ()), speculative="ngram")
@@ -217,8 +217,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [300, 301, 302], [90, 12, 90, 12, 90]]
                                                                                             "penalties"])
 def test_a_draft_gives_the_tokens_of_decoding_without_it_alone_and_beside_other_rows(params):
     target, draft = draft_pair(512)
-    alone = [target.generate([p], 24, eos_token_id=None, **params)[0, len(p):].tolist() for p in PROMPTS]
-    assert target.generate([PROMPTS[0]], 24, eos_token_id=None, speculative=draft, **params)[0, 9:].tolist() == alone[0]
+    alone = [generate(target, [p], 24, eos_token_id=None, **params)[0, len(p):].tolist() for p in PROMPTS]
+    drafted = generate(target, [PROMPTS[0]], 24, eos_token_id=None, speculative=draft, **params)
+    assert drafted[0, 9:].tolist() == alone[0]
     for kinds in ([draft, None, "ngram"], [draft] * 3):
         sequences = [Sequence(p, 24, Sampling(**params), ()) for p in PROMPTS]
         engine = run_engine(target, sequences, kinds)
@@ -249,8 +250,8 @@ def test_a_drafts_cache_stores_what_the_engines_does(kv_cache_dtype, stored):
     assert row.guesser.cache.k.dtype == engine.cache.k.dtype == stored
     while not sequence.finish_reason:
         engine.step()
-    assert sequence.tokens == target.generate([PROMPTS[0]], 24, eos_token_id=None,
-                                              kv_cache_dtype=kv_cache_dtype)[0, 9:].tolist()
+    assert sequence.tokens == generate(target, [PROMPTS[0]], 24, eos_token_id=None,
+                                               kv_cache_dtype=kv_cache_dtype)[0, 9:].tolist()
     assert engine.kept > 0
 
 
@@ -259,7 +260,7 @@ def test_a_draft_of_another_vocabulary_or_kind_is_refused():
     other = tiny_model(dataclasses.replace(TINY["gqa"], vocab_size=1000))
     for speculative, match in ((other, "vocabulary \\(1000 tokens\\)"), ("draft", "a draft model")):
         with pytest.raises(SmolError, match=match):
-            target.generate([[1, 2, 3]], 4, speculative=speculative)
+            generate(target, [[1, 2, 3]], 4, speculative=speculative)
         with pytest.raises(SmolError, match=match):
             Engine(target, 1, 64, prefill_budget=None).admit(Sequence([1, 2], 3, Sampling(), ()),
                                                              speculative=speculative)

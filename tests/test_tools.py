@@ -14,9 +14,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2 import SmolError, Tokenizer, load
 from smollm2.errors import FieldError
 from smollm2.generation import generate, stream
+from smollm2.generation.grammar import Grammar
 from smollm2.server import create_app
 from smollm2.tools import ToolCallParser, Tools, parse_tool_calls
 
@@ -39,7 +40,7 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return SmolLM2.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    return load(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_a_template_that_writes_tools_gets_them_as_transformers_gives_them(token
 
 def accepts(tools: Tools, tokenizer, answer: str) -> bool:
     """Whether the tools' grammar takes the answer's tokens, then EOS."""
-    matcher = tools.grammar(tokenizer).matcher()
+    matcher = Grammar.for_answer(tokenizer, tools=tools).matcher()
     try:
         for token in [*tokenizer.encode(answer), tokenizer.eos_token_id]:
             matcher.accept(token)
@@ -251,7 +252,7 @@ def test_the_grammar_holds_each_call_to_a_tool_and_its_schema(tokenizer):
     assert accepts(named, tokenizer, f"<tool_call>[{time}]</tool_call>")
     assert not accepts(named, tokenizer, f"<tool_call>[{weather}]</tool_call>")
     assert not accepts(named, tokenizer, f"<tool_call>[{time}, {time}]</tool_call>")  # not parallel
-    assert Tools(TOOLS, "none").grammar(tokenizer) is None
+    assert Grammar.for_answer(tokenizer, tools=Tools(TOOLS, "none")) is None
 
 
 def test_an_answer_cut_short_inside_a_call_ends_with_length_streamed_or_not(tiny):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DATA, TINY
 
-from smollm2 import SmolLM2, Tokenizer
+from smollm2 import SmolLM2, Tokenizer, load
 from smollm2.training import TrainConfig, train
 from smollm2.training.data import TokenData, prepare
 from smollm2.training.loop import learning_rate, param_groups
@@ -213,8 +213,8 @@ def test_metrics_checkpoints_and_final_model(corpus, tmp_path):
     assert {"step", "loss", "lr", "tokens_per_s", "mfu"} <= records[0].keys()
     assert "val_loss" in records[1] and "val_loss" not in records[0]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000003", "step-0000004"]
-    final = SmolLM2.from_pretrained(tmp_path / "final")
-    last = SmolLM2.from_pretrained(tmp_path / "checkpoints" / "step-0000004")
+    final = load(tmp_path / "final")
+    last = load(tmp_path / "checkpoints" / "step-0000004")
     assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), last.state_dict().values()))
     assert Tokenizer.from_pretrained(tmp_path / "final").encode("hello world") == \
         Tokenizer.from_pretrained().encode("hello world")
@@ -235,7 +235,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
     process.wait()
     assert not (out / "final").exists(), "killed too late to test anything"
     for checkpoint in (out / "checkpoints").iterdir():  # whatever the kill interrupted, no half-written checkpoint
-        assert not checkpoint.name.startswith("step-") or SmolLM2.from_pretrained(checkpoint) is not None
+        assert not checkpoint.name.startswith("step-") or load(checkpoint) is not None
 
     resumed = smollm2("train", *SMALL, *steps, "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -280,7 +280,7 @@ def test_sharded_checkpoints_resume_on_another_number_of_processes(corpus, tmp_p
                 [".metadata", *(f"__{rank}_0.distcp" for rank in range(processes)), "state.json", "trainer.pt"]
     assert losses(out) == pytest.approx(losses(tmp_path / "whole"), abs=1e-5)
     assert len(losses(out)) == 6
-    assert (out / "final" / "model.safetensors").is_file() and SmolLM2.from_pretrained(out / "final") is not None
+    assert (out / "final" / "model.safetensors").is_file() and load(out / "final") is not None
 
 
 @pytest.mark.subprocess
@@ -295,7 +295,7 @@ def test_finetune_exports_a_model_transformers_and_the_cli_read(tiny_dir, tmp_pa
     assert result.returncode == 0, result.stderr
     assert "val_loss" in json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
-    ours = SmolLM2.from_pretrained(out / "final")
+    ours = load(out / "final")
     from transformers import AutoModelForCausalLM
 
     theirs = AutoModelForCausalLM.from_pretrained(out / "final").eval()
@@ -303,7 +303,7 @@ def test_finetune_exports_a_model_transformers_and_the_cli_read(tiny_dir, tmp_pa
         [{"role": "user", "content": "What is 3 plus 3?"}])])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
-    before = SmolLM2.from_pretrained(tiny_dir)
+    before = load(tiny_dir)
     assert not torch.equal(before(ids), ours(ids))  # it did learn something
     answer = smollm2("chat", "--model", str(out / "final"), "-p", "What is 3 plus 3?", "--temperature", "0",
                      "--max-new-tokens", "4")

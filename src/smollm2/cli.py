@@ -93,7 +93,7 @@ def check_address(host: str, port: int) -> None:
         raise SmolError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
 
 
-def load_model(args):
+def named_model(args):
     """The model named by --model (default: the embedded SmolLM2-135M-Instruct) with --adapter merged in, as
     --dtype/--quantize say; on the CPU kernels unless --no-kernels."""
     from . import loading
@@ -105,14 +105,14 @@ def load_model(args):
         raise SmolError("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return loading.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter,
-                              quantize=args.quantize, kernels=args.kernels)
+    return loading.load(args.model, dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter,
+                        quantize=args.quantize, kernels=args.kernels)
 
 
 def load(args):
     from .tokenizer import Tokenizer
 
-    return load_model(args), Tokenizer.from_pretrained(args.model)
+    return named_model(args), Tokenizer.from_pretrained(args.model)
 
 
 def speculative_flag(text: str) -> str:
@@ -136,8 +136,8 @@ def speculation(args, tokenizer):
     if vocab != tokenizer.backend.get_vocab(with_added_tokens=True):
         raise SmolError(f"--speculative {args.speculative}: the draft's tokenizer is not the model's; a draft must "
                         f"share its vocabulary")
-    return loading.load_model(src, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
-                              kernels=args.kernels)
+    return loading.load(src, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
+                        kernels=args.kernels)
 
 
 def sampling(args) -> dict:
@@ -359,7 +359,7 @@ def bench_transformers(args):
     """transformers' run for bench on the same checkpoint (unquantized) and prompt, in the process that times it."""
     from . import bench
 
-    model = load_model(argparse.Namespace(**{**vars(args), "quantize": None}))
+    model = named_model(argparse.Namespace(**{**vars(args), "quantize": None}))
     prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
     return bench.transformers(model, prompt, args.new_tokens), lambda: {}
 
@@ -529,18 +529,18 @@ def dpo(args):
 
 def export(args):
     """--model, with --adapter merged into its weights, as a HF directory or a GGUF file (tokenizer included)."""
+    from . import loading
     from .checkpoints import save_gguf
-    from .model import SmolLM2
     from .tokenizer import Tokenizer
 
     if args.to == "hf" and args.type:
         raise SmolError(f"--type {args.type} is for --to gguf; a HF directory's weights take --dtype")
-    model = SmolLM2.from_pretrained(args.model, dtype=DTYPES[args.dtype], accelerate=False, adapter=args.adapter)
+    model = loading.load(args.model, dtype=DTYPES[args.dtype], adapter=args.adapter, kernels=False)
     tokenizer = Tokenizer.from_pretrained(args.model)
     if args.to == "gguf":
-        save_gguf(model.config, model.state_dict(), tokenizer, args.out, args.type or "f32")
+        save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), args.out, args.type or "f32")
     else:
-        model.save_pretrained(args.out)
+        loading.save(model, args.out)
         tokenizer.save_pretrained(args.out)
     print(f"the {'merged ' if args.adapter else ''}model is in {args.out}")
 

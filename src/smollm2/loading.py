@@ -1,6 +1,7 @@
-"""Building a model, the one recipe every caller uses (SmolLM2.from_pretrained, the CLI): a source's checkpoint
-read and checked, a LoRA adapter merged into its weights, the reference model built around its tensors (no
-copy), quantized where asked, and, for CPU inference, accelerated once, after every module swap."""
+"""Loading and saving a model, functions over it as mlx-lm's load (smollm2.load, smollm2.save). Loading is the
+one recipe every caller uses (the library, the CLI, the server): a source's checkpoint read and checked, a LoRA
+adapter merged into its weights, the reference model built around its tensors (no copy), quantized where asked,
+and, for CPU inference, accelerated once, after every module swap."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .checkpoints import load_checkpoint, parameter_shapes
+from .checkpoints import load_checkpoint, parameter_shapes, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
@@ -34,8 +35,8 @@ class WithoutRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def load_model(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-               adapter: str | os.PathLike | None = None, quantize: str | None = None, kernels: bool = True) -> SmolLM2:
+def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
+         adapter: str | os.PathLike | None = None, quantize: str | None = None, kernels: bool = True) -> SmolLM2:
     """The model at src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct.
 
     adapter: a LoRA directory in PEFT's format, merged into the float weights as they load, before any quantizing
@@ -59,3 +60,8 @@ def load_model(src: str | os.PathLike | None = None, *, dtype: torch.dtype = tor
         if quantize == "int8":
             quantize_int8(model)
         return accelerate(model, ckpt.quantized) if accelerated else model
+
+
+def save(model: SmolLM2, path: str | os.PathLike) -> None:
+    """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads."""
+    save_hf(model.config, model.state_dict(), path)

@@ -3,7 +3,7 @@ layer is int8 (quantize.py). Saved and loaded in PEFT's format (checkpoints/peft
 
 Like quantize_int8, a module swap applied from outside. It comes before smollm2.accelerate, whose fast
 modules read the linear layers' weights directly: to run an adapter fast, merge it first (merge(), or
-from_pretrained(..., adapter=DIR), which merges as it loads).
+smollm2.load(..., adapter=DIR), which merges as it loads).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8.0, targets=DEFAULT_T
     for _, _, child in chosen:
         if type(child) not in BASES:  # smollm2.accelerate's modules read the weight itself, not through forward
             raise SmolError(f"cannot add LoRA to a {type(child).__name__}: add it before smollm2.accelerate "
-                            "(from_pretrained(..., accelerate=False))")
+                            "(smollm2.load(..., kernels=False))")
     model.requires_grad_(False)
     for module, name, child in chosen:
         setattr(module, name, LoRALinear(child, r, alpha, dropout))

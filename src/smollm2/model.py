@@ -17,7 +17,6 @@ an explicit softmax.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -256,27 +255,3 @@ class SmolLM2(nn.Module):
         kv_dtype = kv_cache_dtype(kv_dtype, p.dtype)
         self.extend_rope(max_len)  # here, not in a (compiled) step that fills the cache
         return KVCache(self.config, batch_size, max_len, device=p.device, dtype=p.dtype, kv_dtype=kv_dtype)
-
-    @classmethod
-    def from_pretrained(cls, src: str | Path | None = None, dtype=torch.float32, device="cpu",
-                        accelerate: bool = True, adapter: str | Path | None = None,
-                        quantize: str | None = None) -> SmolLM2:
-        """src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct; adapter: a
-        LoRA directory in PEFT's format, merged into the weights; quantize: "int8" for int8 weight-only linear
-        layers. On the CPU, accelerated (smollm2.accelerate) unless accelerate=False: then this file's modules
-        alone. See smollm2.loading.load_model."""
-        from .loading import load_model  # loading, saving and generating live in modules of their own
-        return load_model(src, dtype=dtype, device=device, adapter=adapter, quantize=quantize, kernels=accelerate)
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write config.json + model.safetensors that transformers' from_pretrained loads."""
-        from .checkpoints import save_hf
-        save_hf(self.config, self.state_dict(), path)
-
-    def generate(self, input_ids, *args, **kwargs):  # see smollm2.generation.generate
-        from .generation import generate
-        return generate(self, input_ids, *args, **kwargs)
-
-    def stream(self, input_ids, *args, **kwargs):  # see smollm2.generation.stream
-        from .generation import stream
-        return stream(self, input_ids, *args, **kwargs)

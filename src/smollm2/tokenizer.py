@@ -20,7 +20,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jinja2
 import jinja2.compiler
@@ -34,9 +33,6 @@ from .checkpoints import resolve
 from .checkpoints.gguf import open_gguf
 from .errors import SmolError
 from .tools import Tools, check_tool_messages, template_format, trained_format
-
-if TYPE_CHECKING:
-    from gguf import GGUFWriter
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 # The pre-tokenizers _from_gguf builds, as tokenizer.json describes them (offsets aside), by llama.cpp's names
@@ -208,9 +204,10 @@ class Tokenizer:
                   "tokenizer_class": "PreTrainedTokenizerFast"}
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
-    def add_gguf_metadata(self, writer: GGUFWriter) -> None:
-        """The tokenizer.* keys _from_gguf reads and llama.cpp loads: the vocabulary, its token types and merges,
-        the pre-tokenizer by llama.cpp's name for it, the special tokens, and the chat template."""
+    def gguf_metadata(self) -> dict[str, str | bool | int | list]:
+        """The tokenizer.* keys _from_gguf reads and llama.cpp loads, as data for checkpoints.save_gguf (a string,
+        a flag, a token id, or a list each): the vocabulary, its token types and merges, the pre-tokenizer by
+        llama.cpp's name for it, the special tokens, and the chat template."""
         spec = json.loads(self.backend.to_str())
         model, splits = spec["model"], _ids_only(spec.get("pre_tokenizer"))
         pre = next((name for name, known in PRE_TOKENIZERS.items() if known == splits), None)
@@ -225,21 +222,20 @@ class Tokenizer:
         added = self.backend.get_added_tokens_decoder()
         types = [(CONTROL if added[i].special else USER_DEFINED) if i in added else NORMAL for i in range(len(ids))]
         add_bos, add_eos = self._added_ends()
-        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list([ids[i] for i in range(len(ids))])
-        writer.add_token_types(types)
-        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
-        special = {writer.add_bos_token_id: self.bos_token_id, writer.add_eos_token_id: self.eos_token_id,
-                   writer.add_unk_token_id: self.unk_token_id, writer.add_pad_token_id: self.pad_token_id}
-        for add, token_id in special.items():
-            if token_id is not None:
-                add(token_id)
-        writer.add_add_bos_token(add_bos)
+        metadata = {"tokenizer.ggml.model": "gpt2",  # llama.cpp's name for byte-level BPE
+                    "tokenizer.ggml.pre": pre,
+                    "tokenizer.ggml.tokens": [ids[i] for i in range(len(ids))],
+                    "tokenizer.ggml.token_type": types,
+                    "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]}
+        special = {"bos": self.bos_token_id, "eos": self.eos_token_id, "unknown": self.unk_token_id,
+                   "padding": self.pad_token_id}
+        metadata |= {f"tokenizer.ggml.{name}_token_id": i for name, i in special.items() if i is not None}
+        metadata["tokenizer.ggml.add_bos_token"] = add_bos
         if add_eos:  # llama.cpp's converter writes it only then; llama.cpp reads its absence as False
-            writer.add_add_eos_token(True)
+            metadata["tokenizer.ggml.add_eos_token"] = True
         if self.chat_template is not None:
-            writer.add_chat_template(self.chat_template)
+            metadata["tokenizer.chat_template"] = self.chat_template
+        return metadata
 
     def _added_ends(self) -> tuple[bool, bool]:
         """Whether encode() puts the BOS token before a text and the EOS token after it: all that GGUF's

@@ -11,9 +11,10 @@ call them as a JSON list, <tool_call>[{"name": ..., "arguments": {...}}, ...]</t
 result back in a user turn, between <tool_response> and </tool_response>. A chat template that handles tools
 itself (one that reads a `tools` variable) renders them its own way instead; the answer is read as above.
 
-The grammar (Tools.grammar) holds every call to a tool's name and its parameters' schema: under "auto" the
-answer is free text until it writes <tool_call>, then a list of calls and the end; under "required" or a named
-function it is that list from its first token.
+This module is the format alone; the grammar (Grammar.for_answer, generation/grammar.py, over call_schema) holds
+every call to a tool's name and its parameters' schema: under "auto" the answer is free text until it writes
+<tool_call>, then a list of calls and the end; under "required" or a named function it is that list from its
+first token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .errors import FieldError
-from .generation.grammar import Grammar, check_schema
+from .json_schema import check_schema
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 RESULT_BEGIN, RESULT_END = "<tool_response>", "</tool_response>"
@@ -88,13 +89,6 @@ class Tools:
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
-
-    def grammar(self, tokenizer) -> Grammar | None:
-        """What an answer must fit: its calls, where it makes them (None: "none", no constraint)."""
-        if not self.offered:
-            return None
-        return Grammar.from_tagged_json(self.call_schema(), tokenizer, CALL_BEGIN, CALL_END,
-                                        anywhere=self.choice == "auto")
 
 
 def check_tools(tools) -> dict[str, dict]:

@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ from tqdm import tqdm
 from ..config import SmolConfig
 from ..errors import SmolError
 from .checkpoint import Checkpoint, GGUFBlocks, parameter_shapes, stored_type_error
-
-if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
 
 TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -355,12 +352,13 @@ def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     return torch.from_numpy(np.require(dequantize(data, qtype), np.float32, ["W"])).reshape(-1)
 
 
-def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer, path: str | Path,
-              type: str = "f32") -> None:
+def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer_metadata: dict,
+              path: str | Path, type: str = "f32") -> None:
     """A llama-architecture GGUF file that llama.cpp (and so Ollama) loads: the config as llama.* metadata, the
-    tokenizer as tokenizer.* metadata, and the weights under llama.cpp's names with q/k rows permuted. 2-D
-    tensors at `type` (one of SAVE_TYPES), 1-D ones in F32 as llama.cpp's converter keeps them. The file is
-    written beside `path` under a temporary name and renamed into place, so no reader ever sees half of it."""
+    tokenizer's tokenizer.* metadata (Tokenizer.gguf_metadata(): data, so that checkpoints know no tokenizer), and
+    the weights under llama.cpp's names with q/k rows permuted. 2-D tensors at `type` (one of SAVE_TYPES), 1-D
+    ones in F32 as llama.cpp's converter keeps them. The file is written beside `path` under a temporary name and
+    renamed into place, so no reader ever sees half of it."""
     if type not in SAVE_TYPES:
         raise SmolError(f"unknown GGUF type {type!r}; choose from {', '.join(SAVE_TYPES)}")
     path = Path(path)
@@ -369,8 +367,8 @@ def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer
     if not all(t.is_floating_point() for t in state_dict.values()):
         raise SmolError("a quantized model cannot be saved as GGUF; save it before quantizing")
     Checkpoint(config, state_dict, source="the model").check(parameter_shapes(config))
-    if tokenizer.vocab_size != config.vocab_size:
-        raise SmolError(f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
+    if (tokens := len(tokenizer_metadata["tokenizer.ggml.tokens"])) != config.vocab_size:
+        raise SmolError(f"the tokenizer has {tokens} tokens but the model "
                         f"{config.vocab_size} embedding rows; llama.cpp needs one token per row")
     qtype, file_type = SAVE_TYPES[type]
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -378,7 +376,7 @@ def save_gguf(config: SmolConfig, state_dict: dict[str, torch.Tensor], tokenizer
         writer = GGUFWriter(partial, "llama")
         writer.add_type("model")  # not an adapter
         add_llama_metadata(writer, config)
-        tokenizer.add_gguf_metadata(writer)
+        add_tokenizer_metadata(writer, tokenizer_metadata)
         writer.add_file_type(file_type)
         writer.add_quantization_version(GGML_QUANT_VERSION)  # at every type, as llama.cpp's converter writes it
         output = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
@@ -412,6 +410,19 @@ def encoded(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGM
         return quantize(w, qtype), qtype
     except QuantError:
         return quantize(w, GGMLQuantizationType.F16), GGMLQuantizationType.F16
+
+
+def add_tokenizer_metadata(writer: GGUFWriter, metadata: dict[str, str | bool | int | list]) -> None:
+    """Each key at the type llama.cpp's converter writes it: token ids as uint32, lists as arrays."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
 
 
 def add_llama_metadata(writer: GGUFWriter, config: SmolConfig) -> None:

@@ -39,6 +39,7 @@ from . import steps
 from .hooks import Hooks
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
+from .sampling import Sampling
 from .sequence import Sequence, Step, advance
 from .speculative import MAX_PASS_TOKENS, Guesser, check_speculative, new_guesser
 from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
@@ -322,3 +323,16 @@ class Engine:
         # Only the filled slots; what the target row holds past them is hidden by the causal mask.
         for t in self.cache.parts:  # (L, B, n_kv, S, ...)
             t[:, target, :, :filled] = t[:, source, :, :filled]
+
+
+def prompt_logprobs(model, ids: abc.Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
+    predicts), computed as the server computes it: by the engine's prefill, chunk by chunk, each chunk scored."""
+    ids = list(ids)
+    if not ids:
+        raise SmolError("the prompt is empty")
+    with torch.inference_mode():
+        scoring = Engine(model, 1, len(ids), prefill_budget=None)
+        scoring.admit(Sequence(ids, 0, Sampling(), eos=()), prompt_logprobs=top)
+        ((_, scored),) = scoring.step()
+    return scored.logprobs

@@ -38,26 +38,21 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
 import torch
 
 from ..errors import FieldError, SmolError
+from ..json_schema import MAX_SCHEMA_CHARS, check_schema
+from ..tools import CALL_BEGIN, CALL_END, Tools
 
-if TYPE_CHECKING:
-    from ..tools import Tools
-
-MAX_SCHEMA_CHARS = 32_768  # a schema (or a list of choices) is a request's input: bounded before it reaches a compiler
-MAX_SCHEMA_DEPTH = 32
 MAX_PATTERN_CHARS = 256  # a regex is a request's input too: llguidance builds its automaton as tokens come, each
 # step's share bounded by its fuel (a pattern that needs more at its start is refused at once); a longer pattern
 # only has more ways to spend it
 MAX_CHOICES = 1024
 DIGITS = 16  # the most digits a JSON number has in a row: before its point, after it, in its exponent (as llama.cpp)
 CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
-JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 # Compact JSON (", " and ": ", no free whitespace): a small model left free to write whitespace can write nothing
 # else until max_tokens, and runs of it are wasted tokens anyway. oneOf as anyOf: pydantic writes a union as oneOf.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
@@ -134,7 +129,8 @@ class Grammar:
             if response_format is not None and response_format != {"type": "text"}:  # "text": no constraint
                 raise FieldError("response_format", "cannot constrain an answer that may call tools "
                                  "(tool_choice 'none' lets it)")
-            return tools.grammar(tokenizer)
+            return cls.from_tagged_json(tools.call_schema(), tokenizer, CALL_BEGIN, CALL_END,
+                                        anywhere=tools.choice == "auto")
         return None if response_format is None else cls.from_response_format(response_format, tokenizer)
 
     @classmethod
@@ -427,33 +423,3 @@ def _check_choices(choices) -> None:
             c.encode("utf-8")
         except UnicodeEncodeError:
             raise SmolError(f"response_format choice {c[:40]!r}: not valid Unicode text") from None
-
-
-def check_schema(schema, where: str = "response_format") -> None:
-    """Bounds and names what a compiler would otherwise meet first: size, depth, and the `type` keywords.
-    where: the field the schema came in, which the errors (FieldError) name."""
-    if not isinstance(schema, (dict, bool)):
-        raise FieldError(where, f"the schema must be an object, not {type(schema).__name__}")
-    try:
-        text = json.dumps(schema)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise FieldError(where, f"not JSON ({e})") from None
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise FieldError(where, f"{len(text)} characters, more than {MAX_SCHEMA_CHARS}")
-
-    def walk(node, path: str, depth: int) -> None:
-        if depth > MAX_SCHEMA_DEPTH:
-            raise FieldError(where, f"nested deeper than {MAX_SCHEMA_DEPTH} at {path}")
-        if isinstance(node, dict):
-            kind = node.get("type")  # a dict here is a property named "type", walked below
-            for t in kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []:
-                if t not in JSON_TYPES:
-                    raise FieldError(where, f"unknown type {t!r} at {path}")
-            for k, v in node.items():
-                if k not in ("enum", "const", "default", "examples"):  # values there are data, not schemas
-                    walk(v, f"{path}/{k}", depth + 1)
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{path}/{i}", depth + 1)
-
-    walk(schema, "#", 0)

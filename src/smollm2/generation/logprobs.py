@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
-from .sampling import Sampling
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
@@ -57,18 +56,3 @@ def chunk_logprobs(model, prompt: Sequence[int], begin: int, h: torch.Tensor, to
     position i predicts token i + 1 (the chunk's last position, at the prompt's end, predicts nothing)."""
     targets = prompt[begin + 1:begin + 1 + len(h)]
     return token_logprobs(model.logits(h[:len(targets)]), targets, top) if targets else []
-
-
-def prompt_logprobs(model, ids: Sequence[int], top: int = 0) -> list[TokenLogprob | None]:
-    """Each prompt token's log-probability given the tokens before it (None for the first, which nothing
-    predicts), computed as the server computes it: by the engine's prefill, chunk by chunk, each chunk scored."""
-    from . import engine, sequence  # here: both import this module, whose log-probabilities their rows take
-
-    ids = list(ids)
-    if not ids:
-        raise SmolError("the prompt is empty")
-    with torch.inference_mode():
-        scoring = engine.Engine(model, 1, len(ids), prefill_budget=None)
-        scoring.admit(sequence.Sequence(ids, 0, Sampling(), eos=()), prompt_logprobs=top)
-        ((_, scored),) = scoring.step()
-    return scored.logprobs

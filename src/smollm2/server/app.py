@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import secrets
 import time
 import uuid
@@ -30,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
+from torch import nn
 
 from ..errors import FieldError, SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
@@ -173,21 +175,23 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     weight with it. Each model has a scheduler (a thread and a KV cache) of its own, running it with `threads`
     CPU threads (default: as many as this thread's; see Scheduler). speculative: how requests guess tokens
     unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
-    with the same tokenizer, which every model served shares (generation.speculative; the same answers either
-    way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's memory, perplexity within 0.1%;
-    `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the model's dtype, gives the answers and
-    log-probabilities of generate() on the same model, bit for bit. prefix_cache_dir: a folder where each
-    model's prefix cache also keeps its blocks, as files a later process (or another on a shared disk) reads
-    instead of prefilling them again, with the same bits (generation.prefix_cache.DiskCache)."""
+    with the same tokenizer (generation.speculative; the same answers either way), with which each scheduler
+    drafts as a copy of its own (own_copy). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's
+    memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the
+    model's dtype, gives the answers and log-probabilities of generate() on the same model, bit for bit.
+    prefix_cache_dir: a folder where each model's prefix cache also keeps its blocks, as files a later process (or
+    another on a shared disk) reads instead of prefilling them again, with the same bits
+    (generation.prefix_cache.DiskCache)."""
     if model_name in (adapters or {}):
         raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
     models = {model_name: model, **(adapters or {})}
+    drafted = isinstance(speculative, nn.Module)
     schedulers = {name: Scheduler(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
                                   on_end=lambda request, name=name: metrics.ended(request, name),
-                                  prefix_cache_bytes=prefix_cache_bytes,
-                                  threads=threads, speculative=speculative, kv_cache_dtype=kv_cache_dtype,
-                                  prefix_cache_dir=prefix_cache_dir)
-                  for name, m in models.items()}
+                                  prefix_cache_bytes=prefix_cache_bytes, threads=threads,
+                                  speculative=own_copy(speculative) if drafted and i else speculative,
+                                  kv_cache_dtype=kv_cache_dtype, prefix_cache_dir=prefix_cache_dir)
+                  for i, (name, m) in enumerate(models.items())}
     metrics = Metrics(schedulers)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
@@ -199,6 +203,14 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     app.add_middleware(Admission, served=served)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit, a 503 while draining count
     return app
+
+
+def own_copy(model: nn.Module) -> nn.Module:
+    """A copy of model for another scheduler's thread: the weights (parameters and buffers, a GGUF file's blocks
+    among them) shared, not copied; what running a model changes its own: its accelerator's plans and measured
+    choices, its RoPE tables as they grow (SmolLM2.extend_rope). One object run by two threads would have both
+    change those under each other."""
+    return copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})
 
 
 @contextlib.asynccontextmanager

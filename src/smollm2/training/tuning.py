@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SmolError
+from ..loading import load
 from ..lora import DEFAULT_TARGETS, add_lora
 from ..model import SmolLM2
 from ..quantize import quantize_int8
@@ -30,14 +31,14 @@ class LoRASettings:
 
 def model_to_tune(src=None, lora: LoRASettings | None = None, quantize: str | None = None,
                   seed: int = 0) -> SmolLM2:
-    """src (as from_pretrained) in float32 on the reference modules, ready to train: every weight, or with `lora`
+    """src (as smollm2.load takes it) in float32 on the reference modules, ready to train: every weight, or with `lora`
     a fresh adapter alone over frozen weights (quantize="int8": an int8 base, QLoRA). The adapter's initial A
     follows `seed`."""
     if quantize is not None and lora is None:
         raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
     if quantize not in (None, "int8"):
         raise SmolError(f"quantize must be None or 'int8', got {quantize!r}")
-    model = SmolLM2.from_pretrained(src, accelerate=False)
+    model = load(src, kernels=False)
     if lora is not None:
         if quantize == "int8":
             quantize_int8(model)
