@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from smollm2 import SmolLM2, graphs
+from smollm2 import graphs, load
 from smollm2.sae import SAE
 
 PROMPT = [504, 3458, 282, 4649, 314, 7042, 30, 378, 3458, 282, 8820, 314, 8671, 30, 378, 3458]  # 16 tokens
@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--at-most", type=float, default=60.0, help="seconds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = SmolLM2.from_pretrained()
+    model = load()
     transcoders = [transcoder(layer, model.config.hidden_size) for layer in range(model.config.num_hidden_layers)]
     begin = time.perf_counter()
     graph = graphs.attribute(model, transcoders, PROMPT)

@@ -281,7 +281,7 @@ def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | No
         else:
             tensors[gguf_name(name)] = (crafted_blocks(*t.shape, kind, rng), kind)
     write_gguf(path, WIDE, tensors)
-    return SmolLM2.from_pretrained(path) if packed else accelerate(SmolLM2.from_pretrained(path, accelerate=False))
+    return load(path) if packed else accelerate(load(path, kernels=False))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0, *K_QUANTS], ids=lambda q: q.name)

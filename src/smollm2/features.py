@@ -3,7 +3,7 @@ a prompt lights up, what a feature's decoder direction does to the logits, and s
 
     values, indices = top_features(model, sae, [ids], k=5)          # (1, T, 5) each
     promoted, suppressed = logit_effect(model, sae, int(indices[0, -1, 0]))   # (values, ids) each
-    model.generate([ids], 20, hooks=feature_steering(model.config, sae, 123, scale=8.0))
+    smollm2.generate(model, [ids], 20, hooks=feature_steering(model.config, sae, 123, scale=8.0))
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def logit_effect(model, sae: SAE, feature: int, k: int = 10) -> tuple[torch.retu
 
 def feature_steering(config, sae: SAE, feature: int, scale: float | None = None,
                      clamp: float | None = None) -> list[tuple[str, HookFunction]]:
-    """The hooks that steer by a feature at every position, prompt and answer alike, for model.generate(hooks=) or
+    """The hooks that steer by a feature at every position, prompt and answer alike, for smollm2.generate(model, ..., hooks=) or
     an engine row (generation.hooks.steering's way): add scale times its decoder direction where the dictionary
     writes (hook_name_out), or clamp its activation there to `clamp` (add (clamp - its activation) times the
     direction; a transcoder's activation is read at its input, hook_name, in the same pass)."""
