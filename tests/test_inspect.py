@@ -11,7 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from smollm2 import Tokenizer, lens, load
+from smollm2 import Tokenizer, lens, load, roofline
 from smollm2.generation.hooks import Hooks
 from smollm2.generation.engine import prompt_logprobs
 from smollm2.server import create_app
@@ -30,7 +30,7 @@ def tiny(tiny_dir):
 def machine_in_tmp(tmp_path, monkeypatch):
     """Measured once per test at most, kept under tmp_path, never in the user's cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(lens, "measure", lambda device: lens.Machine(2e10, 1e11))
+    monkeypatch.setattr(roofline, "measure", lambda device: roofline.Machine(2e10, 1e11))
 
 
 def test_inspect_returns_what_python_computes_on_the_scheduler_thread(tiny, monkeypatch):

@@ -22,8 +22,9 @@ FLOORS = {
     "smollm2.loading": 3, "smollm2.generation": 3, "smollm2.lens": 3, "smollm2.patching": 3, "smollm2.sae": 3,
     "smollm2.features": 3, "smollm2.graphs": 3,
     "smollm2.tokenizer": 3, "smollm2.tools": 3,
-    # 4: what is built on them: the server, training, speed and quality measured
-    "smollm2.server": 4, "smollm2.training": 4, "smollm2.bench": 4, "smollm2.evaluate": 4, "smollm2.harness": 4,
+    # 4: what is built on them: the server, training, speed (whole, and a pass's roofline) and quality measured
+    "smollm2.server": 4, "smollm2.training": 4, "smollm2.bench": 4, "smollm2.roofline": 4, "smollm2.evaluate": 4,
+    "smollm2.harness": 4,
     # 5: the command line, and the package's own __init__, which names what every floor offers (floor 3's lazily)
     "smollm2.cli": 5, "smollm2.__main__": 5, "smollm2": 5,
 }
@@ -114,3 +115,12 @@ def test_the_checkpoint_readers_know_no_kernel():
             kernel_imports = {m for m in imported(name, path, known)
                               if m.split(".")[:2] == ["smollm2", "kernels"]}
             assert not kernel_imports, f"{name} imports {kernel_imports}"
+
+
+def test_the_lens_knows_no_kernel():
+    """Seeing inside reads model.py's own math; what the kernels make of it is speed, which the roofline profiler
+    (floor 4, beside bench) measures."""
+    known = modules()
+    kernel_imports = {m for m in imported("smollm2.lens", known["smollm2.lens"], known)
+                      if m.split(".")[:2] == ["smollm2", "kernels"]}
+    assert not kernel_imports, f"smollm2.lens imports {kernel_imports}"

@@ -7,7 +7,7 @@ a finished turn, any other last message gets the assistant's header after it), a
 its log-probability and the `top_k` likeliest tokens at its position; the logit lens (layers 0..L: the residual
 stream entering each block, then leaving the last, each position's top_k tokens and probabilities); the attention
 patterns of the blocks listed in `attention`; with `profile`, where the time of the prompt's pass and of one
-decoding step after it goes (smollm2.lens.profile). A prompt has at most MAX_INSPECT_TOKENS tokens. The work runs
+decoding step after it goes (smollm2.roofline.profile). A prompt has at most MAX_INSPECT_TOKENS tokens. The work runs
 on the scheduler's thread in pieces (the pass; the lens a few layers at a time; the profile), between its steps.
 """
 
@@ -21,7 +21,7 @@ from fastapi import APIRouter
 from fastapi import Request as Connection
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import lens
+from .. import lens, roofline
 from ..generation.hooks import Hooks, steering
 from ..generation.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from .scheduler import Scheduler
@@ -123,7 +123,7 @@ async def inspect(body: InspectBody, connection: Connection, served: AppState):
         attention=[dict(layer=layer, heads=[[row[:q + 1] for q, row in enumerate(head)] for head in pattern])
                    for layer, pattern in zip(attention, patterns)])
     if body.profile:
-        answer["profile"] = profile_of(await scheduler.call(functools.partial(lens.profile, scheduler.model, ids)))
+        answer["profile"] = profile_of(await scheduler.call(functools.partial(roofline.profile, scheduler.model, ids)))
     return answer
 
 
@@ -167,8 +167,8 @@ def rounded(probs: torch.Tensor) -> list:
     return (probs.float() * 1e6).round().div(1e6).tolist()
 
 
-def profile_of(profile: lens.Profile) -> dict:
-    def ops(items: list[lens.Op]) -> list[dict]:
+def profile_of(profile: roofline.Profile) -> dict:
+    def ops(items: list[roofline.Op]) -> list[dict]:
         return [dict(layer=op.layer, name=op.name, kind=op.kind, seconds=op.seconds, bytes=op.bytes, flops=op.flops)
                 for op in items]
 
