@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .checkpoints import load_checkpoint, parameter_shapes, save_hf
+from .checkpoints import load_checkpoint, parameter_shapes, save_gguf, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
@@ -65,3 +65,14 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
 def save(model: SmolLM2, path: str | os.PathLike) -> None:
     """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads."""
     save_hf(model.config, model.state_dict(), path)
+
+
+def export(model: SmolLM2, tokenizer, path: str | os.PathLike, gguf_type: str | None = None) -> None:
+    """model with its tokenizer, for other tools: a HF directory at path (save()'s, and the tokenizer's files), or
+    with gguf_type ("f32", "f16", "q8_0", "q4_1": checkpoints.gguf.SAVE_TYPES) one GGUF file for llama.cpp and
+    Ollama, the tokenizer in its metadata."""
+    if gguf_type is not None:
+        save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), path, gguf_type)
+    else:
+        save(model, path)
+        tokenizer.save_pretrained(path)

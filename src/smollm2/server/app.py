@@ -31,12 +31,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
+import torch
 from torch import nn
 
+from .. import loading
 from ..errors import FieldError, SmolError
 from ..generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..generation.sequence import prompt_rows
+from ..generation.speculative import speculation
+from ..lora import with_adapter
+from ..tokenizer import Tokenizer
 from ..tools import ToolCall, ToolCallParser, Tools, parse_tool_calls
 from . import embeddings, inspect, messages, page, responses
 from .draining import Admission
@@ -203,6 +208,29 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", m
     app.add_middleware(Admission, served=served)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit, a 503 while draining count
     return app
+
+
+def load_app(src=None, *, load: dict | None = None, lora: dict | None = None, speculative: str | None = "ngram",
+             threads: int | None = None, **options) -> FastAPI:
+    """create_app over what sources name, loaded as `smollm2 serve` loads them: the model at `src` (as smollm2.load
+    takes it, with `load`'s options: dtype, device, adapter, quantize, kernels) and its tokenizer, served as `src`
+    (unless options say model_name); `lora`: more models by name, each the model with the LoRA adapter in that
+    directory merged (smollm2.lora.with_adapter); `speculative`: the guesser in the command line's words
+    (generation.speculative.speculation: "ngram", "off", "draft:SRC", a draft loaded with `load`'s options but the
+    adapter). options: create_app's.
+
+    This thread loads everything with one torch thread, and keeps one: the models run on the schedulers' threads,
+    `threads` each (default: this thread's count before), and an OpenMP pool of this thread's own, made by its
+    first parallel operation and kept spinning between them, would take their cores."""
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    load = load or {}
+    model, tokenizer = loading.load(src, **load), Tokenizer.from_pretrained(src)
+    guesser = speculation(speculative, tokenizer, **{k: v for k, v in load.items() if k != "adapter"})
+    adapters = {name: with_adapter(model, path) for name, path in (lora or {}).items()}
+    if src is not None:
+        options.setdefault("model_name", str(src))
+    return create_app(model, tokenizer, adapters=adapters, threads=threads, speculative=guesser, **options)
 
 
 def own_copy(model: nn.Module) -> nn.Module:
