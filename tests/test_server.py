@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
 from smollm2 import Tokenizer, load
 from smollm2.generation import generate, stream
-from smollm2.server import create_app, scheduler
+from smollm2.server import create_app, load_app, scheduler
 from smollm2.server.serving import MAX_STOP_LENGTH
 
 NAME = "tiny"
@@ -232,6 +233,24 @@ def test_create_app_serves_as_smollm2_serve_does_by_default():
     assert defaults["prefix_cache_bytes"] == serve.prefix_cache * 2**20
     assert defaults["speculative"] == serve.speculative == "ngram"
     assert (defaults["max_batch_size"], defaults["max_waiting"]) == (serve.max_batch_size, serve.max_waiting)
+
+
+def test_load_app_serves_what_sources_name_loaded_on_one_thread(tiny, tiny_dir):
+    """server.load_app, which `smollm2 serve` calls: the model and tokenizer at a source, served by its name,
+    loaded on one torch thread, which this thread keeps (see Scheduler), the schedulers running on `threads`."""
+    model, tokenizer = tiny
+    threads = torch.get_num_threads()
+    try:
+        app = load_app(str(tiny_dir), speculative="off", threads=2)
+        assert torch.get_num_threads() == 1
+        assert [s.threads for s in app.state.served.schedulers.values()] == [2]
+        with TestClient(app) as client:
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [str(tiny_dir)]
+            body = dict(model=str(tiny_dir), prompt=PROMPTS[1], max_tokens=12, temperature=0)
+            r = client.post("/v1/completions", json=body)
+            assert r.json()["choices"][0]["text"] == expected(model, tokenizer, tokenizer.encode(PROMPTS[1]), 12)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_malformed_requests_get_openai_errors_and_leave_the_server_healthy(tiny):
