@@ -160,9 +160,9 @@ def library_calls(tree: ast.Module) -> dict[str, list[str]]:
         for node in ast.walk(scope):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 module = importlib.import_module("smollm2" + (f".{node.module}" if node.module else ""))
-                for alias in node.names:
-                    bound[alias.asname or alias.name] = getattr(module, alias.name, None) or \
-                        importlib.import_module(f"{module.__name__}.{alias.name}")
+                for alias in node.names:  # a name the module holds, else its submodule
+                    bound[alias.asname or alias.name] = getattr(module, alias.name) if hasattr(module, alias.name) \
+                        else importlib.import_module(f"{module.__name__}.{alias.name}")
         return bound
 
     module_names = bindings(ast.Module([n for n in tree.body if isinstance(n, ast.ImportFrom)], []))
@@ -173,7 +173,7 @@ def library_calls(tree: ast.Module) -> dict[str, list[str]]:
             return names.get(func.id)
         if isinstance(func, ast.Attribute):
             owner = resolve(func.value, names)
-            return None if owner is None else getattr(owner, func.attr)
+            return None if owner is None else getattr(owner, func.attr, None)
         return None
 
     def calls(node: ast.AST, names: dict) -> list[str]:
@@ -187,7 +187,7 @@ def library_calls(tree: ast.Module) -> dict[str, list[str]]:
             if isinstance(node.func, ast.Name) and node.func.id == "print":
                 return []  # printing, and what is formatted for it
             target = resolve(node.func, names)
-            if not (target is None or isinstance(target, type) or target in loaders):
+            if not (target is None or isinstance(target, type) or any(target == loader for loader in loaders)):
                 found.append(ast.unparse(node.func))
             children = [child for child in children if child is not node.func or target is None]
         for child in children:
