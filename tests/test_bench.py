@@ -8,6 +8,7 @@ import pytest
 from smollm2 import SmolError, bench
 
 
+@pytest.mark.subprocess
 def test_compare_times_smollm2_beside_torch_and_reports_its_runs(tiny_dir):
     found = bench.compare(bench.Setup(model=str(tiny_dir), prompt_tokens=8, new_tokens=4, speculative="ngram"),
                           others=("torch",), repeats=1)
