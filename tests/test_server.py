@@ -354,7 +354,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny, mo
 
 
 def test_the_scheduler_thread_runs_the_model_with_the_threads_it_was_given(tiny, monkeypatch):
-    """OpenMP's thread count is each thread's own: the scheduler sets it in its thread (see Scheduler)."""
+    """OpenMP's thread count is each thread's own: the scheduler sets it in its thread (see EngineThread)."""
     import threading
 
     import torch
@@ -665,14 +665,14 @@ def test_requests_cancelled_together_each_end_once(tiny):
 
     import torch
 
-    from smollm2.generation import Sampling
+    from smollm2.generation import Request
 
     model, tokenizer = tiny
     ended = []
-    sched = scheduler.Scheduler(model, tokenizer, max_batch_size=4, on_end=ended.append)
+    sched = scheduler.EngineThread(model, tokenizer, max_batch_size=4, on_end=ended.append)
 
     async def run():
-        requests = [sched.submit([1, 2, 3 + i], 8, Sampling(), ()) for i in range(3)]
+        requests = [sched.submit(Request([1, 2, 3 + i], 8)) for i in range(3)]
         with torch.inference_mode():
             sched._step()
         assert [sched.requests[row] for row in sched.engine.decoding] == requests

@@ -26,7 +26,7 @@ import torch
 from .errors import SmolError
 from .generation.hooks import Hooks, point_names
 from .generation.sampling import Sampling, sample
-from .generation.sequence import prompt_rows
+from .generation.request import checked_rows
 from .kernels.build import cache_dir, cpu_signature
 
 MIN_STEERING_TOKENS = 2  # a steering text's: its last token past position 0, the attention sink, whose stream is
@@ -43,11 +43,9 @@ def reference_math(model) -> contextlib.AbstractContextManager:
 def token_rows(model, ids) -> torch.Tensor:
     """ids as run_with_cache takes them (a list of ids, a list of equally long lists, or a (T,) / (B, T) tensor),
     checked, as a (B, T) tensor on the model's device."""
-    rows = prompt_rows(ids, model.config.vocab_size)
+    rows = checked_rows(ids, model.config)
     if len({len(row) for row in rows}) > 1:
         raise SmolError(f"the prompts must be equally long (no padding here), got lengths {[len(r) for r in rows]}")
-    if len(rows[0]) > model.config.max_position_embeddings:
-        raise SmolError(f"{len(rows[0])} tokens exceed the context window of {model.config.max_position_embeddings}")
     return torch.tensor(rows, device=model.model.embed_tokens.weight.device)
 
 
@@ -276,10 +274,8 @@ def profile(model, ids: list[int], repeats: int = 5, file: abc.Callable[[], Path
     the time between the hook points around it; the decoding step's, the fastest of `repeats`), then the
     output projection of the last position and a sampling draw (temperature 1), as each pass ends in serving.
     file: where the Machine is kept (machine())."""
-    (prompt,) = prompt_rows([ids], model.config.vocab_size)
+    (prompt,) = checked_rows([ids], model.config, model.config.max_position_embeddings - 1)  # and one more token
     T, device = len(prompt), model.model.embed_tokens.weight.device
-    if T + 1 > model.config.max_position_embeddings:
-        raise SmolError(f"{T} tokens and one more exceed the context window of {model.config.max_position_embeddings}")
     clock, draw = Clock(model), Sampling(temperature=1.0, seed=0)
     timed = Hooks(model.config.num_hidden_layers, clock.hooks)
     cache = model.new_cache(1, T + 1)

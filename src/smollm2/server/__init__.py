@@ -2,6 +2,6 @@
 create_app() for your own."""
 
 from .app import create_app
-from .scheduler import Scheduler
+from .scheduler import EngineThread
 
-__all__ = ["Scheduler", "create_app"]
+__all__ = ["EngineThread", "create_app"]

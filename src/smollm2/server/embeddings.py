@@ -48,7 +48,7 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingsBody, connection: Connection, served: AppState):
-    scheduler = served.scheduler(body.model)
+    scheduler = served.engine(body.model)
     vocab_size = scheduler.model.config.vocab_size
     rows = []
     for i, item in enumerate(body.input):
