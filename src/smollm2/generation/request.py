@@ -66,7 +66,7 @@ class Request:
     def __post_init__(self):
         names = self.names
         if not isinstance(self.prompt, list) or not self.prompt:
-            raise FieldError(names.prompt, "is empty: give at least one token")
+            raise FieldError(names.prompt, "the prompt is empty: give at least one token")
         if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, abc.Iterable):
             raise FieldError(names.stop, f"must be a list of non-empty strings and token ids, got {self.stop!r:.80}")
         m = self.max_new_tokens

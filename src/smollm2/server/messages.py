@@ -1,5 +1,5 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, on the machinery chat completions run
-on (messages -> chat template -> prompt ids -> scheduler), in Anthropic's shapes.
+on (messages -> chat template -> prompt ids -> a Request on the model's engine thread), in Anthropic's shapes.
 
 `system` is a string or text blocks; each message's content a string or blocks: text, an assistant's tool_use
 blocks (its calls) and a user's tool_result blocks (a tool's answer to one). A last assistant message of text is
@@ -193,7 +193,7 @@ router = APIRouter(route_class=AnthropicErrors)
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountBody, served: AppState):
-    served.scheduler(body.model)
+    served.engine(body.model)
     return {"input_tokens": len(prompt_ids(served, body, function_tools(body)))}
 
 

@@ -1,5 +1,5 @@
 """OpenAI's Responses API: POST /v1/responses, on the machinery chat completions run on (messages -> chat
-template -> prompt ids -> scheduler), in its own shapes.
+template -> prompt ids -> a Request on the model's engine thread), in its own shapes.
 
 `input` is text or a list of items: messages (roles user, assistant, system, developer; content text or
 input_text / output_text parts), an answer's function_call items and the function_call_output items that answer
