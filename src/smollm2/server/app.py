@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from torch import nn
 
 from ..errors import SmolError
-from . import embeddings, inspect, messages, openai, page, responses
+from . import embeddings, inspect, messages, openai, page, responses, scheduler
 from .draining import Admission
 from .metrics import CountResponses, Metrics
 from .scheduler import EngineThread, QueueFull
@@ -79,13 +79,14 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct", max_batch_size: int = 8,
-               max_waiting: int = 64, max_seq_len: int | None = None, max_body_bytes: int = 1 << 20,
-               api_key: str | None = None, prefix_cache_bytes: int = 256 << 20, adapters: dict | None = None,
-               threads: int | None = None, speculative="ngram", kv_cache_dtype: str | None = None,
+def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
+               max_batch_size: int = scheduler.MAX_BATCH_SIZE, max_waiting: int = scheduler.MAX_WAITING,
+               max_seq_len: int | None = None, max_body_bytes: int = 1 << 20, api_key: str | None = None,
+               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict | None = None,
+               threads: int | None = None, speculative=scheduler.SPECULATIVE, kv_cache_dtype: str | None = None,
                prefix_cache_dir: str | Path | None = None) -> FastAPI:
     """The app; its lifespan starts the engine threads (each then owns its model) and stops them.
-    The defaults are `smollm2 serve`'s but for the KV cache's dtype (tests/test_server.py holds them equal).
+    The defaults are the engine thread's (scheduler.py), and `smollm2 serve`'s but for the KV cache's dtype.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
     model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
     field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
