@@ -412,8 +412,8 @@ def serve(args):
         raise SmolError("--compile is not supported by serve")
     check_address(args.host, args.port)
     served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
-    # The model runs on the schedulers' threads, with --threads each; this thread loads it with one, so that it
-    # makes no OpenMP pool of its own to slow theirs (see Scheduler).
+    # The model runs on the engine threads, with --threads each; this thread loads it with one, so that it
+    # makes no OpenMP pool of its own to slow theirs (see EngineThread).
     threads = args.threads or torch.get_num_threads()
     model, tokenizer = load(argparse.Namespace(**{**vars(args), "threads": 1}))
     speculative = speculation(args, tokenizer)

@@ -1,6 +1,7 @@
 """The engine: the rows of one KV cache, each a Sequence at its own positions, advanced a step at a time. Every
 driver runs on it: generate()/stream() (batch.py) admit a static batch and step until every row has finished;
-the server's scheduler admits requests as they come and steps for as long as any is in flight.
+the server's engine thread admits requests as they come and steps for as long as any is in flight. Both make
+their rows of Requests the one way (request.py: Request.row) and queue them (queue).
 
 A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so that a decoding step runs on those
 n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
