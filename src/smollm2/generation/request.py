@@ -49,7 +49,8 @@ class Request:
     log-probability with its position's top n. grammar: what the answer must fit. speculative: None, "ngram"
     (prompt lookup) or a draft model (a SmolLM2 of the model's vocabulary): the same tokens either way. hooks: the
     hook points its passes run through, alone (steering). adapter: the served model that answers it (the base or
-    a LoRA adapter, by name); None for the base model."""
+    a LoRA adapter, by name: the server's choice of engine thread). names: what its API calls its fields, which
+    its errors name."""
     prompt: list[int]
     max_new_tokens: int | None = MAX_NEW_TOKENS
     sampling: Sampling = Sampling()
@@ -65,7 +66,9 @@ class Request:
 
     def __post_init__(self):
         names = self.names
-        if not isinstance(self.prompt, list) or not self.prompt:
+        if not isinstance(self.prompt, list):
+            raise FieldError(names.prompt, f"must be a list of token ids, not {type(self.prompt).__name__}")
+        if not self.prompt:
             raise FieldError(names.prompt, "the prompt is empty: give at least one token")
         if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, abc.Iterable):
             raise FieldError(names.stop, f"must be a list of non-empty strings and token ids, got {self.stop!r:.80}")
@@ -73,7 +76,8 @@ class Request:
         if m is not None and not whole(m):
             raise FieldError(names.max_new_tokens, f"must be a whole number >= 0, got {m!r}")
         if m is not None and self.sampling.min_new_tokens > m:
-            raise FieldError(names.min_new_tokens, f"{self.sampling.min_new_tokens} exceeds {names.max_new_tokens} ({m})")
+            raise FieldError(names.min_new_tokens,
+                             f"{self.sampling.min_new_tokens} exceeds {names.max_new_tokens} ({m})")
         if self.grammar is not None and self.sampling.min_new_tokens:
             raise FieldError(names.min_new_tokens, f"{names.min_new_tokens} cannot be combined with response_format: "
                              "the grammar decides where the answer ends")
