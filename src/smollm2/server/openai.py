@@ -28,8 +28,8 @@ from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..tools import CallPiece, ToolCall, Tools
 from . import inspect
 from .scheduler import EngineThread
-from .serving import (APIError, AppState, EventStream, Stops, Text, Whole, Writer, answers, content_text, grammar,
-                      sse, stream, submit, text_or_ids)
+from .serving import (APIError, AppState, EventStream, Served, Stops, Text, Whole, Writer, answers, content_text,
+                      grammar, sse, stream, submit, text_or_ids)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat answers may run to the context window
 MAX_N = 8  # choices per prompt: each is a request of its own in the batch
@@ -182,7 +182,7 @@ def check_n(prompts: int, n: int, thread: EngineThread) -> None:
                        f"server queues ({thread.max_waiting})", param="n")
 
 
-async def prepare(body: Body, served, thread: EngineThread, logprobs: int | None, echo: bool,
+async def prepare(body: Body, served: Served, thread: EngineThread, logprobs: int | None, echo: bool,
                   tools: Tools | None = None) -> Prepared:
     """What the body's requests share beyond its fields: its grammar compiled, its steering's hooks made."""
     return Prepared(await grammar(body.response_format, served.tokenizer, "response_format", tools),
@@ -190,7 +190,7 @@ async def prepare(body: Body, served, thread: EngineThread, logprobs: int | None
                     logprobs if echo else None)
 
 
-async def respond(body: Body, served, requests: list[Request], reply: Reply, connection: Connection,
+async def respond(body: Body, served: Served, requests: list[Request], reply: Reply, connection: Connection,
                   tools: Tools | None = None):
     """Every prompt's n choices: choice p * n + i, prompt p's choice i, a request of its own, seeded seed + i."""
     thread, generations = served.engine(body.model), submit(served, requests, body.n)

@@ -87,10 +87,6 @@ class Generation:
         self.done = False  # its last event is sent
         self._loop, self._events = loop, asyncio.Queue()
 
-    @property
-    def prompt_logprobs(self) -> int | None:
-        return self.row.prompt_logprobs
-
     async def events(self) -> abc.AsyncIterator[PromptLogprobs | Delta | Done]:
         while True:
             event = await self._events.get()
