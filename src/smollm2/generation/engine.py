@@ -44,10 +44,10 @@ from .prefix_cache import Block, PrefixCache
 from .sampling import Sampling
 from .sequence import Sequence, Step, advance
 from .speculative import MAX_PASS_TOKENS, Guesser, check_speculative, new_guesser
+from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
 
 if TYPE_CHECKING:
     from ..model import SmolLM2
-from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
 
 
 @dataclass
