@@ -20,6 +20,7 @@ FLOORS = {
     "smollm2.json_schema": 2,
     # 3: loading a model, driving it (generation), reading inside it (lens, patching, SAEs), text and tool calls
     "smollm2.loading": 3, "smollm2.generation": 3, "smollm2.lens": 3, "smollm2.patching": 3, "smollm2.sae": 3,
+    "smollm2.generation.request": 3,  # the one Request: every API's body and generate() make one
     "smollm2.features": 3, "smollm2.graphs": 3,
     "smollm2.tokenizer": 3, "smollm2.tools": 3,
     # 4: what is built on them: the server, training, speed (whole, and a pass's roofline) and quality measured

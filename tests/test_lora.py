@@ -477,7 +477,7 @@ def test_adapters_served_at_once_each_draft_with_a_draft_of_their_own(tiny_dir, 
                            if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
     app = create_app(base, tokenizer, model_name="tiny", speculative=accelerate(draft),
                      adapters={name: with_adapter(base, tmp_path / name) for name in ("a", "b")})
-    drafts = [scheduler.draft for scheduler in app.state.served.schedulers.values()]
+    drafts = [engine.draft for engine in app.state.served.engines.values()]
     assert len({id(d) for d in drafts}) == 3 and drafts[0] is draft
     assert all(d.model.embed_tokens.weight is draft.model.embed_tokens.weight for d in drafts)  # shared, not copied
     prompts = ["Once upon a time", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "The capital of France is"]
@@ -498,7 +498,7 @@ def test_adapters_served_at_once_each_draft_with_a_draft_of_their_own(tiny_dir, 
             return r.json()["choices"][0]["text"]
 
         assert list(pool.map(ask, asks)) == [want[a] for a in asks]
-    assert all(scheduler.engine.guessed > 0 for scheduler in app.state.served.schedulers.values())  # all drafted
+    assert all(engine.engine.guessed > 0 for engine in app.state.served.engines.values())  # all drafted
 
 
 def test_serve_lora_flag_is_checked_before_loading(capsys, tmp_path):

@@ -18,7 +18,7 @@ import torch
 
 from .errors import SmolError
 from .generation.hooks import Hooks, point_names
-from .generation.sequence import prompt_rows
+from .generation.request import checked_rows
 
 MIN_STEERING_TOKENS = 2  # a steering text's: its last token past position 0, the attention sink, whose stream is
 # unlike any other's (in SmolLM2-135M, many times their norm in most blocks): a difference there means nothing
@@ -34,11 +34,9 @@ def reference_math(model) -> contextlib.AbstractContextManager:
 def token_rows(model, ids) -> torch.Tensor:
     """ids as run_with_cache takes them (a list of ids, a list of equally long lists, or a (T,) / (B, T) tensor),
     checked, as a (B, T) tensor on the model's device."""
-    rows = prompt_rows(ids, model.config.vocab_size)
+    rows = checked_rows(ids, model.config)
     if len({len(row) for row in rows}) > 1:
         raise SmolError(f"the prompts must be equally long (no padding here), got lengths {[len(r) for r in rows]}")
-    if len(rows[0]) > model.config.max_position_embeddings:
-        raise SmolError(f"{len(rows[0])} tokens exceed the context window of {model.config.max_position_embeddings}")
     return torch.tensor(rows, device=model.model.embed_tokens.weight.device)
 
 

@@ -21,7 +21,7 @@ import torch
 from .errors import SmolError
 from .generation.hooks import Hooks, point_names
 from .generation.sampling import Sampling, sample
-from .generation.sequence import prompt_rows
+from .generation.request import checked_rows
 from .kernels.build import cache_dir, cpu_signature
 from .lens import reference_math
 
@@ -192,7 +192,7 @@ def profile(model, ids: list[int], repeats: int = 5, file: abc.Callable[[], Path
     the time between the hook points around it; the decoding step's, the fastest of `repeats`), then the
     output projection of the last position and a sampling draw (temperature 1), as each pass ends in serving.
     file: where the Machine is kept (machine())."""
-    (prompt,) = prompt_rows([ids], model.config.vocab_size)
+    (prompt,) = checked_rows([ids], model.config, model.config.max_position_embeddings - 1)  # and one more token
     T, device = len(prompt), model.model.embed_tokens.weight.device
     if T + 1 > model.config.max_position_embeddings:
         raise SmolError(f"{T} tokens and one more exceed the context window of {model.config.max_position_embeddings}")

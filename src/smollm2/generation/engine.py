@@ -1,6 +1,7 @@
 """The engine: the rows of one KV cache, each a Sequence at its own positions, advanced a step at a time. Every
 driver runs on it: generate()/stream() (batch.py) admit a static batch and step until every row has finished;
-the server's scheduler admits requests as they come and steps for as long as any is in flight.
+the server's engine thread admits requests as they come and steps for as long as any is in flight. Both make
+their rows of Requests the one way (request.py: Request.row) and queue them (queue).
 
 A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so that a decoding step runs on those
 n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
@@ -31,6 +32,7 @@ from __future__ import annotations
 import collections
 from collections import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +45,9 @@ from .sampling import Sampling
 from .sequence import Sequence, Step, advance
 from .speculative import MAX_PASS_TOKENS, Guesser, check_speculative, new_guesser
 from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
+
+if TYPE_CHECKING:
+    from ..model import SmolLM2
 
 
 @dataclass
@@ -64,11 +69,13 @@ class PassCounts:
 
 @dataclass(eq=False)
 class Row:
-    """A sequence in the engine, and how far its prompt is in its cache row."""
+    """A sequence in the engine, and how far its prompt is in its cache row. Made by admit() from a Sequence, or
+    by Request.row() (request.py) from a request, the way generate()/stream() and the server both make theirs."""
     sequence: Sequence
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
-    guesser: Guesser | None = None  # speculates with it, or not
+    speculative: str | SmolLM2 | None = None  # None, or guess its next tokens by "ngram" or with a draft model
     hooks: Hooks | None = None  # its passes run through these, alone (see above)
+    guesser: Guesser | None = None  # how it speculates (from `speculative`), made as it is queued
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
     blocks: list[Block] | None = field(default_factory=list)  # the prefix cache's, for its filled chunks; None:
@@ -128,15 +135,22 @@ class Engine:
 
     def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative=None,
               hooks: Hooks | None = None) -> Row:
-        """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs.
-        speculative: None, or guess its next tokens by prompt lookup ("ngram") or with a draft model (a SmolLM2
-        of the same vocabulary; speculative.py); its tokens are the same. hooks: run its passes through these (see
-        above)."""
-        if speculative is not None and self.whole_cache:
-            raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
+        """Queue a sequence (see queue). speculative: None, or guess its next tokens by prompt lookup ("ngram") or
+        with a draft model (a SmolLM2 of the same vocabulary; speculative.py); its tokens are the same. hooks: run
+        its passes through these (see above)."""
         check_speculative(speculative, self.model.config.vocab_size)
-        guesser = new_guesser(speculative, len(sequence.prompt) + sequence.max_new_tokens, self.kv_cache_dtype)
-        row = Row(sequence, prompt_logprobs, guesser, hooks, blocks=None if hooks is not None else [])
+        return self.queue(Row(sequence, prompt_logprobs, speculative, hooks))
+
+    def queue(self, row: Row) -> Row:
+        """Queue a row (a request's: Request.row checked it); it takes a cache row, and its prefill starts, once
+        the rows before it have theirs."""
+        if row.speculative is not None and self.whole_cache:
+            raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
+        sequence = row.sequence
+        row.guesser = new_guesser(row.speculative, len(sequence.prompt) + sequence.max_new_tokens,
+                                  self.kv_cache_dtype)
+        if row.hooks is not None:  # never taken from or kept in the prefix cache
+            row.blocks = None
         self.queued.append(row)
         return row
 

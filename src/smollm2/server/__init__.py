@@ -2,6 +2,6 @@
 create_app() for your own (load_app() from sources, as the command loads them)."""
 
 from .app import create_app, load_app
-from .scheduler import Scheduler
+from .scheduler import EngineThread
 
-__all__ = ["Scheduler", "create_app", "load_app"]
+__all__ = ["EngineThread", "create_app", "load_app"]

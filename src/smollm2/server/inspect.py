@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import lens, roofline
 from ..generation.hooks import Hooks, steering
 from ..generation.logprobs import MAX_TOP_LOGPROBS, token_logprobs
-from .scheduler import Scheduler
+from .scheduler import EngineThread
 from .serving import APIError, AppState, Text, content_text
 
 MAX_INSPECT_TOKENS = 256  # the logit lens of 256 tokens is 31 x 256 output projections: seconds on 2 cores
@@ -62,7 +62,7 @@ class Steering(BaseModel):
     scale: float = Field(1.0, ge=-MAX_STEERING_SCALE, le=MAX_STEERING_SCALE)
 
 
-async def steering_hooks(body: Steering | None, scheduler: Scheduler, tokenizer) -> Hooks | None:
+async def steering_hooks(body: Steering | None, scheduler: EngineThread, tokenizer) -> Hooks | None:
     """A request's `steering` as the hooks its row runs, or None; a 400 naming the field for what cannot be."""
     if body is None:
         return None
@@ -97,7 +97,7 @@ router = APIRouter()
 
 @router.post("/inspect")
 async def inspect(body: InspectBody, connection: Connection, served: AppState):
-    scheduler, tokenizer = served.scheduler(body.model), served.tokenizer
+    scheduler, tokenizer = served.engine(body.model), served.tokenizer
     ids = prompt_of(body, tokenizer)
     layers = scheduler.model.config.num_hidden_layers
     for i, layer in enumerate(body.attention):
