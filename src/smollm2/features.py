@@ -13,9 +13,9 @@ import math
 import torch
 
 from .errors import SmolError
-from .generation.hooks import HookFunction, Hooks, point_names
+from .generation.hooks import HookFunction, Hooks
 from .lens import run_with_cache
-from .sae import SAE
+from .sae import SAE, reads_before_writes
 
 STREAM_POINTS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
 
@@ -77,10 +77,7 @@ def feature_steering(config, sae: SAE, feature: int, scale: float | None = None,
     elif not sae.transcoder:
         hooks = [(sae.hook_name, lambda x, name: x + (clamp - sae.encode(x)[..., feature, None]).to(x) * d.to(x))]
     else:
-        names = point_names(config.num_hidden_layers)
-        if sae.hook_name not in names or sae.hook_name_out not in names \
-                or names.index(sae.hook_name) >= names.index(sae.hook_name_out):
-            raise SmolError(f"a transcoder clamped must read ({sae.hook_name}) before it writes ({sae.hook_name_out})")
+        reads_before_writes(config, sae)
         seen = {}
 
         def read(x, name):
