@@ -16,7 +16,7 @@ from smollm2 import lens
 from smollm2.errors import SmolError
 from conftest import TINY, tiny_model
 from smollm2.generation.hooks import Hooks
-from smollm2.sae import SAE, load_sae, load_saes, replacement
+from smollm2.sae import SAE, load_sae, load_saes, replacement, save_sae
 
 D_SAE = 1024
 READS, WRITES = "blocks.3.ln2.hook_normalized", "blocks.3.hook_mlp_out"  # a transcoder's: the MLP's input, output
@@ -297,3 +297,21 @@ def test_a_dictionary_attached_as_a_replacement():
     torch.testing.assert_close(grad, torch.autograd.grad(sae.reconstruct(x).sum(), x)[0])
     with pytest.raises(SmolError, match="must read .* before it writes"):
         replacement(config, dataclasses.replace(transcoder, hook_name="blocks.1.hook_mlp_out"))
+
+
+@pytest.mark.parametrize("kind", ["topk_rescaled", "jumprelu", "skip_transcoder"])
+def test_what_save_sae_writes_sae_lens_reads(kind, activations, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sae_lens import SAE as SAELensSAE
+    theirs = sae_lens_dictionary(kind, activations[READS].shape[-1])
+    theirs.save_model(tmp_path / "theirs")
+    ours = load_sae(save_sae(load_sae(tmp_path / "theirs"), tmp_path / "ours"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = SAELensSAE.load_from_disk(tmp_path / "ours", device="cpu")
+    x = activations[ours.hook_name]
+    with torch.no_grad():
+        torch.testing.assert_close(again.encode(x), theirs.encode(x), atol=0, rtol=0)
+        torch.testing.assert_close(ours.reconstruct(x), theirs(x), atol=1e-5, rtol=0)
+    assert (again.cfg.metadata.hook_name, ours.hook_name) == (theirs.cfg.metadata.hook_name,) * 2

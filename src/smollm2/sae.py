@@ -20,12 +20,14 @@ checked before any tensor is read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from .checkpoints.checkpoint import all_finite
 from .checkpoints.hf import read_json
@@ -255,6 +257,31 @@ def sparsify_sae(path: Path, model) -> SAE:
         W_skip = None if W_skip is None else W_skip * norm
     return SAE(reads, out, "topk", transcoder, W_enc, t["encoder.bias"], t["W_dec"], t["b_dec"], None, W_skip, k,
                not transcoder, False)
+
+
+def save_sae(sae: SAE, path: str | os.PathLike) -> Path:
+    """Write the dictionary in SAELens's format (cfg.json and sae_weights.safetensors, float32) into directory
+    `path`, which SAELens and load_sae read: an SAE of any of its activations, a ReLU or JumpReLU transcoder."""
+    architecture = next((name for name, kind in ARCHITECTURES.items()
+                         if kind == (sae.activation, sae.transcoder, sae.W_skip is not None)), None)
+    if architecture is None:
+        raise SmolError(f"SAELens has no {sae.activation} transcoder{' with a skip' if sae.W_skip is not None else ''}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = dict(W_enc=sae.W_enc, b_enc=sae.b_enc, W_dec=sae.W_dec, b_dec=sae.b_dec, threshold=sae.threshold,
+                   W_skip=sae.W_skip)
+    save_file({name: t.detach().float().contiguous() for name, t in tensors.items() if t is not None},
+              str(path / WEIGHTS))
+    # the format's version: SAELens reads a config without one as written before SAELens 6, in other names
+    metadata = dict(sae_lens_version="6.0.0", hook_name=sae.hook_name)
+    cfg = dict(architecture=architecture, d_in=sae.W_enc.shape[0], d_sae=sae.W_enc.shape[1], dtype="float32",
+               apply_b_dec_to_input=sae.subtract_b_dec, metadata=metadata)
+    if sae.transcoder:
+        cfg |= dict(d_out=sae.W_dec.shape[1], metadata=metadata | dict(hook_name_out=sae.hook_name_out))
+    if sae.activation == "topk":
+        cfg |= dict(k=sae.k, rescale_acts_by_decoder_norm=sae.rescale_by_decoder_norm)
+    (path / CFG).write_text(json.dumps(cfg, indent=2))
+    return path
 
 
 class Settings:
