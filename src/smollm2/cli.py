@@ -406,7 +406,7 @@ def lora_name(text: str) -> tuple[str, str]:
 def serve(args):
     """The OpenAI-compatible HTTP server, until Ctrl-C, or SIGTERM once drained (server.draining)."""
     from .lora import with_adapter
-    from .server import create_app, draining
+    from .server import create_app, draining, inspect
 
     if args.compile:
         raise SmolError("--compile is not supported by serve")
@@ -424,6 +424,7 @@ def serve(args):
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
                      speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
                      prefix_cache_dir=args.prefix_cache_dir)
+    inspect.serve_dictionaries(app, args.sae, model)
     draining.serve(app, args.host, args.port, args.drain_timeout)
 
 
@@ -663,6 +664,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
                         "every weight it does not adapt with the base")
+    c.add_argument("--sae", action="append", default=[], metavar="DIR_OR_HUBID",
+                   help="serve an SAE or transcoder (SAELens's or sparsify's format), or a folder of them (a "
+                        "transcoder per block: attribution graphs), to the page and the API (repeatable)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
                         f"{SERVE_KV_CACHE_DTYPE})")

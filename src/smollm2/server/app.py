@@ -99,6 +99,7 @@ class Body(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = Field(0, ge=0)
     steering: inspect.Steering | None = None  # our extension: a vector added to this request's residual stream
+    steer: list[inspect.FeatureSteering] = Field([], max_length=inspect.MAX_FEATURE_STEERS)  # ours: by SAE features
 
 
 class ChatBody(Body):
@@ -359,7 +360,7 @@ async def complete(body: Body, scheduler: Scheduler, prompts: list[list[int]], m
               grammar=await grammar(body.response_format, reply.tokenizer, "response_format", reply.tools),
               logprobs=reply.logprobs, prompt_logprobs=reply.logprobs if reply.echo is not None else None,
               speculative=body.speculative,
-              hooks=await inspect.steering_hooks(body.steering, scheduler, reply.tokenizer))
+              hooks=await inspect.steering_hooks(body.steering, scheduler, reply.tokenizer, body.steer, connection))
     requests = submit(scheduler, ask)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
