@@ -385,3 +385,53 @@ def test_bad_feature_steering_gets_400_naming_the_field(tiny, dictionaries):
             assert r.status_code == 400, (item, r.text)
             error = r.json()["error"]
             assert error["param"] == field and message in error["message"], (item, error)
+
+
+# The README's example on the embedded model: a dictionary of countries, steering by one of them.
+
+COUNTRIES = ["France", "Italy", "Germany", "Spain", "Japan", "Russia", "China", "Egypt", "Greece", "England"]
+COUNTRIES_LAYER = 27
+
+
+def countries_dictionary(model, tokenizer) -> SAE:
+    """The README's dictionary (not a trained SAE: none ships for SmolLM2-135M): feature k is country k's
+    direction in the stream entering block 27 at the last token of "The capital of {country} is", less the
+    countries' mean; it encodes the stream's coefficient along it (the mean subtracted, ReLU above 0.2)."""
+    point = f"blocks.{COUNTRIES_LAYER}.hook_resid_pre"
+    streams = torch.stack([lens.run_with_cache(model, [tokenizer.encode(f"The capital of {country} is")],
+                                               [point])[1][point][0, -1] for country in COUNTRIES])
+    mean = streams.mean(0)
+    directions = streams - mean
+    encoder = (directions / directions.pow(2).sum(-1, keepdim=True)).T.contiguous()
+    return SAE(point, point, "relu", False, encoder, torch.full((len(COUNTRIES),), -0.2), directions, mean, None,
+               None, None, True, False)
+
+
+def random_transcoder(layer: int, generator: torch.Generator, width: int = 576, d_sae: int = 256) -> SAE:
+    """A random JumpReLU transcoder of the embedded model's block `layer` (the README's graph example's kind)."""
+    def random(*shape, scale):
+        return scale * torch.randn(*shape, generator=generator)
+    return SAE(f"blocks.{layer}.ln2.hook_normalized", f"blocks.{layer}.hook_mlp_out", "jumprelu", True,
+               random(width, d_sae, scale=width ** -0.5), random(d_sae, scale=0.1), random(d_sae, width, scale=0.1),
+               torch.zeros(width), torch.full((d_sae,), 2.3), None, None, False, False)
+
+
+def test_the_readme_steers_the_capital_of_france_by_a_feature(model, tmp_path):
+    """The README's figures: at ` is`, the France feature is the strongest; it promotes ` Paris`; the completion
+    ` Paris.` becomes ` Milan.` with the Italy feature added (as `smollm2 serve --sae countries` serves it)."""
+    tokenizer = Tokenizer.from_pretrained()
+    app = create_app(model, tokenizer, kv_cache_dtype="bf16")  # serve's default
+    served_inspect.serve_dictionaries(app, [str(save_sae(countries_dictionary(model, tokenizer),
+                                                        tmp_path / "countries"))], model)
+    with TestClient(app) as client:
+        body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is")
+        found = client.post("/inspect/features", json=body | dict(sae="countries", k=3)).json()
+        assert [COUNTRIES[f["index"]] for f in found["top"][-1]][0] == "France"
+        france = client.post("/inspect/feature", json=body | dict(sae="countries", index=0, k=5)).json()
+        assert " Paris" in [t["text"] for t in france["promoted"]]
+        answers = {}
+        for name, steer in [("plain", []), ("italy", [dict(feature=dict(sae="countries", index=1), value=1.0)])]:
+            r = client.post("/v1/completions", json=body | dict(max_tokens=3, temperature=0, steer=steer))
+            assert r.status_code == 200, r.text
+            answers[name] = r.json()["choices"][0]["text"]
+    assert answers == dict(plain=" Paris.\n", italy=" Milan.\n"), (answers, found["top"][-1], france["promoted"])
