@@ -128,13 +128,14 @@ def test_the_page_shows_features_and_an_attribution_graph(model, browser_page, t
         assert "Paris" in page.inner_text("#feature-detail .effects > div >> nth=0")  # France's feature promotes it
         page.screenshot(path=shots / "features.png")
 
-        page.fill("#graph-features", "48")  # before the view opens, which traces at once
         page.click("#tabs button[data-tab=graph]")
+        page.fill("#graph-features", "48")
+        page.click("#graph-build")
         page.wait_for_selector("svg.graph", timeout=180_000)
         assert page.locator("svg.graph .nodes .logit").count() >= 1
         assert page.locator("svg.graph .nodes .feature").count() >= 1
         assert page.locator("svg.graph .edges line").count() >= 10
-        assert "Paris" in page.inner_text("svg.graph")
+        assert "Paris" in page.text_content("svg.graph")
         assert page.get_attribute("#graph-download", "href").startswith("blob:")
         page.hover("svg.graph .nodes .logit >> nth=0")
         assert "strongest inputs" in page.inner_text("#tooltip")

@@ -277,7 +277,10 @@ function showTab(name) {
   if (name === "attention") loadAttention();
   if (name === "time" && !inspection.profile) loadProfile();
   if (name === "features") loadFeatures();
-  if (name === "graph" && !inspection.graph) loadGraph();
+  if (name === "graph" && !inspection.graph && !$("graph-view").children.length) {
+    $("graph-view").replaceChildren(el("p", {className: "hint",
+      textContent: "Trace the graph of this prompt: seconds to a minute, a backward pass per batch of features."}));
+  }
 }
 
 function renderTokens() {
@@ -522,14 +525,18 @@ async function loadFeatures() {
   renderFeatures(inspection.features[sae]);
 }
 
+// The first position is the attention sink, its stream many times the others' norm: shades are scaled to the rest.
+function sinkless(values) { return values.length > 1 ? values.slice(1) : values; }
+
 function renderFeatures(data) {
   $("features-where").textContent = `read at ${data.hook_name}`;
-  const strongest = Math.max(1e-9, ...data.top.flat().map((f) => f.activation));
+  const strongest = Math.max(1e-9, ...sinkless(data.top).flat().map((f) => f.activation));
   const rows = data.tokens.map((token, position) => el("tr", {},
     el("th", {textContent: shown(token.text), title: `position ${position}`}),
     el("td", {}, ...(data.top[position].length ? data.top[position].map((f) => el("span", {
       className: "feature", dataset: {index: f.index},
-      style: {background: heatShade(f.activation / strongest), color: f.activation / strongest > 0.55 ? "#fff" : ""},
+      style: {background: heatShade(Math.min(1, f.activation / strongest)),
+        color: f.activation / strongest > 0.55 ? "#fff" : ""},
       onclick: () => loadFeature(data.sae, f.index),
       onmousemove: (event) => tip(event, el("div", {}, el("div", {className: "title"}, `feature ${f.index}`),
         `${f.activation.toFixed(3)} at ${shown(token.text)}`)),
@@ -541,6 +548,7 @@ function renderFeatures(data) {
 
 async function loadFeature(sae, index) {
   const inspection = state.inspection;
+  untip();  // the view below grows: the pointer is no longer where the tip says
   for (const chip of document.querySelectorAll("#features-view .feature")) {
     chip.classList.toggle("selected", Number(chip.dataset.index) === index);
   }
@@ -553,10 +561,11 @@ async function loadFeature(sae, index) {
     return;
   }
   if (state.inspection !== inspection) return;
-  const strongest = Math.max(1e-9, ...data.activations);
-  const peak = data.activations.indexOf(Math.max(...data.activations));
+  const strongest = Math.max(1e-9, ...sinkless(data.activations));
+  const peak = data.activations.indexOf(Math.max(...sinkless(data.activations)));
   const strip = el("div", {className: "strip"}, ...data.tokens.map((token, i) => el("span", {
-    className: "tok", textContent: token.text, style: {background: heatShade(data.activations[i] / strongest)},
+    className: "tok", textContent: token.text,
+    style: {background: heatShade(Math.min(1, data.activations[i] / strongest))},
     onmousemove: (event) => tip(event, el("div", {}, `${shown(token.text)}: ${data.activations[i].toFixed(3)}`)),
     onmouseleave: untip,
   })));
@@ -570,9 +579,10 @@ async function loadFeature(sae, index) {
   };
   $("feature-detail").replaceChildren(
     el("h2", {textContent: `Feature ${index} of ${sae}`}),
-    el("p", {className: "hint", textContent: Math.max(...data.activations) > 0
+    el("p", {className: "hint", textContent: Math.max(...sinkless(data.activations)) > 0
       ? `Its activation at each token: strongest at ${shown(data.tokens[peak].text)} (position ${peak}), `
-        + `${data.activations[peak].toFixed(3)}.` : "Not active anywhere in this prompt."}),
+        + `${data.activations[peak].toFixed(3)}` + (data.tokens.length > 1 ? `; at the first token, the attention `
+        + `sink, ${data.activations[0].toFixed(3)}.` : ".") : "Not active past the first token."}),
     strip,
     data.promoted ? el("div", {className: "effects"}, effect("Promotes", data.promoted),
       effect("Suppresses", data.suppressed))
@@ -634,9 +644,9 @@ function drawGraph(graph) {
   const tokens = graph.metadata.prompt_tokens;
   const layers = Math.max(...graph.nodes.filter((n) => n.feature_type === "logit").map((n) => Number(n.layer))) - 1;
   const rowOf = (node) => node.layer === "E" ? 0 : node.feature_type === "logit" ? layers + 1 : Number(node.layer) + 1;
-  const column = Math.max(64, Math.floor(700 / tokens.length));
-  const row = Math.max(14, Math.min(26, Math.floor(560 / (layers + 2))));
-  const left = 44, top = 40, width = left + column * tokens.length + 10, height = top + row * (layers + 1) + 44;
+  const column = Math.max(48, Math.floor(($("graph-view").clientWidth - 84) / tokens.length));  // to fit, or scroll
+  const row = Math.max(10, Math.min(26, Math.floor(440 / (layers + 2))));
+  const left = 44, top = 56, width = left + column * tokens.length + 40, height = top + row * (layers + 1) + 44;
   // where each node sits: its position's column, its block's row, side by side within the cell
   const cells = new Map();
   for (const node of graph.nodes) {
@@ -644,7 +654,12 @@ function drawGraph(graph) {
     cells.set(key, [...(cells.get(key) || []), node]);
   }
   const at = new Map();
+  // the target logits (all at the last position) side by side along the top, each with its token
+  const logits = graph.nodes.filter((n) => n.feature_type === "logit");
+  logits.forEach((node, j) => at.set(node.node_id, {x: left + (width - left - 40) * (j + 0.5) / logits.length,
+    y: top, label: top - 10 - (j % 2) * 13}));  // labels staggered: neighbours' may be wider than their gap
   for (const [key, nodes] of cells) {
+    if (nodes[0].feature_type === "logit") continue;
     const [r, position] = key.split(",").map(Number);
     const spacing = Math.min(13, (column - 8) / nodes.length);
     nodes.sort((a, b) => (b.influence || 0) - (a.influence || 0));
@@ -673,7 +688,7 @@ function drawGraph(graph) {
       grid.append(svg("text", {x: left - 8, y: y + 4, "text-anchor": "end"},
         r === 0 ? "emb" : r === layers + 1 ? "out" : `${r - 1}`));
     }
-    grid.append(svg("line", {x1: left, x2: width - 10, y1: y, y2: y}));
+    grid.append(svg("line", {x1: left, x2: width - 40, y1: y, y2: y}));
   }
   tokens.forEach((text, position) => grid.append(svg("text", {x: left + column * (position + 0.5), y: height - 16,
     "text-anchor": "middle", class: "token"}, shown(text).slice(0, 12))));
@@ -705,7 +720,7 @@ function drawGraph(graph) {
     });
     nodes.append(shape);
     if (kind === "logit") {
-      nodes.append(svg("text", {x, y: y - 10, "text-anchor": "middle", class: "logit-label"},
+      nodes.append(svg("text", {x, y: at.get(node.node_id).label, "text-anchor": "middle", class: "logit-label"},
         node.clerp.replace(/^Output "(.*)" \(p=(.*)\)$/, (_, text, p) => `${shown(text)} ${percent(Number(p))}`)));
     }
   }
