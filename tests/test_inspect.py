@@ -426,9 +426,12 @@ def test_the_readme_steers_the_capital_of_france_by_a_feature(model, tmp_path):
     with TestClient(app) as client:
         body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is")
         found = client.post("/inspect/features", json=body | dict(sae="countries", k=3)).json()
-        assert [COUNTRIES[f["index"]] for f in found["top"][-1]][0] == "France"
+        assert COUNTRIES[found["top"][-1][0]["index"]] == "France"
+        assert found["top"][-1][0]["activation"] == pytest.approx(0.80, abs=0.005)
+        assert len(found["top"][0]) == 3 and found["top"][0][-1]["activation"] > 3  # the sink: several, strongly
+        assert found["top"][0][0]["activation"] > 8 * found["top"][-1][0]["activation"]
         france = client.post("/inspect/feature", json=body | dict(sae="countries", index=0, k=5)).json()
-        assert " Paris" in [t["text"] for t in france["promoted"]]
+        assert [t["text"] for t in france["promoted"]][:4] == [" France", " French", "French", " Paris"]
         answers = {}
         for name, steer in [("plain", []), ("italy", [dict(feature=dict(sae="countries", index=1), value=1.0)])]:
             r = client.post("/v1/completions", json=body | dict(max_tokens=3, temperature=0, steer=steer))
