@@ -283,7 +283,7 @@ def dictionaries(tiny, tmp_path_factory) -> list:
 def serving(tiny, dictionaries):
     model, tokenizer = tiny
     app = create_app(model, tokenizer, model_name=NAME)
-    served_inspect.serve_dictionaries(app, dictionaries, model)
+    served_inspect.serve_dictionaries(app, dictionaries)
     return app
 
 
@@ -347,7 +347,7 @@ def test_bad_feature_requests_get_400_naming_the_field(tiny, dictionaries, monke
         r = client.post("/inspect/graph", json=dict(model=NAME, prompt=PROMPT))
         assert r.status_code == 400 and "no transcoder set" in r.json()["error"]["message"]
     with pytest.raises(SmolError, match="a dictionary named 'resid' is already served"):
-        served_inspect.serve_dictionaries(create_app(model, tokenizer), dictionaries[:1] * 2, model)
+        served_inspect.serve_dictionaries(create_app(model, tokenizer), dictionaries[:1] * 2)
 
 
 @pytest.mark.parametrize("mode", ["add", "clamp"])
@@ -422,7 +422,7 @@ def test_the_readme_steers_the_capital_of_france_by_a_feature(model, tmp_path):
     tokenizer = Tokenizer.from_pretrained()
     app = create_app(model, tokenizer, kv_cache_dtype="bf16")  # serve's default
     served_inspect.serve_dictionaries(app, [str(save_sae(countries_dictionary(model, tokenizer),
-                                                        tmp_path / "countries"))], model)
+                                                        tmp_path / "countries"))])
     with TestClient(app) as client:
         body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is")
         found = client.post("/inspect/features", json=body | dict(sae="countries", k=3)).json()

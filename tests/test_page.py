@@ -110,7 +110,7 @@ def test_the_page_shows_features_and_an_attribution_graph(model, browser_page, t
         save_sae(random_transcoder(layer, generator), tmp_path / "transcoders" / f"mlp{layer:02d}")
     sources.append(str(tmp_path / "transcoders"))
     app = create_app(model, tokenizer)
-    inspect.serve_dictionaries(app, sources, model)
+    inspect.serve_dictionaries(app, sources)
     with running(app) as url:
         page.goto(url)
         page.wait_for_selector("#tabs [data-tab=graph]:not([hidden])", state="attached")

@@ -424,7 +424,7 @@ def serve(args):
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
                      speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
                      prefix_cache_dir=args.prefix_cache_dir)
-    inspect.serve_dictionaries(app, args.sae, model)
+    inspect.serve_dictionaries(app, args.sae)
     draining.serve(app, args.host, args.port, args.drain_timeout)
 
 

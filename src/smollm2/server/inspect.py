@@ -237,10 +237,12 @@ class Dictionaries:
         self.dictionaries, self.in_stream, self.transcoders = dictionaries, in_stream, transcoders
 
 
-def serve_dictionaries(app, sources: list[str], model) -> None:
+def serve_dictionaries(app, sources: list[str]) -> None:
     """Serve the dictionaries of `sources` (each a directory or hub id of an SAE or transcoder, or of a set of them:
-    sae.load_saes; `smollm2 serve --sae`) on the app's pages and routes, by their folders' names; each checked
-    against the model: its hook points the model's, as wide as the activations there."""
+    sae.load_saes; `smollm2 serve --sae`) on the app's page and routes, by their folders' names; each checked
+    against the app's first model (the base; adapters share its shape): its hook points the model's, as wide as the
+    activations there. Before the app starts: the schedulers' threads own the model once it runs."""
+    model = next(iter(app.state.served.schedulers.values())).model
     dictionaries = {}
     for source in sources:
         for name, sae in load_saes(source, model).items():
@@ -258,8 +260,10 @@ def serve_dictionaries(app, sources: list[str], model) -> None:
     per_block = [[sae for sae in dictionaries.values() if sae.transcoder
                   and sae.hook_name_out == f"blocks.{layer}.hook_mlp_out"] for layer in range(layers)]
     transcoders = [found[0] for found in per_block] if all(len(found) == 1 for found in per_block) else None
-    if transcoders is not None:
-        graphs.check(model.config, transcoders)
+    try:
+        graphs.check(model.config, transcoders or [])
+    except SmolError:  # not a set a graph can use (each must read its MLP's input): served for their features
+        transcoders = None
     in_stream = {name for name, sae in dictionaries.items() if writes_to_stream(model.config, sae)}
     app.state.dictionaries = Dictionaries(dictionaries, in_stream, transcoders)
 
