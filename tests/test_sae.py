@@ -315,3 +315,24 @@ def test_what_save_sae_writes_sae_lens_reads(kind, activations, tmp_path):
         torch.testing.assert_close(again.encode(x), theirs.encode(x), atol=0, rtol=0)
         torch.testing.assert_close(ours.reconstruct(x), theirs(x), atol=1e-5, rtol=0)
     assert (again.cfg.metadata.hook_name, ours.hook_name) == (theirs.cfg.metadata.hook_name,) * 2
+
+
+def test_a_set_of_sparsify_transcoders_from_a_hub_id_in_the_local_cache(model, tmp_path, monkeypatch):
+    """As EleutherAI's skip transcoders for SmolLM2-135M lie in their repository: a folder per MLP."""
+    import huggingface_hub.constants as hub_constants
+
+    pytest.importorskip("sparsify", reason="eai-sparsify is in the test extra")
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--org--skip-transcoders"
+    for layer in (0, 1):
+        sparsify_dictionary(True, True, model.config.hidden_size, seed=layer).save_to_disk(
+            repo / "snapshots" / commit / f"model.layers.{layer}.mlp")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for name, value in (("HF_HUB_OFFLINE", True), ("HF_HUB_CACHE", str(cache))):
+        monkeypatch.setenv(name, "1" if value is True else value)
+        monkeypatch.setattr(hub_constants, name, value)
+    found = load_saes("org/skip-transcoders", model)
+    assert list(found) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    one = load_sae("org/skip-transcoders/model.layers.1.mlp", model)
+    assert torch.equal(one.W_enc, found["model.layers.1.mlp"].W_enc) and one.hook_name == "blocks.1.ln2.hook_normalized"
