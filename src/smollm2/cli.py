@@ -363,7 +363,7 @@ def serve(args):
     app = load_app(args.model, load=load_options(args), lora=served, speculative=args.speculative,
                    threads=args.threads, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting,
                    max_seq_len=args.max_seq_len, api_key=args.api_key, prefix_cache_bytes=args.prefix_cache * 2**20,
-                   kv_cache_dtype=args.kv_cache_dtype, prefix_cache_dir=args.prefix_cache_dir)
+                   kv_cache_dtype=args.kv_cache_dtype, prefix_cache_dir=args.prefix_cache_dir, saes=args.sae)
     draining.serve(app, args.host, args.port, args.drain_timeout)
 
 
@@ -561,6 +561,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
                         "every weight it does not adapt with the base")
+    c.add_argument("--sae", action="append", default=[], metavar="DIR_OR_HUBID",
+                   help="serve an SAE or transcoder (SAELens's or sparsify's format), or a folder of them (a "
+                        "transcoder per block: attribution graphs), to the page and the API (repeatable)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
                         f"{SERVE_KV_CACHE_DTYPE})")

@@ -129,13 +129,14 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
 
 
 def load_app(src=None, *, load: dict | None = None, lora: dict | None = None, speculative: str | None = "ngram",
-             threads: int | None = None, **options) -> FastAPI:
+             threads: int | None = None, saes: list[str] = (), **options) -> FastAPI:
     """create_app over what sources name, loaded as `smollm2 serve` loads them: the model at `src` (as smollm2.load
     takes it, with `load`'s options: dtype, device, adapter, quantize, kernels) and its tokenizer, served as `src`
     (unless options say model_name); `lora`: more models by name, each the model with the LoRA adapter in that
     directory merged (smollm2.lora.with_adapter); `speculative`: the guesser in the command line's words
     (generation.speculative.speculation: "ngram", "off", "draft:SRC", a draft loaded with `load`'s options but the
-    adapter). options: create_app's.
+    adapter); `saes`: the sparse dictionaries served on the page and the inspect routes (inspect.serve_dictionaries).
+    options: create_app's.
 
     This thread loads everything with one torch thread, and keeps one: the models run on the engine threads,
     `threads` each (default: this thread's count before), and an OpenMP pool of this thread's own, made by the
@@ -149,7 +150,9 @@ def load_app(src=None, *, load: dict | None = None, lora: dict | None = None, sp
     adapters = {name: with_adapter(model, path) for name, path in (lora or {}).items()}
     if src is not None:
         options.setdefault("model_name", str(src))
-    return create_app(model, tokenizer, adapters=adapters, threads=threads, speculative=guesser, **options)
+    app = create_app(model, tokenizer, adapters=adapters, threads=threads, speculative=guesser, **options)
+    inspect.serve_dictionaries(app, saes)
+    return app
 
 
 def own_copy(model: nn.Module) -> nn.Module:

@@ -84,6 +84,7 @@ class Body(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = Field(0, ge=0)
     steering: inspect.Steering | None = None  # our extension: a vector added to this request's residual stream
+    steer: list[inspect.FeatureSteering] = Field([], max_length=inspect.MAX_FEATURE_STEERS)  # ours: by SAE features
 
     def _request(self, prompt: list[int], thread: EngineThread, max_tokens: int | None, names: Names,
                  prepared: Prepared) -> Request:
@@ -159,7 +160,7 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
     except SmolError as e:  # the template refused these messages, or rendering them ran past its bounds
         raise FieldError("messages", str(e)) from None
     check_n(1, body.n, thread)
-    ready = await prepare(body, served, thread, body.logprobs_top, echo=False, tools=tools)
+    ready = await prepare(body, served, thread, connection, body.logprobs_top, echo=False, tools=tools)
     reply = Reply(True, body.model, served.tokenizer, [prompt], body.n, body.logprobs_top, tools=tools)
     return await respond(body, served, [body.to_request(prompt, thread, ready)], reply, connection, tools)
 
@@ -169,7 +170,7 @@ async def completions(body: CompletionBody, connection: Connection, served: AppS
     thread, tokenizer = served.engine(body.model), served.tokenizer
     prompts = [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in body.prompt]
     check_n(len(prompts), body.n, thread)
-    ready = await prepare(body, served, thread, body.logprobs, echo=body.echo)
+    ready = await prepare(body, served, thread, connection, body.logprobs, echo=body.echo)
     requests = [body.to_request(prompt, "prompt" if len(prompts) == 1 else f"prompt.{p}", thread, ready)
                 for p, prompt in enumerate(prompts)]
     reply = Reply(False, body.model, tokenizer, prompts, body.n, body.logprobs)
@@ -182,12 +183,12 @@ def check_n(prompts: int, n: int, thread: EngineThread) -> None:
                        f"server queues ({thread.max_waiting})", param="n")
 
 
-async def prepare(body: Body, served: Served, thread: EngineThread, logprobs: int | None, echo: bool,
-                  tools: Tools | None = None) -> Prepared:
+async def prepare(body: Body, served: Served, thread: EngineThread, connection: Connection, logprobs: int | None,
+                  echo: bool, tools: Tools | None = None) -> Prepared:
     """What the body's requests share beyond its fields: its grammar compiled, its steering's hooks made."""
     return Prepared(await grammar(body.response_format, served.tokenizer, "response_format", tools),
-                    await inspect.steering_hooks(body.steering, thread, served.tokenizer), logprobs,
-                    logprobs if echo else None)
+                    await inspect.steering_hooks(body.steering, thread, served.tokenizer, body.steer, connection),
+                    logprobs, logprobs if echo else None)
 
 
 async def respond(body: Body, served: Served, requests: list[Request], reply: Reply, connection: Connection,
