@@ -302,6 +302,24 @@ def app(args: dict[str, str]):
     return application(recipe, scaling, args.get("routing", "prefix"))
 
 
+def serve_command(args, dtype: torch.dtype, lora: dict[str, str]) -> None:
+    """`smollm2 serve --replicas N` (cli.serve's arguments, its --dtype as a torch dtype, its --lora checked):
+    each replica loads the model as the single server does, with --threads (default: 1) for its scheduler."""
+    if args.device != "cpu":
+        raise SmolError("--replicas: replicas run on the CPU (--device cpu)")
+    if args.speculative not in ("ngram", "off"):
+        raise SmolError(f"--speculative {args.speculative}: replicas speculate by prompt lookup (ngram) or not (off)")
+    options = dict(model_name=args.model or "SmolLM2-135M-Instruct", max_batch_size=args.max_batch_size,
+                   max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
+                   prefix_cache_bytes=args.prefix_cache * 2**20, kv_cache_dtype=args.kv_cache_dtype,
+                   prefix_cache_dir=args.prefix_cache_dir, speculative=None if args.speculative == "off" else "ngram")
+    recipe = Recipe(args.model, dict(dtype=dtype, adapter=args.adapter, quantize=args.quantize,
+                                     kernels=args.kernels), options, lora, args.threads or 1)
+    scaling = Scaling(args.replicas or args.min_replicas or 1, args.min_replicas, args.max_replicas,
+                      args.max_batch_size)
+    run(recipe, scaling, args.host, args.port, args.ray_address)
+
+
 def run(recipe: Recipe, scaling: Scaling, host: str, port: int, ray_address: str | None = None) -> None:
     """`smollm2 serve --replicas N`: serve on host:port until Ctrl-C, on the Ray cluster at ray_address, or on one
     started here (this machine's CPUs, or as many as the most replicas reserve, bound to 127.0.0.1) and stopped
