@@ -7,25 +7,24 @@ Skipped where Ray Serve is not installed (pip install 'smollm2[ray]'; the test e
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
-import os
 import socket
+import subprocess
+import sys
 import time
+import tomllib
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # as replicas.py: the cluster on 127.0.0.1
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-from smollm2.server.replicas import HEADER, Recipe, Scaling, application  # noqa: E402 (after the skip)
-
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
-
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray Serve is not installed (pip install 'smollm2[ray]')")
 NAME = "SmolLM2-135M-Instruct"
-# kv_cache_dtype None: the model's own dtype, in which the server's answers are generate()'s, bit for bit
-RECIPE = Recipe(app=dict(kv_cache_dtype=None, max_batch_size=8), threads=1)
+# Each replica's: the model's own dtype in its KV cache, in which the server's answers are generate()'s, bit for bit
+RECIPE = dict(app=dict(kv_cache_dtype=None, max_batch_size=8), threads=1)
 QUESTIONS = [f"{what} {n}?" for n in range(8) for what in ("What is 2 +", "Name a color, number", "Count to",
                                                                "Say hello to friend number")]
 
@@ -36,14 +35,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_ray_is_an_optional_extra_that_only_replicas_imports():
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("ray")]  # `make run` installs `-e .` alone
+    assert project["optional-dependencies"]["ray"] == ["ray[serve]>=2.60"]
+    assert "ray[serve]>=2.60" in project["optional-dependencies"]["test"]
+    # The server and the command line run without it; --replicas says what to install, in one line.
+    code = ("import sys; sys.modules['ray'] = None; import smollm2.cli, smollm2.server; "
+            f"sys.exit(smollm2.cli.main(['serve', '--replicas', '2', '--port', '{free_port()}']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        "smollm2 serve: error: replicas run under Ray Serve, which is not installed: pip install 'smollm2[ray]'"]
+
+
+@needs_ray
+@pytest.mark.real_model
+def test_routing_key_is_the_prompts_first_chunk():
+    from smollm2 import Tokenizer
+    from smollm2.generation.steps import PREFILL_CHUNK
+    from smollm2.server.replicas import routing_key
+
+    tokenizer = Tokenizer.from_pretrained()
+    system = "You are a careful assistant. " * PREFILL_CHUNK  # far more than a chunk's tokens
+
+    def body(*messages, model=NAME):
+        return json.dumps(dict(model=model, messages=[dict(role="system", content=system), *messages])).encode()
+
+    first = routing_key(body(dict(role="user", content="Hi")), tokenizer)
+    later = routing_key(body(dict(role="user", content="Hi"), dict(role="assistant", content="Hello!"),
+                             dict(role="user", content=[dict(type="text", text="And now?")])), tokenizer)
+    assert first is not None and first == later  # the turns of one conversation go to one replica
+    assert routing_key(body(model="adapter"), tokenizer) != first  # each model has a cache of its own
+    assert routing_key(json.dumps(dict(model=NAME, prompt=system)).encode(), tokenizer) is not None
+    short = dict(model=NAME, messages=[dict(role="user", content="Hi")])
+    for unrouted in (json.dumps(short).encode(), b"not json", b"[[[[" * 100_000, b"{}"):
+        assert routing_key(unrouted, tokenizer) is None  # no chunk to reuse: the replica with fewest requests
+
+
 @pytest.fixture(scope="module")
-def url():
+def cluster():
+    """A local Ray cluster of 2 CPUs serving 2 replicas of RECIPE: (its base URL, the replicas module)."""
+    from smollm2.server import replicas  # before Ray: it has the cluster listen on 127.0.0.1
+    import ray
+    from ray import serve
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options=dict(host="127.0.0.1", port=port))
-        serve.run(application(RECIPE, Scaling(replicas=2)), name="smollm2", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        serve.run(replicas.application(replicas.Recipe(**RECIPE), replicas.Scaling(replicas=2)), name="smollm2",
+                  route_prefix="/")
+        yield f"http://127.0.0.1:{port}", replicas
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -55,27 +97,36 @@ def chat(question: str, max_tokens: int = 12, stream: bool = False) -> dict:
 
 
 async def ask(client: httpx.AsyncClient, body: dict) -> tuple[str, str]:
-    """The answer's text and the replica that gave it, streamed or not."""
+    """The answer's text and the replica that gave it (its header), streamed or not."""
     if not body["stream"]:
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["message"]["content"], r.headers[HEADER]
+        return r.json()["choices"][0]["message"]["content"], r.headers["x-smollm2-replica"]
     text = ""
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-        return text, r.headers[HEADER]
+        return text, r.headers["x-smollm2-replica"]
 
 
 def replicas_running() -> int:
+    from ray import serve
+
     status = serve.status().applications["smollm2"].deployments["Replica"]
     return status.replica_states.get("RUNNING", 0)
 
 
-def test_replicas_answer_as_the_single_server_and_survive_one_killed(url):
-    with TestClient(RECIPE.build()) as single:  # the reference: one in-process app of the same recipe
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
+    import ray
+    from ray import serve
+
+    url, replicas = cluster
+    with TestClient(replicas.Recipe(**RECIPE).build()) as single:  # the reference: one app in this process
         expected = [single.post("/v1/chat/completions", json=chat(q)).json()["choices"][0]["message"]["content"]
                     for q in QUESTIONS]
 
@@ -96,9 +147,10 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(url):
             with client.stream("POST", "/v1/chat/completions", json=long) as other:
                 other_lines = other.iter_lines()
                 next(other_lines)
-                assert doomed.headers[HEADER] != other.headers[HEADER]
+                victim = doomed.headers["x-smollm2-replica"]
+                assert victim != other.headers["x-smollm2-replica"]
                 name = next(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-                            if "Replica" in actor["name"] and actor["name"].endswith(doomed.headers[HEADER]))
+                            if "Replica" in actor["name"] and actor["name"].endswith(victim))
                 ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
                 killed = time.monotonic()
 

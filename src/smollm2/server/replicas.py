@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -112,14 +113,14 @@ class PrefixRouter(RequestRouter):
     """Ray Serve's router for the replicas: a request with a key (Front's: its prompt's first chunk) goes to the
     replica its key hashes highest with (rendezvous hashing: a replica added or gone moves only the keys it wins),
     or, while that one has no room, to the one of the others with the fewest requests; one without a key, to the
-    one with the fewest."""
+    one with the fewest, of equals one at random."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # wait a little before asking again, if all full
         key = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if key is None or len(candidate_replicas) < 2:
-            return [candidate_replicas]
+        if key is None or len(candidate_replicas) < 2:  # in random order: the first of equals wins
+            return [random.sample(candidate_replicas, len(candidate_replicas))]
         owner = max(candidate_replicas, key=lambda replica: hashlib.blake2b(
             f"{key}/{replica.replica_id.unique_id}".encode(), digest_size=8).digest())
         return [[owner], [replica for replica in candidate_replicas if replica is not owner]]
