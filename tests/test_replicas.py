@@ -169,3 +169,16 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
     while replicas_running() != 2:
         assert time.monotonic() < deadline, serve.status()
         time.sleep(0.5)
+
+
+@needs_ray
+def test_scaling_is_a_number_of_replicas_or_autoscaling_on_requests_beyond_a_batch():
+    from smollm2 import SmolError
+    from smollm2.server.replicas import Scaling
+
+    assert Scaling(3, target=8).options() == dict(num_replicas=3, max_ongoing_requests=16)
+    assert Scaling(2, 1, 4, target=8).options() == dict(max_ongoing_requests=16, autoscaling_config=dict(
+        min_replicas=1, max_replicas=4, initial_replicas=2, target_ongoing_requests=8))
+    assert Scaling(1, max_replicas=3).options()["autoscaling_config"]["min_replicas"] == 1
+    with pytest.raises(SmolError, match=r"--min-replicas \(3\) <= --replicas \(2\)"):
+        Scaling(2, min_replicas=3).options()
