@@ -1,7 +1,7 @@
 """Replicas under Ray Serve (smollm2.server.replicas): 1 replica against 2, and prefix routing against random.
 
     .venv/bin/python benchmarks/replicas.py [--clients 16] [--requests 32] [--max-tokens 48]
-                                            [--conversations 8] [--turns 4]
+                                            [--conversations 8] [--turns 4] [--routing-replicas 2] [--no-speed]
 
 One local Ray cluster of --cpus CPUs (default: 2); each replica serves the embedded model with 1 thread (one CPU).
 
@@ -9,9 +9,10 @@ Speed: --requests greedy chat questions, each asked once and answering --max-tok
 to 1 replica and then to 2, the same load; the figure is generated tokens per second of wall time, and the ratio
 2 replicas / 1. The client, Ray Serve's proxy and the front deployment run on the same CPUs as the replicas.
 
-Prefix routing: --conversations chats at once, each of --turns turns in order (each turn the whole history again,
-answers included), each chat with a system prompt of its own longer than one prefill chunk (PREFILL_CHUNK tokens),
-as a conversation with an agent's long instructions. Run twice on 2 replicas started afresh: routed by the
+Prefix routing: on --routing-replicas replicas, --conversations chats at once, each of --turns turns in order
+(each turn the whole history again, answers included), each chat with a system prompt of its own longer than one
+prefill chunk (PREFILL_CHUNK tokens), as a conversation with an agent's long instructions: after a chat's first
+turn, each later turn can find that chunk in the cache of the replica that computed it. Run twice on replicas started afresh: routed by the
 prompt's first chunk (PrefixRouter) and by Ray Serve's own router (two replicas at random, the one with fewer
 requests). The figure is the prefix cache's hit rate, hit tokens over the prompt tokens looked up, summed over the
 replicas (each replica's /metrics, which the x-smollm2-replica header tells apart), and the time the chats took.
@@ -109,37 +110,41 @@ def prefix_counts(url: str, replicas: int) -> tuple[float, float]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--cpus", type=int, default=2, help="the Ray cluster's")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--routing-replicas", type=int, default=2, help="replicas for the routing runs (more than --cpus "
+                                                                     "share the CPUs: their hit rates still count)")
+    p.add_argument("--no-speed", action="store_true", help="the routing runs alone")
     args = p.parse_args()
 
     recipe = Recipe(threads=1)  # `smollm2 serve`'s defaults (bf16 KV cache, 8 rows), one thread
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, Ray cluster of {args.cpus}; load average before: "
           f"{os.getloadavg()[0]:.2f}")
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=max(args.cpus, args.routing_replicas), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options=dict(host="127.0.0.1", port=port))
     try:
         rates = {}
-        for replicas in (1, 2):
+        for replicas in () if args.no_speed else (1, 2):
             url = started(replicas, "prefix", port, recipe)
             asyncio.run(speed(url, 2 * replicas, 2 * replicas, 4, "warm-up"))
             rates[replicas] = asyncio.run(speed(url, args.requests, args.clients, args.max_tokens, "timed"))
             serve.delete("smollm2")
             print(f"{replicas} replica(s): {rates[replicas]:.1f} generated tokens/s "
                   f"({args.requests} requests, {args.clients} at a time, {args.max_tokens} tokens each)", flush=True)
-        print(f"2 replicas / 1: {rates[2] / rates[1]:.2f}x")
+        if rates:
+            print(f"2 replicas / 1: {rates[2] / rates[1]:.2f}x")
 
         for routing in ("prefix", "random"):
-            url = started(2, routing, port, recipe)
+            url = started(args.routing_replicas, routing, port, recipe)
             seconds = asyncio.run(conversations(url, args.conversations, args.turns))
-            queried, hit = prefix_counts(url, 2)
+            queried, hit = prefix_counts(url, args.routing_replicas)
             serve.delete("smollm2")
-            print(f"{routing} routing: prefix cache hit rate {hit / queried:.1%} ({hit:.0f} of {queried:.0f} prompt "
+            print(f"{routing} routing, {args.routing_replicas} replicas: prefix cache hit rate {hit / queried:.1%} ({hit:.0f} of {queried:.0f} prompt "
                   f"tokens), {args.conversations} chats of {args.turns} turns in {seconds:.1f} s", flush=True)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -220,11 +221,13 @@ class Front:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, connection: Connection):
-        body = b""
+        pieces, size = [], 0
         async for piece in connection.stream():
-            body += piece
-            if len(body) > self.max_body_bytes:
+            pieces.append(piece)
+            size += len(piece)
+            if size > self.max_body_bytes:
                 break
+        body = b"".join(pieces)
         key = routing_key(body, self.tokenizer) if len(body) <= self.max_body_bytes else None
         request = dict(method=connection.method, path=connection.url.path, query=connection.url.query,
                        headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in connection.headers.raw],
@@ -246,7 +249,8 @@ class Front:
 
 
 async def rest(answer, anthropic: bool):
-    """An answer's body after its start; where its replica dies on the way, an error event ends it."""
+    """An answer's body after its start; where its replica dies on the way, an error event ends it. Closed
+    early (the client went away), the replica's answer is cancelled, which frees its rows."""
     try:
         async for piece in answer:
             yield piece
@@ -256,6 +260,8 @@ async def rest(answer, anthropic: bool):
             yield f"event: error\ndata: {json.dumps(error(True, message))}\n\n".encode()
         else:
             yield f"data: {json.dumps(error(False, message))}\n\n".encode()
+    finally:
+        answer.cancel()  # nothing to do once it has ended
 
 
 def error(anthropic: bool, message: str) -> dict:
@@ -274,7 +280,8 @@ def application(recipe: Recipe, scaling: Scaling, routing: str = "prefix"):
     replicas = serve.deployment(Replica, name="Replica", ray_actor_options=dict(num_cpus=recipe.threads),
                                 **scaling.options(), **router)
     front = serve.deployment(Front, name="Front", ray_actor_options=dict(num_cpus=0), max_ongoing_requests=4096)
-    return front.bind(replicas.bind(recipe), recipe.model, recipe.app.get("max_body_bytes", 1 << 20))
+    limit = recipe.app.get("max_body_bytes", inspect.signature(create_app).parameters["max_body_bytes"].default)
+    return front.bind(replicas.bind(recipe), recipe.model, limit)
 
 
 def app(args: dict[str, str]):
@@ -294,10 +301,10 @@ def app(args: dict[str, str]):
             raise SmolError(f"{name} must be a whole number of at least 1, not {args[name]!r}")
         return int(args[name])
 
-    rows = number("max_batch_size", 8)
+    rows = number("max_batch_size", inspect.signature(create_app).parameters["max_batch_size"].default)
     options = dict(model_name=args.get("model", "SmolLM2-135M-Instruct"), max_batch_size=rows,
-                   kv_cache_dtype=args.get("kv_cache_dtype", "bf16"), prefix_cache_dir=args.get("prefix_cache_dir"),
-                   api_key=args.get("api_key"))
+                   kv_cache_dtype=args.get("kv_cache_dtype", "bf16"),  # as `smollm2 serve`: half fp32's memory
+                   prefix_cache_dir=args.get("prefix_cache_dir"), api_key=args.get("api_key"))
     recipe = Recipe(args.get("model"), app=options, threads=number("threads", 1))
     scaling = Scaling(number("replicas", 1), number("min_replicas", None), number("max_replicas", None), rows)
     return application(recipe, scaling, args.get("routing", "prefix"))
