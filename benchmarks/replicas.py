@@ -122,9 +122,10 @@ def main():
     args = p.parse_args()
 
     recipe = Recipe(threads=1)  # `smollm2 serve`'s defaults (bf16 KV cache, 8 rows), one thread
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs, Ray cluster of {args.cpus}; load average before: "
+    cpus = max(args.cpus, args.routing_replicas)
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, Ray cluster of {cpus}; load average before: "
           f"{os.getloadavg()[0]:.2f}")
-    ray.init(num_cpus=max(args.cpus, args.routing_replicas), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options=dict(host="127.0.0.1", port=port))
     try:

@@ -1,6 +1,7 @@
 """Replicas under Ray Serve (smollm2.server.replicas): 2 replicas of the embedded model, 1 thread each, on a local
 Ray cluster of 2 CPUs, answer as the single server does, streamed or not; a replica killed is replaced, the request
-it was streaming ends with an error event, the other replica's runs on, and new requests are answered meanwhile.
+it was streaming ends with an error event, the one it had not begun answering is answered by the other replica,
+whose own stream runs on, and new requests are answered meanwhile.
 Skipped where Ray Serve is not installed (pip install 'smollm2[ray]'; the test extra has it). ~1-2 min on 2 cores.
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -126,9 +128,13 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
     from ray import serve
 
     url, replicas = cluster
+    system = dict(role="system", content="You are a storyteller who answers at length. " * 60)  # > 512 tokens
+    waiting = dict(chat("Tell me about a castle.", max_tokens=300), messages=[system, dict(
+        role="user", content="Tell me about a castle.")])
     with TestClient(replicas.Recipe(**RECIPE).build()) as single:  # the reference: one app in this process
         expected = [single.post("/v1/chat/completions", json=chat(q)).json()["choices"][0]["message"]["content"]
                     for q in QUESTIONS]
+        waiting_expected = single.post("/v1/chat/completions", json=waiting).json()["choices"][0]["message"]
 
     async def concurrently():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -138,17 +144,20 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
     assert [text for text, _ in answers] == expected  # 32 concurrent chats, half of them streamed
     assert len({replica for _, replica in answers}) == 2  # both replicas answered
 
-    # Two long answers streaming, one on each replica; the first one's replica is killed mid-answer.
-    long = chat("Write a long story about a dragon.", max_tokens=400, stream=True)
-    with httpx.Client(base_url=url, timeout=120) as client:
-        with client.stream("POST", "/v1/chat/completions", json=long) as doomed:
+    # On replica X: a long answer streaming, and one not streamed (nothing of it sent yet), both behind one long
+    # system prompt (a routing key: one replica). On the other: a long answer streaming. Then X is killed.
+    doomed_body = dict(waiting, stream=True, max_tokens=400)
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/v1/chat/completions", json=doomed_body) as doomed:
             doomed_lines = doomed.iter_lines()
             next(doomed_lines)  # decoding has begun
-            with client.stream("POST", "/v1/chat/completions", json=long) as other:
+            victim = doomed.headers["x-smollm2-replica"]
+            retried = pool.submit(client.post, "/v1/chat/completions", json=waiting)
+            time.sleep(1)  # it is on X now: the same key, and X has room
+            with client.stream("POST", "/v1/chat/completions", json=chat("Write a long story.", 400, True)) as other:
                 other_lines = other.iter_lines()
                 next(other_lines)
-                victim = doomed.headers["x-smollm2-replica"]
-                assert victim != other.headers["x-smollm2-replica"]
+                assert other.headers["x-smollm2-replica"] != victim  # the replica with fewer requests
                 name = next(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
                             if "Replica" in actor["name"] and actor["name"].endswith(victim))
                 ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
@@ -157,6 +166,11 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
                 # The doomed stream ends with an error event, which says what happened.
                 events = [json.loads(line[6:]) for line in doomed_lines if line.startswith("data: {")]
                 assert "error" in events[-1] and "replica" in events[-1]["error"]["message"], events[-1]
+
+                # The request X had not begun answering is answered by another replica, from the start.
+                answer = retried.result()
+                assert answer.status_code == 200 and answer.headers["x-smollm2-replica"] != victim
+                assert answer.json()["choices"][0]["message"] == waiting_expected
 
                 # Meanwhile new requests are answered, by the replica left or the new one.
                 fresh = client.post("/v1/chat/completions", json=chat(QUESTIONS[0]))
