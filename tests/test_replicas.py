@@ -8,6 +8,7 @@ Skipped where Ray Serve is not installed (pip install 'smollm2[ray]'; the test e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import socket
@@ -183,6 +184,34 @@ def test_replicas_answer_as_the_single_server_and_survive_one_killed(cluster):
     while replicas_running() != 2:
         assert time.monotonic() < deadline, serve.status()
         time.sleep(0.5)
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_serve_replicas_joins_a_running_cluster(cluster, tiny_dir):
+    """`smollm2 serve --replicas 1 --ray-address` on the cluster above (whose Serve keeps its HTTP port): its
+    application, the tiny model, replaces the one there; Ctrl-C removes it and leaves the cluster's Serve running."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    url, _ = cluster
+    command = [sys.executable, "-m", "smollm2", "serve", "--replicas", "1", "--model", str(tiny_dir),
+               "--ray-address", ray.get_runtime_context().gcs_address, "--port", str(free_port())]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == str(tiny_dir):
+                    break
+            time.sleep(1)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 130  # as the CLI ends on Ctrl-C
+    assert "smollm2" not in serve.status().applications
+    assert serve.status().proxies  # Serve itself runs on
 
 
 @needs_ray

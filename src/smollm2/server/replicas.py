@@ -329,9 +329,10 @@ def serve_command(args, dtype: torch.dtype, lora: dict[str, str]) -> None:
 
 
 def run(recipe: Recipe, scaling: Scaling, host: str, port: int, ray_address: str | None = None) -> None:
-    """`smollm2 serve --replicas N`: serve on host:port until Ctrl-C, on the Ray cluster at ray_address, or on one
-    started here (this machine's CPUs, or as many as the most replicas reserve, bound to 127.0.0.1) and stopped
-    after."""
+    """`smollm2 serve --replicas N`: serve on host:port until Ctrl-C, on a Ray cluster started here (this machine's
+    CPUs, or as many as the most replicas reserve; on 127.0.0.1) and stopped after, or on the one at ray_address
+    (ray.init's address), from which the application is removed after; where Ray Serve already runs there, its HTTP
+    address stays what it is."""
     scaling.options()  # bad numbers fail before Ray starts
     if ray_address is None:
         most = max(scaling.replicas, scaling.max_replicas or 0) * recipe.threads
@@ -342,5 +343,8 @@ def run(recipe: Recipe, scaling: Scaling, host: str, port: int, ray_address: str
         serve.start(http_options=dict(host=host, port=port))
         serve.run(application(recipe, scaling), name="smollm2", route_prefix="/", blocking=True)
     finally:
-        serve.shutdown()
+        if ray_address is None:
+            serve.shutdown()
+        else:
+            serve.delete("smollm2")  # the cluster's Serve, and what else it serves, go on
         ray.shutdown()
