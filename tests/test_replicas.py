@@ -225,3 +225,19 @@ def test_scaling_is_a_number_of_replicas_or_autoscaling_on_requests_beyond_a_bat
     assert Scaling(1, max_replicas=3).options()["autoscaling_config"]["min_replicas"] == 1
     with pytest.raises(SmolError, match=r"--min-replicas \(3\) <= --replicas \(2\)"):
         Scaling(2, min_replicas=3).options()
+
+
+@needs_ray
+def test_serve_runs_application_builder_takes_key_value_arguments():
+    from ray.serve import Application
+
+    from smollm2 import SmolError
+    from smollm2.server.replicas import app
+
+    assert isinstance(app({"replicas": "2", "threads": "1", "routing": "random"}), Application)
+    with pytest.raises(SmolError, match="unknown argument"):
+        app({"replica": "2"})
+    with pytest.raises(SmolError, match="threads must be a whole number"):
+        app({"threads": "0"})
+    with pytest.raises(SmolError, match="routing must be prefix or random"):
+        app({"routing": "hash"})
