@@ -51,13 +51,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 try:
     import ray
     from ray import serve
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import RayActorError
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import RequestRouter
 except ImportError:
     raise SmolError("replicas run under Ray Serve, which is not installed: pip install 'smollm2[ray]'") from None
 
-REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+REPLICA_GONE = RayActorError  # its process died (ActorDiedError) or cannot be reached (ActorUnavailableError)
 RETRY_S = 30  # how long a request that no replica has begun answering waits for one to take it (Ray replaces them)
 HEADER = "x-smollm2-replica"  # which replica answered
 
@@ -76,7 +76,6 @@ class Recipe:
 
     def build(self) -> FastAPI:
         """The single server's app, as `smollm2 serve` builds it; the caller runs its lifespan."""
-        torch.set_num_threads(1)  # the model runs on the scheduler's thread (see cli.serve)
         model = load(self.model, **self.load)
         adapters = {name: with_adapter(model, path) for name, path in self.lora.items()}
         return create_app(model, Tokenizer.from_pretrained(self.model), adapters=adapters, threads=self.threads,
