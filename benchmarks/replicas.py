@@ -121,7 +121,7 @@ def main():
     p.add_argument("--no-speed", action="store_true", help="the routing runs alone")
     args = p.parse_args()
 
-    recipe = Recipe(threads=1)  # `smollm2 serve`'s defaults (bf16 KV cache, 8 rows), one thread
+    recipe = Recipe(options=dict(threads=1))  # create_app's defaults (the model's dtype in the KV cache), one thread
     cpus = max(args.cpus, args.routing_replicas)
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, Ray cluster of {cpus}; load average before: "
           f"{os.getloadavg()[0]:.2f}")

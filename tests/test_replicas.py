@@ -27,7 +27,7 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray Serve is not installed (pip install 'smollm2[ray]')")
 NAME = "SmolLM2-135M-Instruct"
 # Each replica's: the model's own dtype in its KV cache, in which the server's answers are generate()'s, bit for bit
-RECIPE = dict(app=dict(kv_cache_dtype=None, max_batch_size=8), threads=1)
+RECIPE = dict(options=dict(kv_cache_dtype=None, max_batch_size=8, threads=1))
 QUESTIONS = [f"{what} {n}?" for n in range(8) for what in ("What is 2 +", "Name a color, number", "Count to",
                                                                "Say hello to friend number")]
 

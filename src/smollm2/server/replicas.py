@@ -32,17 +32,15 @@ import os
 import random
 from dataclasses import dataclass, field
 
-import torch
 from fastapi import FastAPI
 from starlette.requests import Request as Connection
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..errors import SmolError
 from ..generation.steps import PREFILL_CHUNK
-from ..loading import load
-from ..lora import with_adapter
 from ..tokenizer import Tokenizer
-from .app import create_app
+from . import scheduler
+from .app import create_app, load_app
 
 # A Ray cluster this process starts (run() without an address, the tests') is this machine's alone: this has Ray
 # give its processes the loopback address, which they listen on, as it does on macOS and Windows, rather than the
@@ -64,22 +62,19 @@ HEADER = "x-smollm2-replica"  # which replica answered
 
 @dataclass(frozen=True)
 class Recipe:
-    """What each replica loads and serves: the model at `model` (smollm2.load's source; None: the embedded
-    SmolLM2-135M-Instruct) loaded with `load`'s keywords (dtype, adapter, quantize, kernels), the LoRA adapters
-    `lora` (name -> directory) served beside it, and create_app's other keywords in `app`; its scheduler runs
-    `threads` CPU threads, which is what Ray reserves it. Plain values: Ray hands them to each replica."""
+    """What each replica loads and serves: load_app's source and keywords (`smollm2 serve`'s: load, lora,
+    speculative, threads, and create_app's), plain values that Ray hands to each replica. Its engine threads run
+    `threads` CPU threads (default: 1), which is what Ray reserves it."""
     model: str | None = None
-    load: dict = field(default_factory=dict)
-    app: dict = field(default_factory=dict)
-    lora: dict = field(default_factory=dict)
-    threads: int = 1
+    options: dict = field(default_factory=dict)
+
+    @property
+    def threads(self) -> int:
+        return self.options.get("threads") or 1
 
     def build(self) -> FastAPI:
-        """The single server's app, as `smollm2 serve` builds it; the caller runs its lifespan."""
-        model = load(self.model, **self.load)
-        adapters = {name: with_adapter(model, path) for name, path in self.lora.items()}
-        return create_app(model, Tokenizer.from_pretrained(self.model), adapters=adapters, threads=self.threads,
-                          **self.app)
+        """The single server's app, as `smollm2 serve` loads it; the caller runs its lifespan."""
+        return load_app(self.model, **{**self.options, "threads": self.threads})
 
 
 @dataclass(frozen=True)
@@ -279,7 +274,8 @@ def application(recipe: Recipe, scaling: Scaling, routing: str = "prefix"):
     replicas = serve.deployment(Replica, name="Replica", ray_actor_options=dict(num_cpus=recipe.threads),
                                 **scaling.options(), **router)
     front = serve.deployment(Front, name="Front", ray_actor_options=dict(num_cpus=0), max_ongoing_requests=4096)
-    limit = recipe.app.get("max_body_bytes", inspect.signature(create_app).parameters["max_body_bytes"].default)
+    limit = recipe.options.get("max_body_bytes",
+                               inspect.signature(create_app).parameters["max_body_bytes"].default)
     return front.bind(replicas.bind(recipe), recipe.model, limit)
 
 
@@ -300,31 +296,13 @@ def app(args: dict[str, str]):
             raise SmolError(f"{name} must be a whole number of at least 1, not {args[name]!r}")
         return int(args[name])
 
-    rows = number("max_batch_size", inspect.signature(create_app).parameters["max_batch_size"].default)
-    options = dict(model_name=args.get("model", "SmolLM2-135M-Instruct"), max_batch_size=rows,
+    rows = number("max_batch_size", scheduler.MAX_BATCH_SIZE)
+    options = dict(max_batch_size=rows, threads=number("threads", 1),
                    kv_cache_dtype=args.get("kv_cache_dtype", "bf16"),  # as `smollm2 serve`: half fp32's memory
                    prefix_cache_dir=args.get("prefix_cache_dir"), api_key=args.get("api_key"))
-    recipe = Recipe(args.get("model"), app=options, threads=number("threads", 1))
+    recipe = Recipe(args.get("model"), options)
     scaling = Scaling(number("replicas", 1), number("min_replicas", None), number("max_replicas", None), rows)
     return application(recipe, scaling, args.get("routing", "prefix"))
-
-
-def serve_command(args, dtype: torch.dtype, lora: dict[str, str]) -> None:
-    """`smollm2 serve --replicas N` (cli.serve's arguments, its --dtype as a torch dtype, its --lora checked):
-    each replica loads the model as the single server does, with --threads (default: 1) for its scheduler."""
-    if args.device != "cpu":
-        raise SmolError("--replicas: replicas run on the CPU (--device cpu)")
-    if args.speculative not in ("ngram", "off"):
-        raise SmolError(f"--speculative {args.speculative}: replicas speculate by prompt lookup (ngram) or not (off)")
-    options = dict(model_name=args.model or "SmolLM2-135M-Instruct", max_batch_size=args.max_batch_size,
-                   max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
-                   prefix_cache_bytes=args.prefix_cache * 2**20, kv_cache_dtype=args.kv_cache_dtype,
-                   prefix_cache_dir=args.prefix_cache_dir, speculative=None if args.speculative == "off" else "ngram")
-    recipe = Recipe(args.model, dict(dtype=dtype, adapter=args.adapter, quantize=args.quantize,
-                                     kernels=args.kernels), options, lora, args.threads or 1)
-    scaling = Scaling(args.replicas or args.min_replicas or 1, args.min_replicas, args.max_replicas,
-                      args.max_batch_size)
-    run(recipe, scaling, args.host, args.port, args.ray_address)
 
 
 def run(recipe: Recipe, scaling: Scaling, host: str, port: int, ray_address: str | None = None) -> None:
@@ -332,10 +310,12 @@ def run(recipe: Recipe, scaling: Scaling, host: str, port: int, ray_address: str
     CPUs, or as many as the most replicas reserve; on 127.0.0.1) and stopped after, or on the one at ray_address
     (ray.init's address), from which the application is removed after; where Ray Serve already runs there, its HTTP
     address stays what it is."""
+    if recipe.options.get("load", {}).get("device", "cpu") != "cpu":
+        raise SmolError("--replicas: replicas run on the CPU (--device cpu)")
     scaling.options()  # bad numbers fail before Ray starts
     if ray_address is None:
         most = max(scaling.replicas, scaling.max_replicas or 0) * recipe.threads
-        ray.init(num_cpus=max(os.cpu_count() or 1, most), include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(num_cpus=max(os.cpu_count() or 1, most), include_dashboard=False)
     else:
         ray.init(address=ray_address)
     try:
