@@ -360,11 +360,17 @@ def serve(args):
         raise SmolError("--compile is not supported by serve")
     check_address(args.host, args.port)
     served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
-    app = load_app(args.model, load=load_options(args), lora=served, speculative=args.speculative,
-                   threads=args.threads, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting,
-                   max_seq_len=args.max_seq_len, api_key=args.api_key, prefix_cache_bytes=args.prefix_cache * 2**20,
+    options = dict(load=load_options(args), lora=served, speculative=args.speculative, threads=args.threads,
+                   max_batch_size=args.max_batch_size, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len,
+                   api_key=args.api_key, prefix_cache_bytes=args.prefix_cache * 2**20,
                    kv_cache_dtype=args.kv_cache_dtype, prefix_cache_dir=args.prefix_cache_dir, saes=args.sae)
-    draining.serve(app, args.host, args.port, args.drain_timeout)
+    if args.replicas or args.min_replicas or args.max_replicas or args.ray_address:  # each replica loads the model
+        from .server import replicas
+        scaling = replicas.Scaling(args.replicas or args.min_replicas or 1, args.min_replicas, args.max_replicas,
+                                   args.max_batch_size)
+        replicas.run(replicas.Recipe(args.model, options), scaling, args.host, args.port, args.ray_address)
+    else:
+        draining.serve(load_app(args.model, **options), args.host, args.port, args.drain_timeout)
 
 
 def prepare(args):
@@ -579,6 +585,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--drain-timeout", type=whole_number(0, 3600), default=20, metavar="SECONDS",
                    help="on SIGTERM, wait this long for the requests in flight, refusing new ones with 503, then end "
                         "those left and exit (default: 20)")
+    c.add_argument("--replicas", type=whole_number(1, 1024), metavar="N",
+                   help="run N replicas under Ray Serve behind the one endpoint, --threads each (default: 1), "
+                        "requests of one prompt prefix to one replica (pip install 'smollm2[ray]')")
+    c.add_argument("--min-replicas", type=whole_number(1, 1024), metavar="N", help="autoscale from N replicas")
+    c.add_argument("--max-replicas", type=whole_number(1, 1024), metavar="N", help="autoscale up to N replicas")
+    c.add_argument("--ray-address", metavar="ADDRESS", help="join this Ray cluster (default: start one here)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "
