@@ -5,9 +5,9 @@
  *
  * References sum in double; the kernels in float32 and in other orders, so results are compared within
  * tolerances relative to the magnitude of what was summed. What the kernels promise bit for bit is compared
- * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
- * giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize rounds),
- * and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
+ * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K,
+ * Q5_0, Q5_1) giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize
+ * rounds), and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
  *
  * Prints one line per check, then a hash of every result's bits, then "N passed, M failed"; exits 1 on any
  * failure. */
@@ -18,9 +18,9 @@
 #include <string.h>
 
 /* As kernels.c (and the Python side) number and lay them out. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
-enum { BLOCK = 32 };
-static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 24, 28, 32};  /* by type; 0: not blocks */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
+enum { BLOCK = 32, TYPES = 11 };
+static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 24, 28, 32, 24, 28};  /* by type; 0: not blocks */
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K);
@@ -48,7 +48,8 @@ struct cache {  /* kernels.c's struct cache, field for field */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
 
-static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0",
+                                  "q5_1"};
 static int passed, failed;
 
 /* ---- inputs: a fixed-seed generator, bf16 conversions ---- */
@@ -173,8 +174,8 @@ static struct weights random_weights(int w_type, long N, long K) {
         /* Blocks in kernels.c's layout, their scales float32 as packed.py makes them: a float16's value (11
          * significant bits, either sign), or for K-quants a product of one with the sub-block's integer scale
          * (and minus dmin times its integer min), as gguf computes them. Each value is decoded as
-         * gguf.quants.dequantize does in float32, operation by operation: Q4_1 d * q + m; Q8_0 d * q; Q4_0
-         * d * (q - 8); Q4_K, Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). */
+         * gguf.quants.dequantize does in float32, operation by operation: Q4_1, Q5_1 d * q + m; Q8_0 d * q;
+         * Q4_0 d * (q - 8); Q5_0 d * (q - 16); Q4_K, Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). */
         const long bytes = BLOCK_BYTES[w_type];
         uint8_t *blocks = calloc(N * K / BLOCK, bytes);
         for (long b = 0; b < N * K / BLOCK; b++) {
@@ -192,9 +193,9 @@ static struct weights random_weights(int w_type, long N, long K) {
                 continue;
             }
             int q[BLOCK];
-            const int levels = w_type == Q5_K ? 32 : w_type == Q6_K ? 64 : 16;
+            const int levels = w_type == Q5_K || w_type == Q5_0 || w_type == Q5_1 ? 32 : w_type == Q6_K ? 64 : 16;
             for (int j = 0; j < BLOCK; j++) q[j] = (int)(next_random() % levels);
-            uint8_t *nibbles = block + (w_type == Q4_0 ? 4 : 8);
+            uint8_t *nibbles = block + (w_type == Q4_0 || w_type == Q5_0 ? 4 : 8);
             uint32_t fifth = 0, sixth = 0;
             for (int j = 0; j < BLOCK / 2; j++)  /* byte j: weight j in its low half, j + 16 in its high */
                 nibbles[j] = (uint8_t)((q[j] & 15) | (q[j + BLOCK / 2] & 15) << 4);
@@ -209,6 +210,15 @@ static struct weights random_weights(int w_type, long N, long K) {
                 float d = sign * ldexpf((float)(1024 + next_random() % 1024), -16);
                 memcpy(block, &d, 4);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 8);
+            } else if (w_type == Q5_0) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -17);
+                memcpy(block, &d, 4), memcpy(nibbles + 16, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 16);
+            } else if (w_type == Q5_1) {
+                float d = ldexpf((float)(1024 + next_random() % 1024), -17);
+                float m = sign * ldexpf((float)(1024 + next_random() % 1024), -13);
+                memcpy(block, &d, 4), memcpy(block + 4, &m, 4), memcpy(nibbles + 16, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
             } else if (w_type == Q4_K || w_type == Q5_K) {
                 float d = sign * ldexpf((float)(1024 + next_random() % 1024), -20);
                 float dmin = ldexpf((float)(1024 + next_random() % 1024), -19);
@@ -562,7 +572,8 @@ static void check_layer(int type, int w_type, int vd_type, long B, long T, long 
             w[i].data = as_type(w[i].values, sizes[i][0] * sizes[i][1], w_type);
         }
     }
-    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's and Q6_K's -0: sums from +0 stay +0) */
+    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's, Q5_0's, Q6_K's -0: sums from +0 stay
+                    * +0) */
         memset(w[3].data, 0, weight_bytes(w_type, BC, QD));
         memset(w[3].values, 0, sizeof(float) * BC * QD);
     }
@@ -713,6 +724,14 @@ int main(void) {
         check_blocks(F32, F32, 2, 3, D, 0);
         check_blocks(BF16, BF16, 2, 3, D, 0);
     }
+    /* the types added later, last: every check above keeps its inputs */
+    for (int w_type = Q5_0; w_type < TYPES; w_type++) {
+        for (int x_type = F32; x_type <= BF16; x_type++)
+            for (long K = 64; K <= 96; K += 32) check_linear(x_type, w_type, K);
+        check_blocks(F32, w_type, 2, 3, 32, 0);
+        check_blocks(F32, w_type, 2, 3, 64, 1);
+    }
+    check_layer(F32, Q5_0, Q8_0, 2, 3, 32, 0);  /* a Q4_K_M file's matrices of rows off super-blocks (the 135M's) */
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

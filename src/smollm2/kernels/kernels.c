@@ -54,18 +54,20 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
  *   Q4_1, Q4_K: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
  *   Q8_0: scale a, 32 int8 q; a * q
  *   Q4_0: scale a, 16 bytes as Q4_1's; a * (q - 8)
- *   Q5_K: as Q4_K, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
+ *   Q5_K, Q5_1: as Q4_1, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
+ *   Q5_0: scale a, 16 bytes as Q4_1's, 32 bits as Q5_1's; a * (q - 16)
  *   Q6_K: scales a0 (weights 0-15) and a1 (16-31), 16 bytes as Q4_1's, then two words of bits: q's fifth and
  *         sixth; a0 or a1 times (q - 32)
  * A weight is computed exactly as the float32 value the loader decoded (gguf.quants.dequantize): the products
- * a * q of Q4_0, Q4_1, Q4_K, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact; adding b rounds
- * once, as there (Q4_K's b is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds
- * once, its one float32 product there too. So streaming the blocks gives a float32 model's results from 5-8 bits a
- * weight instead of 32. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
-enum { WIDE = 9 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+ * a * q of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact; adding
+ * b rounds once, as there (Q4_K's b is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32)
+ * rounds once, its one float32 product there too. So streaming the blocks gives a float32 model's results from 5-8
+ * bits a weight instead of 32. */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
+enum { WIDE = 11 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
-enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q4_K_BYTES = 24, Q5_K_BYTES = 28, Q6_K_BYTES = 32 };
+enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q4_K_BYTES = 24, Q5_K_BYTES = 28, Q6_K_BYTES = 32,
+       Q5_0_BYTES = 24, Q5_1_BYTES = 28 };
 
 static inline long block_bytes(int type) {  /* bytes a block of `type`; 0 for types of one value an element */
     switch (type) {
@@ -75,6 +77,8 @@ static inline long block_bytes(int type) {  /* bytes a block of `type`; 0 for ty
     case Q4_K: return Q4_K_BYTES;
     case Q5_K: return Q5_K_BYTES;
     case Q6_K: return Q6_K_BYTES;
+    case Q5_0: return Q5_0_BYTES;
+    case Q5_1: return Q5_1_BYTES;
     default: return 0;
     }
 }
@@ -217,8 +221,8 @@ static inline vi lane_bits(int first) {
 
 /* Block i's 32 weights as BLOCK / LANES vectors (the layouts above). Bytes of 4-bit q hold weights j (low 4 bits)
  * and j + 16 (high): a vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take
- * only 16 values, so with AVX-512 each weight is a lane permutation of those values by its q. Q5_K's and Q6_K's
- * further bits are tested lane by lane against the word of bits (a mask, then the bit's value: no variable
+ * only 16 values, so with AVX-512 each weight is a lane permutation of those values by its q. The 5-bit types' and
+ * Q6_K's further bits are tested lane by lane against the word of bits (a mask, then the bit's value: no variable
  * shifts, which SSE2 lacks). */
 static inline __attribute__((always_inline)) void load_block(const void *p, long i, int type, vf *out) {
     const uint8_t *block = (const uint8_t *)p + i * block_bytes(type);
@@ -249,15 +253,18 @@ static inline __attribute__((always_inline)) void load_block(const void *p, long
 #endif
         return;
     }
-    const uint8_t *q = block + 8;
+    const uint8_t *q = block + (type == Q5_0 ? 4 : 8);
     uint32_t fifth, sixth = 0;
-    memcpy(&fifth, block + 24, 4);
+    memcpy(&fifth, q + 16, 4);
     if (type == Q6_K) memcpy(&sixth, block + 28, 4);
     for (int v = 0; v < 16 / LANES; v++) {
         vi bytes = load_u8(q + v * LANES), low = bytes & 15, high = bytes >> 4;
         const vi low_bits = lane_bits(v * LANES), high_bits = lane_bits(16 + v * LANES);
         low |= ((low_bits & (int32_t)fifth) != 0) & 16, high |= ((high_bits & (int32_t)fifth) != 0) & 16;
-        if (type == Q5_K) {
+        if (type == Q5_0) {
+            out[v] = splat(a) * __builtin_convertvector(low - 16, vf);
+            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high - 16, vf);
+        } else if (type == Q5_K || type == Q5_1) {
             out[v] = splat(a) * __builtin_convertvector(low, vf) + b;
             out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high, vf) + b;
         } else {
@@ -493,7 +500,8 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
             dot_rows_of(x, X, (const char *)w + offset_of((n + j) * K, W), W, B, K, sums + j);                 \
     }
 #define DOT_ROWS_OF_ALL(X) DOT_ROWS_AS(X, F32) DOT_ROWS_AS(X, BF16) DOT_ROWS_AS(X, I8) DOT_ROWS_AS(X, Q4_1)       \
-    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)
+    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)      \
+    DOT_ROWS_AS(X, Q5_0) DOT_ROWS_AS(X, Q5_1)
 DOT_ROWS_OF_ALL(F32)
 DOT_ROWS_OF_ALL(BF16)
 
@@ -510,6 +518,8 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
     case Q4_K: dot_rows_##X##_Q4_K(x, w, B, n, K, sums); break;                    \
     case Q5_K: dot_rows_##X##_Q5_K(x, w, B, n, K, sums); break;                    \
     case Q6_K: dot_rows_##X##_Q6_K(x, w, B, n, K, sums); break;                    \
+    case Q5_0: dot_rows_##X##_Q5_0(x, w, B, n, K, sums); break;                    \
+    case Q5_1: dot_rows_##X##_Q5_1(x, w, B, n, K, sums); break;                    \
     }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS

@@ -7,7 +7,9 @@ ones converted exactly, or for the K-quants (super-blocks of 256 with 6- or 8-bi
 scale and min already multiplied by its super-block's, as gguf.quants.dequantize multiplies them, in float32 (exact
 products: 11 bits times 6 or 8). Then the integers: 4-bit ones two a byte (byte j: weight j low, j + 16 high), a
 fifth and sixth bit as 32-bit words (bit j for weight j), Q8_0's int8 as they are. Bits a weight streamed:
-Q4_0 5, Q4_1 and Q4_K 6, Q5_K 7, Q6_K 8, Q8_0 9 (the files': 4.5, 5, 4.5, 5.5, 6.6, 8.5)."""
+Q4_0 5, Q4_1 and Q4_K 6, Q5_0 6, Q5_1 and Q5_K 7, Q6_K 8, Q8_0 9 (the files': 4.5, 5, 4.5, 5.5, 6, 5.5, 6.6, 8.5).
+Q5_0 and Q5_1 are what llama-quantize writes for Q4_K and Q5_K matrices whose rows are not whole super-blocks
+(SmolLM2-135M's and -360M's widths, 576 and 960), Q8_0 for Q6_K ones."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
 Q = GGMLQuantizationType
-PACKED_TYPES = {Q.Q4_1: 3, Q.Q8_0: 4, Q.Q4_0: 5, Q.Q4_K: 6, Q.Q5_K: 7, Q.Q6_K: 8}  # GGUF's kind -> kernels.c's
+PACKED_TYPES = {Q.Q4_1: 3, Q.Q8_0: 4, Q.Q4_0: 5, Q.Q4_K: 6, Q.Q5_K: 7, Q.Q6_K: 8, Q.Q5_0: 9,
+                Q.Q5_1: 10}  # GGUF's kind -> kernels.c's
 # kernels.c's type -> bytes a block of 32 weights
-PACKED_BYTES = {3: 24, 4: 36, 5: 20, 6: 24, 7: 28, 8: 32}
+PACKED_BYTES = {3: 24, 4: 36, 5: 20, 6: 24, 7: 28, 8: 32, 9: 24, 10: 28}
 
 
 class Packed(NamedTuple):
@@ -74,6 +77,10 @@ def blocks_of(kind: Q, blocks: np.ndarray) -> np.ndarray:
         return np.concatenate([words(half(blocks[:, :2 * scales])), blocks[:, 2 * scales:]], axis=-1)[:, None]
     if kind == Q.Q4_0:
         return np.concatenate([words(half(blocks[:, :2])), blocks[:, 2:]], axis=-1)[:, None]
+    if kind in (Q.Q5_0, Q.Q5_1):  # float16 scale (and min), the 32 fifth bits as one word, then 16 bytes of 4 bits
+        scales = 2 if kind == Q.Q5_1 else 1
+        fifth, low = blocks[:, 2 * scales:2 * scales + 4], blocks[:, 2 * scales + 4:]
+        return np.concatenate([words(half(blocks[:, :2 * scales])), low, fifth], axis=-1)[:, None]
     if kind in (Q.Q4_K, Q.Q5_K):
         scaled, least = k_scales(blocks)
         q = low_bits(blocks[:, -128:])
