@@ -48,36 +48,45 @@ typedef uint16_t vu16u __attribute__((vector_size(2 * LANES), aligned(2)));
 typedef int8_t vi8u __attribute__((vector_size(LANES), aligned(1)));
 typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 
-/* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights in blocks of 32,
- * in a layout of ours (packed.py) with every scale a float32 whose value is the one gguf's decoding computes
- * (GGUF's float16 ones converted exactly; a K-quant's sub-block scale times its super-block's, an exact product):
- *   Q4_1, Q4_K: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
+/* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights. The K-quants
+ * (Q4_K, Q5_K, Q6_K) are read as the file holds them, super-blocks of 256 weights (8 sub-blocks of 32; float16
+ * scales, 6- or 8-bit sub-block scales), their scales unpacked once a super-block (unpack()). The others are blocks
+ * of 32 in a layout of ours (packed.py), every scale a float32 of the float16's value:
+ *   Q4_1: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
  *   Q8_0: scale a, 32 int8 q; a * q
  *   Q4_0: scale a, 16 bytes as Q4_1's; a * (q - 8)
- *   Q5_K: as Q4_K, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
- *   Q6_K: scales a0 (weights 0-15) and a1 (16-31), 16 bytes as Q4_1's, then two words of bits: q's fifth and
- *         sixth; a0 or a1 times (q - 32)
+ *   Q5_1: as Q4_1, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
+ *   Q5_0: scale a, 16 bytes as Q4_1's, 32 bits as Q5_1's; a * (q - 16)
+ * and a K-quant's sub-block: Q4_K, Q5_K (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32), sc of 16 weights.
  * A weight is computed exactly as the float32 value the loader decoded (gguf.quants.dequantize): the products
- * a * q of Q4_0, Q4_1, Q4_K, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact; adding b rounds
- * once, as there (Q4_K's b is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds
- * once, its one float32 product there too. So streaming the blocks gives a float32 model's results from 5-8 bits a
- * weight instead of 32. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
-enum { WIDE = 9 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+ * a * q of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact, and so
+ * is d * sc; adding b rounds once, as there (a fused multiply-add rounds a * q + b once too, the same value; Q4_K's b
+ * is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds once, its one float32
+ * product there too. So streaming the blocks gives a float32 model's results from 5-9 bits a weight instead of 32. */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
+enum { WIDE = 11 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
-enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q4_K_BYTES = 24, Q5_K_BYTES = 28, Q6_K_BYTES = 32 };
+#define SUPER 256  /* and a K-quant's super-block */
+enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q5_0_BYTES = 24, Q5_1_BYTES = 28,
+       Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };  /* a block's, a super-block's */
 
-static inline long block_bytes(int type) {  /* bytes a block of `type`; 0 for types of one value an element */
+static inline int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+static inline long group_bytes(int type) {  /* bytes a block (super-block) of `type`; 0 for one value an element */
     switch (type) {
     case Q4_1: return Q4_1_BYTES;
     case Q8_0: return Q8_0_BYTES;
     case Q4_0: return Q4_0_BYTES;
+    case Q5_0: return Q5_0_BYTES;
+    case Q5_1: return Q5_1_BYTES;
     case Q4_K: return Q4_K_BYTES;
     case Q5_K: return Q5_K_BYTES;
     case Q6_K: return Q6_K_BYTES;
     default: return 0;
     }
 }
+
+static inline long group_size(int type) { return is_super(type) ? SUPER : BLOCK; }  /* weights a group */
 
 #define ROWS 4  /* weight rows per inner step, times */
 #define COLS (REGISTERS / 8)  /* activation rows: ROWS * COLS accumulators, ROWS weights, an input in registers */
@@ -215,20 +224,85 @@ static inline vi lane_bits(int first) {
     return bits;
 }
 
-/* Block i's 32 weights as BLOCK / LANES vectors (the layouts above). Bytes of 4-bit q hold weights j (low 4 bits)
- * and j + 16 (high): a vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take
- * only 16 values, so with AVX-512 each weight is a lane permutation of those values by its q. Q5_K's and Q6_K's
- * further bits are tested lane by lane against the word of bits (a mask, then the bit's value: no variable
- * shifts, which SSE2 lacks). */
-static inline __attribute__((always_inline)) void load_block(const void *p, long i, int type, vf *out) {
-    const uint8_t *block = (const uint8_t *)p + i * block_bytes(type);
+/* float16 bits as the float32 of the same value (every float16 is one), as numpy's astype(np.float32): with
+ * F16C's or AArch64's conversion, else bit by bit. */
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = h >> 10 & 31, m = h & 1023;
+    uint32_t bits = sign | (e == 31 ? 0x7f800000 | m << 13 : (e + 112) << 23 | m << 13);
+    float f;
+    if (e == 0) {  /* zero and the subnormals: m * 2^-24, exact */
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* A K-quant super-block's scales, unpacked once: a of each sub-block of 32, then b of each (Q6_K: a of each 16
+ * weights), as gguf computes them in float32 (d * sc, -(dmin * m)), a vector at a time. */
+enum { SUBS = SUPER / BLOCK };
+struct scales { float a[2 * SUBS]; };  /* b of sub-block i: a[SUBS + i] */
+
+static inline __attribute__((always_inline)) void unpack(const uint8_t *group, int type, struct scales *s) {
+    if (!is_super(type)) return;  /* a block's float32 scales are read as they are */
+    if (type == Q6_K) {  /* 16 int8 scales from byte 192, times the float16 d at 208 */
+        const vf d = splat(half_to_float(group + 208));
+        for (int i = 0; i < SUPER / 16; i += LANES) *(vfu *)(s->a + i) = d * load_i8((const int8_t *)group + 192 + i);
+        return;
+    }
+    /* Q4_K, Q5_K: float16 d and dmin, then 12 bytes of 6-bit scales sc and mins m (gguf's Q4_K.get_scale_min):
+     * bytes 0-3 hold sc 0-3 (their high 2 bits: sc 4-7's), 4-7 m 0-3 (m 4-7's), 8-11 the low 4 bits of sc 4-7 and
+     * (high) m 4-7. As 8 bytes of sc, then 8 of m, four a word. */
+    uint32_t word[3], sc_m[4];
+    memcpy(word, group + 4, 12);
+    sc_m[0] = word[0] & 0x3f3f3f3f;
+    sc_m[1] = (word[2] & 0x0f0f0f0f) | (word[0] >> 6 & 0x03030303) << 4;
+    sc_m[2] = word[1] & 0x3f3f3f3f;
+    sc_m[3] = (word[2] >> 4 & 0x0f0f0f0f) | (word[1] >> 6 & 0x03030303) << 4;
+    const float d = half_to_float(group), minus_dmin = -half_to_float(group + 2);
+    for (int i = 0; i < 2 * SUBS; i += LANES) {  /* -(dmin * m) = -dmin * m, exactly */
+        const vi scales = iota() + (float)i < (float)SUBS;  /* lanes of a: d; of b: -dmin */
+        const vf factor = (vf)(((vi)splat(d) & scales) | ((vi)splat(minus_dmin) & ~scales));
+        *(vfu *)(s->a + i) = factor * __builtin_convertvector(load_u8((const uint8_t *)sc_m + i), vf);
+    }
+}
+
+/* `width` bits of bytes (widened: 0-255) from bit `first` at bit `to`, the others 0: a shift, and a mask unless
+ * the shift leaves none but them (the byte's top bits, brought down to bit 0). */
+static inline vi bits_of(vi bytes, int first, int width, int to) {
+    const vi moved = first >= to ? bytes >> (first - to) : bytes << (to - first);
+    return first + width == 8 && to == 0 ? moved : moved & (((1 << width) - 1) << to);
+}
+
+/* Sub-block `base + part` of a group (a block: 0 + 0) as BLOCK / LANES vectors of its 32 weights, its scales s
+ * unpacked (the layouts above). Our blocks' bytes of 4-bit q hold weights j (low 4 bits) and j + 16 (high): a
+ * vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take only 16 values, so with
+ * AVX-512 each weight is a lane permutation of those values by its q. Q5_0's and Q5_1's fifth bits are tested lane
+ * by lane against the word of bits (a mask, then the bit's value: no variable shifts, which SSE2 lacks). A
+ * K-quant's bits of a sub-block are at one shift in every byte (GGUF's order): vectors of bytes, each shifted
+ * alike. */
+static inline __attribute__((always_inline)) void load_block(const uint8_t *block, int base, const int part,
+                                                             int type, const struct scales *s, vf *out) {
+    const int sub = base + part;  /* base a multiple of 4: part, a constant, gives the shifts */
     float a, b;
-    memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
+    if (is_super(type)) a = s->a[type == Q6_K ? 0 : sub], b = s->a[SUBS + (type == Q6_K ? 0 : sub)];
+    else memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
     if (type == Q8_0) {
         for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(a) * load_i8((const int8_t *)block + 4 + v * LANES);
         return;
     }
-    if (type == Q4_0 || type == Q4_1 || type == Q4_K) {
+    if (type == Q4_0 || type == Q4_1) {
         const uint8_t *q = block + (type == Q4_0 ? 4 : 8);
 #if LANES == 16
         __m512 values = (__m512)(type == Q4_0 ? splat(a) * (iota() - 8.0f) : splat(a) * iota() + b);
@@ -242,28 +316,54 @@ static inline __attribute__((always_inline)) void load_block(const void *p, long
                 out[v] = splat(a) * __builtin_convertvector((bytes & 15) - 8, vf);
                 out[v + 16 / LANES] = splat(a) * __builtin_convertvector((bytes >> 4) - 8, vf);
             } else {
-                out[v] = splat(a) * __builtin_convertvector(bytes & 15, vf) + b;
-                out[v + 16 / LANES] = splat(a) * __builtin_convertvector(bytes >> 4, vf) + b;
+                out[v] = fmadd(splat(a), __builtin_convertvector(bytes & 15, vf), splat(b));
+                out[v + 16 / LANES] = fmadd(splat(a), __builtin_convertvector(bytes >> 4, vf), splat(b));
             }
         }
 #endif
         return;
     }
-    const uint8_t *q = block + 8;
-    uint32_t fifth, sixth = 0;
-    memcpy(&fifth, block + 24, 4);
-    if (type == Q6_K) memcpy(&sixth, block + 28, 4);
+    if (type == Q4_K || type == Q5_K) {  /* q's low 4 bits: sub-blocks 2p and 2p + 1 share 32 bytes, low and high */
+        const uint8_t *q = block + (type == Q4_K ? 16 : 48) + sub / 2 * 32, *fifth = block + 16;
+        const int shift = part % 2 * 4;
+#if LANES == 16
+        if (type == Q4_K) {
+            const __m512 values = (__m512)(splat(a) * iota() + b);  /* an exact product: as one multiply-add */
+            for (int v = 0; v < 2; v++)  /* the permutation reads each lane's low 4 bits */
+                out[v] = (vf)_mm512_permutexvar_ps((__m512i)(load_u8(q + v * LANES) >> shift), values);
+            return;
+        }
+#endif
+        for (int v = 0; v < BLOCK / LANES; v++) {
+            vi qv = bits_of(load_u8(q + v * LANES), shift, 4, 0);
+            if (type == Q5_K) qv |= bits_of(load_u8(fifth + v * LANES) >> base, part, 1, 4);  /* bit sub of byte j */
+            out[v] = fmadd(splat(a), __builtin_convertvector(qv, vf), splat(b));
+        }
+        return;
+    }
+    if (type == Q6_K) {  /* 128 bytes of q's low 4 bits, then 64 of its high 2 */
+        const uint8_t *low = block + sub / 4 * 64 + sub % 2 * 32, *high = block + 128 + sub / 4 * 32;
+        const int low_shift = part / 2 * 4, high_shift = part * 2;
+        for (int v = 0; v < BLOCK / LANES; v++) {
+            vi qv = bits_of(load_u8(low + v * LANES), low_shift, 4, 0) |
+                    bits_of(load_u8(high + v * LANES), high_shift, 2, 4);
+            out[v] = splat(s->a[2 * sub + v * LANES / 16]) * __builtin_convertvector(qv - 32, vf);
+        }
+        return;
+    }
+    const uint8_t *q = block + (type == Q5_0 ? 4 : 8);  /* Q5_0, Q5_1 */
+    uint32_t fifth;
+    memcpy(&fifth, q + 16, 4);
     for (int v = 0; v < 16 / LANES; v++) {
         vi bytes = load_u8(q + v * LANES), low = bytes & 15, high = bytes >> 4;
         const vi low_bits = lane_bits(v * LANES), high_bits = lane_bits(16 + v * LANES);
         low |= ((low_bits & (int32_t)fifth) != 0) & 16, high |= ((high_bits & (int32_t)fifth) != 0) & 16;
-        if (type == Q5_K) {
-            out[v] = splat(a) * __builtin_convertvector(low, vf) + b;
-            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high, vf) + b;
+        if (type == Q5_0) {
+            out[v] = splat(a) * __builtin_convertvector(low - 16, vf);
+            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high - 16, vf);
         } else {
-            low |= ((low_bits & (int32_t)sixth) != 0) & 32, high |= ((high_bits & (int32_t)sixth) != 0) & 32;
-            out[v] = splat(a) * __builtin_convertvector(low - 32, vf);
-            out[v + 16 / LANES] = splat(b) * __builtin_convertvector(high - 32, vf);
+            out[v] = fmadd(splat(a), __builtin_convertvector(low, vf), splat(b));
+            out[v + 16 / LANES] = fmadd(splat(a), __builtin_convertvector(high, vf), splat(b));
         }
     }
 }
@@ -385,8 +485,8 @@ static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
 
-static inline long offset_of(long i, int type) {  /* where element i's bytes are */
-    return block_bytes(type) ? i / BLOCK * block_bytes(type) : i * size_of(type);
+static inline long offset_of(long i, int type) {  /* where element i's bytes (its group's) are */
+    return group_bytes(type) ? i / group_size(type) * group_bytes(type) : i * size_of(type);
 }
 
 static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahead of element i, into L2 */
@@ -400,23 +500,39 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                                                             const int w_type, const int c, long K, float *sums,
                                                             float *keep) {
     vf acc[COLS][ROWS] = {{{0}}};
-    if (block_bytes(w_type)) {  /* a block at a time: each lane's sums in the float32 weights' order */
-        for (long k = 0; k < K; k += BLOCK)
-            for (int j0 = 0; j0 < ROWS; j0 += HELD) {
-                vf wv[HELD][BLOCK / LANES];
-                for (int j = 0; j < HELD; j++) {
-                    prefetch_weights(w, (j0 + j) * K + k, w_type);
-                    load_block(w, ((j0 + j) * K + k) / BLOCK, w_type, wv[j]);
-                    if (keep)
-                        for (int v = 0; v < BLOCK / LANES; v++) *(vf *)(keep + (j0 + j) * K + k + v * LANES) = wv[j][v];
-                }
-                for (int i = 0; i < c; i++)
-                    for (int v = 0; v < BLOCK / LANES; v++) {
-                        vf xv = load(x, i * K + k + v * LANES, x_type);
-                        IN_REGISTER(xv);
-                        for (int j = 0; j < HELD; j++) acc[i][j0 + j] = fmadd(xv, wv[j][v], acc[i][j0 + j]);
-                    }
+    if (group_bytes(w_type)) {  /* a block at a time: each lane's sums in the float32 weights' order */
+        const long G = group_size(w_type);
+        for (long k = 0; k < K; k += G) {  /* a group's scales unpacked once for its blocks */
+            const uint8_t *group[ROWS];
+            struct scales s[ROWS];
+            for (int j = 0; j < ROWS; j++) {
+                group[j] = (const uint8_t *)w + offset_of(j * K + k, w_type);
+                for (long at = 0; at < group_bytes(w_type); at += 64)  /* each cache line of it, ahead */
+                    __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);  /* prefetcht2 */
+                unpack(group[j], w_type, &s[j]);
             }
+            const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
+            for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+                for (int part = 0; part < parts; part++)  /* unrolled: constant shifts */
+                    for (int j0 = 0; j0 < ROWS; j0 += HELD) {
+                        const long at = k + (base + part) * BLOCK;
+                        vf wv[HELD][BLOCK / LANES];
+                        for (int j = 0; j < HELD; j++) {
+                            load_block(group[j0 + j], base, part, w_type, &s[j0 + j], wv[j]);
+                            if (keep)
+                                for (int v = 0; v < BLOCK / LANES; v++)
+                                    *(vf *)(keep + (j0 + j) * K + at + v * LANES) = wv[j][v];
+                        }
+                        for (int i = 0; i < c; i++)
+                            for (int v = 0; v < BLOCK / LANES; v++) {
+                                vf xv = load(x, i * K + at + v * LANES, x_type);
+                                IN_REGISTER(xv);
+                                for (int j = 0; j < HELD; j++)
+                                    acc[i][j0 + j] = fmadd(xv, wv[j][v], acc[i][j0 + j]);
+                            }
+                    }
+        }
 #if BF16_PAIRS
     } else if (as_pairs(x_type, w_type)) {  /* no widening: the CPU multiplies bf16 pairs itself */
         for (long k = 0; k < K; k += 2 * LANES) {
@@ -493,7 +609,8 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
             dot_rows_of(x, X, (const char *)w + offset_of((n + j) * K, W), W, B, K, sums + j);                 \
     }
 #define DOT_ROWS_OF_ALL(X) DOT_ROWS_AS(X, F32) DOT_ROWS_AS(X, BF16) DOT_ROWS_AS(X, I8) DOT_ROWS_AS(X, Q4_1)       \
-    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)
+    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)      \
+    DOT_ROWS_AS(X, Q5_0) DOT_ROWS_AS(X, Q5_1)
 DOT_ROWS_OF_ALL(F32)
 DOT_ROWS_OF_ALL(BF16)
 
@@ -510,6 +627,8 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
     case Q4_K: dot_rows_##X##_Q4_K(x, w, B, n, K, sums); break;                    \
     case Q5_K: dot_rows_##X##_Q5_K(x, w, B, n, K, sums); break;                    \
     case Q6_K: dot_rows_##X##_Q6_K(x, w, B, n, K, sums); break;                    \
+    case Q5_0: dot_rows_##X##_Q5_0(x, w, B, n, K, sums); break;                    \
+    case Q5_1: dot_rows_##X##_Q5_1(x, w, B, n, K, sums); break;                    \
     }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS
@@ -541,8 +660,8 @@ static void products(const void *x, int x_type, int type, int count, const void 
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
  * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales) or a block type; K is a multiple of 16 (of
- * BLOCK for block types), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a time: a block's
- * activations stay in L2 while every weight row streams past them. */
+ * BLOCK for block types, of SUPER for the K-quants), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a
+ * time: a block's activations stay in L2 while every weight row streams past them. */
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 64
 #endif
