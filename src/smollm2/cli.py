@@ -405,7 +405,6 @@ def lora_name(text: str) -> tuple[str, str]:
 
 def serve(args):
     """The OpenAI-compatible HTTP server, until Ctrl-C, or SIGTERM once drained (server.draining)."""
-    from .lora import with_adapter
     from .server import create_app, draining
 
     if args.compile:
@@ -418,8 +417,7 @@ def serve(args):
     model, tokenizer = load(argparse.Namespace(**{**vars(args), "threads": 1}))
     speculative = speculation(args, tokenizer)
     name = args.model or "SmolLM2-135M-Instruct"
-    adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
-    app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
+    app = create_app(model, tokenizer, model_name=name, adapters=served, max_batch_size=args.max_batch_size,
                      max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
                      prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
                      speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
@@ -661,8 +659,9 @@ def parser() -> argparse.ArgumentParser:
                         "model); off: not. A request's \"speculative\" field overrides it (draft: only where the "
                         "server has one)")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
-                   help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
-                        "every weight it does not adapt with the base")
+                   help="also serve this LoRA adapter over the model, as model NAME (repeatable): held as its "
+                        "low-rank matrices, batched with the base's requests; more load and unload while serving "
+                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
                         f"{SERVE_KV_CACHE_DTYPE})")

@@ -1,7 +1,8 @@
-"""The app: its factory (an engine thread per model served), its middleware and its API key; /health (alive),
-/ready (worth sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize here. Each API
-has a module of its own: OpenAI's chat completions, completions and models (openai.py), its Responses
-(responses.py) and embeddings (embeddings.py), Anthropic's Messages (messages.py), and /inspect (inspect.py).
+"""The app: its factory (the model's engine thread), its middleware and its API key; /health (alive), /ready (worth
+sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize here. Each API has a module
+of its own: OpenAI's chat completions, completions and models (openai.py), its Responses (responses.py) and
+embeddings (embeddings.py), Anthropic's Messages (messages.py), /inspect (inspect.py), and vLLM's LoRA adapters
+loaded while serving (adapters.py).
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
@@ -16,7 +17,6 @@ tokenizer, metrics, API key) is their own app's Served, in app.state, so that se
 from __future__ import annotations
 
 import contextlib
-import copy
 import secrets
 from pathlib import Path
 from typing import Annotated
@@ -26,9 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
-from torch import nn
 
 from ..errors import SmolError
+from . import adapters as lora_adapters
 from . import embeddings, inspect, messages, openai, page, responses, scheduler
 from .draining import Admission
 from .metrics import CountResponses, Metrics
@@ -88,47 +88,36 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
     """The app; its lifespan starts the engine threads (each then owns its model) and stops them.
     The defaults are the engine thread's (scheduler.py), and `smollm2 serve`'s but for the KV cache's dtype.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
-    model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
-    field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
-    weight with it. Each model has an engine thread (and a KV cache) of its own, running it with `threads`
-    CPU threads (default: as many as this thread's; see EngineThread). speculative: how requests guess tokens
-    unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
-    with the same tokenizer (generation.speculative; the same answers either way), with which each engine thread
-    drafts as a copy of its own (own_copy). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's
+    model's own. adapters: LoRA adapters served over the model from the start, {name: directory in PEFT's format},
+    chosen per request by its `model` field, as those loaded later (POST /v1/load_lora_adapter, adapters.py):
+    each held as its low-rank matrices, its rows decoding in the same passes as the base's
+    (generation/adapters.py). The model's engine thread runs it with `threads` CPU threads (default: as many as
+    this thread's; see EngineThread). speculative: how requests guess tokens unless they say otherwise: None
+    (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2 with the same tokenizer
+    (generation.speculative; the same answers either way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's
     memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the
     model's dtype, gives the answers and log-probabilities of generate() on the same model, bit for bit.
     prefix_cache_dir: a folder where each model's prefix cache also keeps its blocks, as files a later process (or
     another on a shared disk) reads instead of prefilling them again, with the same bits
     (generation.prefix_cache.DiskCache)."""
-    if model_name in (adapters or {}):
-        raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
-    models = {model_name: model, **(adapters or {})}
-    drafted = isinstance(speculative, nn.Module)
-    engines = {name: EngineThread(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                                  on_end=lambda generation, name=name: metrics.ended(generation, name),
-                                  prefix_cache_bytes=prefix_cache_bytes, threads=threads,
-                                  speculative=own_copy(speculative) if drafted and i else speculative,
-                                  kv_cache_dtype=kv_cache_dtype, prefix_cache_dir=prefix_cache_dir)
-               for i, (name, m) in enumerate(models.items())}
+    engines = {model_name: EngineThread(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
+                                        on_end=lambda generation: metrics.ended(generation, model_name),
+                                        prefix_cache_bytes=prefix_cache_bytes, threads=threads,
+                                        speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                                        prefix_cache_dir=prefix_cache_dir)}
     metrics = Metrics(engines)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.served = served = Served(engines, tokenizer, metrics, api_key)
-    for routes in (router, openai.router, responses.router, messages.router, embeddings.router, inspect.router):
+    lora_adapters.load_at_start(served, adapters or {})
+    for routes in (router, openai.router, responses.router, messages.router, embeddings.router, inspect.router,
+                   lora_adapters.router):
         app.include_router(routes)
     page.serve(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(Admission, served=served)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: a 413 from BodyLimit, a 503 while draining count
     return app
-
-
-def own_copy(model: nn.Module) -> nn.Module:
-    """A copy of model for another engine thread: the weights (parameters and buffers, a GGUF file's blocks
-    among them) shared, not copied; what running a model changes its own: its accelerator's plans and measured
-    choices, its RoPE tables as they grow (SmolLM2.extend_rope). One object run by two threads would have both
-    change those under each other."""
-    return copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})
 
 
 @contextlib.asynccontextmanager
