@@ -57,41 +57,51 @@ def read_lora(model: nn.Module, name: str, path: str | Path) -> LoRA:
 
 
 class Pass:
-    """The adapters of the pass being run: per adapted layer, each row's A^T and B^T (zeros for a row without an
-    adapter, or whose adapter leaves the layer as it is), gathered from a stack of the pass's adapters."""
+    """The adapters of the pass being run, per adapted layer as punica's segmented products, on the CPU as two
+    dense ones: the A^T of every adapter of the pass that adapts the layer side by side, (in, R), every row's
+    input multiplied by all of them at once, each row then keeping its own adapter's columns (a 0/1 mask, (B, R):
+    a row without one keeps none, its update exactly 0), multiplied by their (s B)^T stacked, (R, out). Two
+    products of the whole batch, not one per adapter: at decoding's few rows, the products' calls cost more than
+    their arithmetic."""
 
     def __init__(self):
-        self.adapters: tuple[LoRA, ...] = ()  # the stack's, in its order (index 0: none)
-        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (N + 1, in, r), (N + 1, r, out)
-        self.rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (B, in, r), (B, r, out)
+        self.adapters: tuple[LoRA, ...] = ()  # the last pass's, in its order
+        self.joined: dict[str, tuple[tuple[LoRA, ...], torch.Tensor, torch.Tensor]] = {}  # layer -> its adapters,
+        # their A^T side by side and (s B)^T stacked
+        self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer -> A^T, (s B)^T, mask
 
-    def select(self, row_adapters: abc.Sequence[LoRA | None], model: nn.Module) -> None:
-        """Gather each row's matrices; the stack is rebuilt only when the pass's adapters differ from the last's
-        (a server's mix changes as requests come and go, not every pass)."""
+    def select(self, row_adapters: abc.Sequence[LoRA | None], device: torch.device) -> None:
+        """Each row's mask for every layer; the joined matrices are rebuilt only when the pass's adapters differ
+        from the last's (a server's mix changes as requests come and go, not every pass)."""
         adapters = tuple(dict.fromkeys(a for a in row_adapters if a is not None))
         if adapters != self.adapters:
-            self.adapters, self.stacks = adapters, stacks(adapters, model)
-        at = {a: i + 1 for i, a in enumerate(adapters)}
-        index = torch.tensor([at.get(a, 0) for a in row_adapters], device=model.model.embed_tokens.weight.device)
-        self.rows = {layer: (a[index], b[index]) for layer, (a, b) in self.stacks.items()}
+            self.adapters, self.joined = adapters, joined(adapters)
+        masks, self.rows = {}, {}
+        for layer, (among, a, b) in self.joined.items():
+            if among not in masks:  # the layers adapted by the same adapters share one
+                masks[among] = mask(row_adapters, among, device, a.dtype)
+            self.rows[layer] = a, b, masks[among]
 
 
-def stacks(adapters: tuple[LoRA, ...], model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer some adapter adapts: every adapter's A^T and B^T, zero-padded to the largest rank (zero columns
-    of A^T meet zero rows of B^T: they add nothing), behind a zero pair for the rows without one."""
-    rank = max(a.rank for a in adapters)
+def joined(adapters: tuple[LoRA, ...]) -> dict[str, tuple[tuple[LoRA, ...], torch.Tensor, torch.Tensor]]:
+    """Per layer some adapter adapts: those adapters, their A^T side by side and their (s B)^T stacked."""
     out = {}
     for layer in sorted({layer for a in adapters for layer in a.layers}):
-        weight = model.get_submodule(layer).weight
-        (n_out, n_in), kind = weight.shape, dict(device=weight.device, dtype=model.model.embed_tokens.weight.dtype)
-        a_stack, b_stack = torch.zeros(len(adapters) + 1, n_in, rank, **kind), torch.zeros(len(adapters) + 1, rank,
-                                                                                             n_out, **kind)
-        for i, adapter in enumerate(adapters, 1):
-            if layer in adapter.layers:
-                a, b = adapter.layers[layer]
-                a_stack[i, :, :a.shape[1]], b_stack[i, :b.shape[0]] = a, b
-        out[layer] = a_stack, b_stack
+        among = tuple(a for a in adapters if layer in a.layers)
+        out[layer] = (among, torch.cat([a.layers[layer][0] for a in among], 1),
+                      torch.cat([a.layers[layer][1] for a in among], 0))
     return out
+
+
+def mask(row_adapters: abc.Sequence[LoRA | None], among: tuple[LoRA, ...], device, dtype) -> torch.Tensor:
+    """(B, 1, R): 1 over the columns of each row's adapter among `among`, else 0."""
+    ends = torch.tensor([a.rank for a in among]).cumsum(0).tolist()
+    spans = {a: (end - a.rank, end) for a, end in zip(among, ends)}
+    out = torch.zeros(len(row_adapters), 1, ends[-1], dtype=dtype)
+    for b, adapter in enumerate(row_adapters):
+        if adapter in spans:
+            out[b, 0, slice(*spans[adapter])] = 1
+    return out.to(device)
 
 
 class AdaptedLinear(nn.Module):
@@ -107,8 +117,9 @@ class AdaptedLinear(nn.Module):
         rows = self.current.rows.get(self.name)
         if rows is None:
             return y
-        a, b = rows
-        return y.baddbmm_(torch.bmm(x, a), b)  # (B, T, in) @ (B, in, r) @ (B, r, out)
+        a, b, keep = rows
+        update = (x @ a).mul_(keep)  # (B, T, R): each row's own adapter's columns
+        return y.view(-1, y.shape[-1]).addmm_(update.view(-1, update.shape[-1]), b).view(y.shape)
 
 
 class Adapters:
@@ -135,5 +146,5 @@ class Adapters:
         """The model a pass of rows with these adapters runs on: the base itself where none has one."""
         if all(a is None for a in row_adapters):
             return self.model
-        self.current.select(row_adapters, self.model)
+        self.current.select(row_adapters, self.model.model.embed_tokens.weight.device)
         return self.adapted

@@ -177,10 +177,11 @@ class FastAttention(Watched, Attention):
 
 class FastMLP(Watched, MLP):
     def forward(self, x):  # gate and up in one pass, then SiLU*up in one
-        if not all(isinstance(m, (nn.Linear, Int8Linear)) for m in (self.gate_proj, self.up_proj)):
-            return super().forward(x)  # a layer swapped in since (a served adapter's): each its own forward
         choices = self.accelerator.choices
-        gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in (self.gate_proj, self.up_proj)):
+            gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        else:  # layers swapped in since (a served adapter's): each its own forward
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(ops.silu_mul(choices, gate, up, lambda: F.silu(gate) * up))
 
 
