@@ -37,7 +37,7 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
     from smollm2.generation.engine import Engine
     from smollm2.generation.sampling import Sampling
     from smollm2.generation.sequence import Sequence
-    from smollm2.lora import add_lora, save_adapter
+    from smollm2.lora import add_lora, save_adapter, with_adapter
 
     work = Path(tempfile.mkdtemp(prefix="smollm2-lora-"))
     for i in range(4):
@@ -52,27 +52,39 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
     model = load()
     adapters = Adapters(model)
     loras = [read_lora(model, f"a{i}", work / f"a{i}") for i in range(4)]
-    batches = {"base alone": [None] * rows, "4 adapters + base": [([None] + loras)[b % 5] for b in range(rows)]}
-    speeds = {name: [] for name in batches}
+    merged = [model] + [with_adapter(model, work / f"a{i}") for i in range(4)]
+    mix = [([None] + loras)[b % 5] for b in range(rows)]
+    # The server before: a merged copy per adapter, each with an engine of its own, its rows a batch of their own
+    kinds = {"base alone": [(model, [None] * rows)], "4 adapters + base": [(model, mix)],
+             "merged copies": [(m, [None] * len(mix[i::5])) for i, m in enumerate(merged)]}
+    speeds = {name: [] for name in kinds}  # tokens per wall second, and per CPU second of this process
     with torch.inference_mode():
         for _ in range(repeats):
-            for name, chosen in batches.items():
-                engine = Engine(model, rows, 8 + steps + 1, prefill_budget=None, adapters=adapters)
-                for b, lora in enumerate(chosen):
-                    engine.admit(Sequence([1 + b, *range(100 + b, 107 + b)], steps + 1, Sampling(), eos=()))
-                    engine.queued[-1].adapter = lora
-                engine.step()  # the prefills and first tokens
-                start = time.perf_counter()
+            for name, batches in kinds.items():
+                engines = [Engine(m, len(chosen), 8 + steps + 1, prefill_budget=None, adapters=adapters)
+                           for m, chosen in batches]
+                for engine, (_, chosen) in zip(engines, batches):
+                    for b, lora in enumerate(chosen):
+                        engine.admit(Sequence([1 + b, *range(100 + b, 107 + b)], steps + 1, Sampling(), eos=()))
+                        engine.queued[-1].adapter = lora
+                    engine.step()  # the prefills and first tokens
+                wall, cpu = time.perf_counter(), time.process_time()
                 for _ in range(steps):
-                    engine.step()
-                speeds[name].append(rows * steps / (time.perf_counter() - start))
+                    for engine in engines:
+                        engine.step()
+                speeds[name].append((rows * steps / (time.perf_counter() - wall),
+                                     rows * steps / (time.process_time() - cpu)))
     print(f"{rows} rows, {steps} decoding steps, {torch.get_num_threads()} thread(s), adapters of rank {r} "
           f"({sum(lora.nbytes for lora in loras) / 2**20:.1f} MiB for the 4)")
-    print(f"{'batch':<20} {'tokens/s best':>13} {'median':>7}")
+    print(f"{'batch':<20} {'tokens/s best':>13} {'median':>7} {'per CPU s best':>15} {'median':>7}")
     for name, got in speeds.items():
-        print(f"{name:<20} {max(got):>13.1f} {statistics.median(got):>7.1f}")
-    base, mixed = speeds.values()
-    print(f"ratio (best): {max(mixed) / max(base):.2f}, (median): {statistics.median(mixed) / statistics.median(base):.2f}")
+        wall, cpu = zip(*got)
+        print(f"{name:<20} {max(wall):>13.1f} {statistics.median(wall):>7.1f} {max(cpu):>15.1f} "
+              f"{statistics.median(cpu):>7.1f}")
+    base, mixed = (list(zip(*speeds[name])) for name in ("base alone", "4 adapters + base"))
+    print("4 adapters + base / base alone: " + ", ".join(
+        f"{what} {max(m) / max(b):.2f} (median {statistics.median(m) / statistics.median(b):.2f})"
+        for what, b, m in (("wall", base[0], mixed[0]), ("CPU", base[1], mixed[1]))))
 
 
 def main() -> None:
