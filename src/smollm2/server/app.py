@@ -82,22 +82,23 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
                max_batch_size: int = scheduler.MAX_BATCH_SIZE, max_waiting: int = scheduler.MAX_WAITING,
                max_seq_len: int | None = None, max_body_bytes: int = 1 << 20, api_key: str | None = None,
-               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict | None = None,
+               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict[str, str | Path] | None = None,
                threads: int | None = None, speculative=scheduler.SPECULATIVE, kv_cache_dtype: str | None = None,
                prefix_cache_dir: str | Path | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine threads (each then owns its model) and stops them.
+    """The app; its lifespan starts the engine thread (which then owns the model) and stops it.
     The defaults are the engine thread's (scheduler.py), and `smollm2 serve`'s but for the KV cache's dtype.
-    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
-    model's own. adapters: LoRA adapters served over the model from the start, {name: directory in PEFT's format},
+    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none).
+    adapters: LoRA adapters served over the model from the start, {name: directory in PEFT's format},
     chosen per request by its `model` field, as those loaded later (POST /v1/load_lora_adapter, adapters.py):
     each held as its low-rank matrices, its rows decoding in the same passes as the base's
     (generation/adapters.py). The model's engine thread runs it with `threads` CPU threads (default: as many as
     this thread's; see EngineThread). speculative: how requests guess tokens unless they say otherwise: None
     (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2 with the same tokenizer
-    (generation.speculative; the same answers either way). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's
-    memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the
-    model's dtype, gives the answers and log-probabilities of generate() on the same model, bit for bit.
-    prefix_cache_dir: a folder where each model's prefix cache also keeps its blocks, as files a later process (or
+    (generation.speculative; the same answers either way). kv_cache_dtype: what the KV cache stores, "fp32",
+    "bf16" (half fp32's memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8"
+    (smollm2.kv_cache.KVCache); None, the model's dtype, gives the answers and log-probabilities of generate() on
+    the same model, bit for bit.
+    prefix_cache_dir: a folder where the prefix cache also keeps its blocks, as files a later process (or
     another on a shared disk) reads instead of prefilling them again, with the same bits
     (generation.prefix_cache.DiskCache)."""
     engines = {model_name: EngineThread(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
