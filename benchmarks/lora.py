@@ -34,7 +34,7 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
 
     from smollm2 import load
     from smollm2.generation.adapters import Adapters, read_lora
-    from smollm2.generation.engine import Engine
+    from smollm2.generation.engine import Engine, Row
     from smollm2.generation.sampling import Sampling
     from smollm2.generation.sequence import Sequence
     from smollm2.lora import add_lora, save_adapter, with_adapter
@@ -65,8 +65,8 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
                            for m, chosen in batches]
                 for engine, (_, chosen) in zip(engines, batches):
                     for b, lora in enumerate(chosen):
-                        engine.admit(Sequence([1 + b, *range(100 + b, 107 + b)], steps + 1, Sampling(), eos=()))
-                        engine.queued[-1].adapter = lora
+                        engine.queue(Row(Sequence([1 + b, *range(100 + b, 107 + b)], steps + 1, Sampling(), eos=()),
+                                         adapter=lora))
                     engine.step()  # the prefills and first tokens
                 wall, cpu = time.perf_counter(), time.process_time()
                 for _ in range(steps):

@@ -25,7 +25,7 @@ from test_server import running
 
 from smollm2 import SmolError, Tokenizer, generate, load, save
 from smollm2.generation.adapters import Adapters, read_lora
-from smollm2.generation.engine import Engine
+from smollm2.generation.engine import Engine, Row
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
 from smollm2.lora import add_lora, save_adapter, with_adapter
@@ -58,9 +58,8 @@ def decode(model, prompts, names, loras, steps: int) -> list[list[int]]:
     """Greedy tokens of every prompt, all rows in one engine, each row with its adapter (None: the base)."""
     with torch.inference_mode():
         engine = Engine(model, len(prompts), 64, prefill_budget=None, adapters=loras)
-        rows = [engine.admit(Sequence(prompt, steps, Sampling(), eos=())) for prompt in prompts]
-        for row, name in zip(rows, names):
-            row.adapter = None if name is None else loras.loaded[name]
+        rows = [engine.queue(Row(Sequence(prompt, steps, Sampling(), eos=()), adapter=loras.loaded.get(name)))
+                for prompt, name in zip(prompts, names)]
         while not all(row.sequence.finish_reason for row in rows):
             engine.step()
     return [row.sequence.tokens for row in rows]
@@ -112,6 +111,27 @@ def test_a_pass_without_adapter_rows_is_the_base_models_own(served):
     assert adapters.model_for([None, None]) is base
     prompts = [[1, 5, 9, 200, 17], [3, 4, 5]]
     assert decode(base, prompts, [None, None], adapters, 10) == decode(base, prompts, [None, None], Adapters(base), 10)
+
+
+def test_adapter_rows_neither_read_nor_fill_the_prefix_cache(served):
+    """Their keys and values are not the base's: a base row after an adapter row of the same prompt computes its
+    own, and an adapter row after a base row does not take the base's."""
+    from smollm2.generation.prefix_cache import PrefixCache
+
+    base = load(served / "base")
+    adapters = loaded(base, served)
+    prompt = list(range(1, 40))
+    cache = PrefixCache(1 << 24)
+    with torch.inference_mode():
+        engine = Engine(base, 1, 64, prefill_budget=None, adapters=adapters, prefix_cache=cache)
+        for name in ("a", None, "a"):
+            row = engine.queue(Row(Sequence(prompt, 4, Sampling(), eos=()), adapter=adapters.loaded.get(name)))
+            while not row.sequence.finish_reason:
+                engine.step()
+            assert (cache.bytes > 0) == (engine.prefilled > len(prompt))  # kept by the base row alone
+            model = base if name is None else with_adapter(base, served / name)
+            assert row.sequence.tokens == generate(model, [prompt], 4, temperature=0)[0, len(prompt):].tolist()
+    assert engine.prefilled == 3 * len(prompt)  # every prompt computed: none taken from the cache
 
 
 def test_an_adapter_holds_its_matrices_alone(served):
