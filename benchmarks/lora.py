@@ -10,8 +10,10 @@ Each run is `smollm2 finetune` on the chats of finetune_fact.py, one process eac
 `--repeats` times; tokens/s is the best and the median of metrics.jsonl's per-step figures over a kind's runs,
 each run's first step left out (it warms up). On a shared machine the best is the steadier figure.
 --serving: one engine (the server's, generation.engine) of `--rows` rows, each an 8-token prompt and `--steps`
-new tokens; the decoding steps after the first are timed, the two batches taking turns `--repeats` times, with
-torch's threads (OMP_NUM_THREADS). The adapters: random, rank --lora-r, on every linear layer of 2 of them and
+new tokens; the decoding steps after the first are timed, the kinds taking turns `--repeats` times, with torch's
+threads (OMP_NUM_THREADS): the base's rows alone (the whole-step kernel); the same on the path adapter rows take,
+each layer on its own, with no update; 2 rows of each of 4 adapters and 2 of the base; and the server before
+this, a merged copy per adapter, an engine and a batch each, stepped in turn. The adapters: random, rank --lora-r, on every linear layer of 2 of them and
 on q_proj and v_proj of the other 2.
 """
 
@@ -33,7 +35,7 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
     import torch
 
     from smollm2 import load
-    from smollm2.generation.adapters import Adapters, read_lora
+    from smollm2.generation.adapters import Adapters, LoRA, read_lora
     from smollm2.generation.engine import Engine, Row
     from smollm2.generation.sampling import Sampling
     from smollm2.generation.sequence import Sequence
@@ -55,7 +57,9 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
     merged = [model] + [with_adapter(model, work / f"a{i}") for i in range(4)]
     mix = [([None] + loras)[b % 5] for b in range(rows)]
     # The server before: a merged copy per adapter, each with an engine of its own, its rows a batch of their own
-    kinds = {"base alone": [(model, [None] * rows)], "4 adapters + base": [(model, mix)],
+    nothing = LoRA("nothing", "", 1, {})  # adapts no layer: its rows take the per-layer path, with no update
+    kinds = {"base alone": [(model, [None] * rows)], "base, per-layer path": [(model, [nothing] * rows)],
+             "4 adapters + base": [(model, mix)],
              "merged copies": [(m, [None] * len(mix[i::5])) for i, m in enumerate(merged)]}
     speeds = {name: [] for name in kinds}  # tokens per wall second, and per CPU second of this process
     with torch.inference_mode():
@@ -76,10 +80,10 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
                                      rows * steps / (time.process_time() - cpu)))
     print(f"{rows} rows, {steps} decoding steps, {torch.get_num_threads()} thread(s), adapters of rank {r} "
           f"({sum(lora.nbytes for lora in loras) / 2**20:.1f} MiB for the 4)")
-    print(f"{'batch':<20} {'tokens/s best':>13} {'median':>7} {'per CPU s best':>15} {'median':>7}")
+    print(f"{'batch':<22} {'tokens/s best':>13} {'median':>7} {'per CPU s best':>15} {'median':>7}")
     for name, got in speeds.items():
         wall, cpu = zip(*got)
-        print(f"{name:<20} {max(wall):>13.1f} {statistics.median(wall):>7.1f} {max(cpu):>15.1f} "
+        print(f"{name:<22} {max(wall):>13.1f} {statistics.median(wall):>7.1f} {max(cpu):>15.1f} "
               f"{statistics.median(cpu):>7.1f}")
     base, mixed = (list(zip(*speeds[name])) for name in ("base alone", "4 adapters + base"))
     print("4 adapters + base / base alone: " + ", ".join(

@@ -202,6 +202,14 @@ def test_load_use_and_unload_over_http(served):
         r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=key)
         assert r.status_code == 404 and "'a', 'b', 'c', 'd'" in r.json()["error"]["message"]
 
+        # an adapter's embeddings: its merged model's (to the tolerance), not the base's
+        from smollm2.generation.embeddings import embed
+        ids = Tokenizer.from_pretrained(served / "base").encode("Once upon a time")
+        r = httpx.post(f"{url}/v1/embeddings", headers=key, json={"model": "c", "input": "Once upon a time"})
+        got = torch.tensor(r.json()["data"][0]["embedding"])
+        assert (got - embed(with_adapter(base, served / "c"), [ids])[0]).abs().max() < TOLERANCE
+        assert (got - embed(base, [ids])[0]).abs().max() > 100 * TOLERANCE
+
         r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=key)
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'b' removed successfully."
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=key).json()["data"]] == ["tiny", "a", "c", "d"]

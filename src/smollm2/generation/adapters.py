@@ -1,6 +1,6 @@
 """LoRA adapters served over one base model, rows of different adapters (and of the base) in one pass, as vLLM's
 punica kernels batch them: every linear layer's base product once for all the rows, then each row's own low-rank
-update, x A_i^T (s B_i)^T, added, A and B gathered per row by its adapter's index in the pass.
+update, x A_i^T (s B_i)^T, added (Pass: the engine selects each pass's rows' adapters, the layers read them).
 
 An adapter is held as its A and B matrices alone (the model's dtype, B scaled), never merged into a copy of the
 weights. The engine runs a pass on the base model itself where no row has an adapter (the accelerator's whole-step
@@ -43,7 +43,7 @@ class LoRA:
 
 def read_lora(model: nn.Module, name: str, path: str | Path) -> LoRA:
     """The adapter at `path` (PEFT's format), checked against `model`'s layers (checkpoints/peft.py: one SmolError
-    line for a bad one), in the model's float dtype and on its device."""
+    line for a bad one), in the model's float dtype and on its device: its memory is its matrices'."""
     adapter = read_for(model, path)
     weight = model.model.embed_tokens.weight
     layers = {}
