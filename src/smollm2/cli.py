@@ -565,8 +565,9 @@ def parser() -> argparse.ArgumentParser:
                         "model); off: not. A request's \"speculative\" field overrides it (draft: only where the "
                         "server has one)")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
-                   help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
-                        "every weight it does not adapt with the base")
+                   help="also serve this LoRA adapter over the model, as model NAME (repeatable): held as its "
+                        "low-rank matrices, batched with the base's requests; more load and unload while serving "
+                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)")
     c.add_argument("--sae", action="append", default=[], metavar="DIR_OR_HUBID",
                    help="serve an SAE or transcoder (SAELens's or sparsify's format), or a folder of them (a "
                         "transcoder per block: attribution graphs), to the page and the API (repeatable)")

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import SmolError
 from . import steps
+from .adapters import Adapters, LoRA
 from .hooks import Hooks
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
@@ -75,6 +76,7 @@ class Row:
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
     speculative: str | SmolLM2 | None = None  # None, or guess its next tokens by "ngram" or with a draft model
     hooks: Hooks | None = None  # its passes run through these, alone (see above)
+    adapter: LoRA | None = None  # its LoRA adapter (adapters.py), never taken from or kept in the prefix cache
     guesser: Guesser | None = None  # how it speculates (from `speculative`), made as it is queued
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
@@ -92,15 +94,16 @@ class Engine:
 
     def __init__(self, model, rows: int, length: int, *, prefill_budget: int | None,
                  prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, adapters: Adapters | None = None):
         """rows: how many sequences may hold a cache row at once; length: the most slots one takes (its prompt
         and new tokens). prefill_budget: the most prompt tokens prefilled a step (a chunk is never split, so a
         step prefills one at least), or None: every queued prompt at once. prefix_cache: where prompts' chunks
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
         needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (kv_cache.KVCache), None for the
-        model's dtype; a draft model's cache (speculative.Draft) stores the same."""
-        self.model, self.cache_rows, self.kv_cache_dtype = model, rows, kv_cache_dtype
+        model's dtype; a draft model's cache (speculative.Draft) stores the same. adapters: the LoRA adapters its
+        rows may have (Row.adapter): a pass with such rows runs on their adapted model (adapters.py)."""
+        self.model, self.cache_rows, self.kv_cache_dtype, self.adapters = model, rows, kv_cache_dtype, adapters
         self.device = model.model.embed_tokens.weight.device
         self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings),
                                      kv_cache_dtype)
@@ -149,7 +152,9 @@ class Engine:
         sequence = row.sequence
         row.guesser = new_guesser(row.speculative, len(sequence.prompt) + sequence.max_new_tokens,
                                   self.kv_cache_dtype)
-        if row.hooks is not None:  # never taken from or kept in the prefix cache
+        if row.adapter is not None and self.adapters is None:
+            raise SmolError("a row with a LoRA adapter needs an engine given adapters")
+        if row.hooks is not None or row.adapter is not None:  # never taken from or kept in the prefix cache
             row.blocks = None
         self.queued.append(row)
         return row
@@ -202,14 +207,17 @@ class Engine:
         else:  # the filled slots only
             cache = self.cache.view(slice(0, len(rows)), max(at[-1] for at in slots) + 1)
         ids, slots = torch.tensor(fed, device=self.device), torch.tensor(slots, device=self.device)
+        model = self._model([row.adapter for row in rows] + [None] * (len(ids) - len(rows)))
         if width == 1:
-            logits = self.step_fn(self.model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
+            step = self.step_fn if model is self.model else decode_step  # (a compiled step is the base's)
+            logits = step(model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
         else:
-            logits = verify_step(self.model, ids, slots, cache)  # (n, width, V)
+            logits = verify_step(model, ids, slots, cache)  # (n, width, V)
         for b, row in enumerate(rows):
             if row.hooks is not None:
-                logits[b] = self.model.logits(row.hooks.hidden_states(self.model, ids[b:b + 1], slots[b:b + 1],
-                                                                      cache.view(slice(b, b + 1))))[0]
+                alone = self._model([row.adapter])
+                logits[b] = alone.logits(row.hooks.hidden_states(alone, ids[b:b + 1], slots[b:b + 1],
+                                                                 cache.view(slice(b, b + 1))))[0]
         self.passes += 1
         before = [row.filled for row in rows]
         going = range(len(rows))  # the rows whose position i is taken
@@ -271,7 +279,8 @@ class Engine:
             return None
         row = self.filling = self.queued.popleft()
         at = self.filling_at = len(self.decoding)
-        if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None:
+        if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None \
+                and row.adapter is None:
             row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
             for block in row.blocks:
                 begin, end = row.filled, row.filled + block.length
@@ -285,13 +294,13 @@ class Engine:
         ends the prompt; returns the last position's hidden state, (1, 1, C), as any prefill computes it."""
         prompt, at = row.sequence.prompt, self.filling_at
         cache = self.cache.view(slice(at, at + 1))
-        ids = torch.tensor([prompt[begin:end]], device=self.device)
+        ids, model = torch.tensor([prompt[begin:end]], device=self.device), self._model([row.adapter])
         if row.prompt_logprobs is not None:  # echo: every position's state, each chunk scored
-            h = prefill_chunk(self.model, ids, cache, begin, last_only=False, hooks=row.hooks)
-            row.scored += chunk_logprobs(self.model, prompt, begin, h[0], row.prompt_logprobs)
+            h = prefill_chunk(model, ids, cache, begin, last_only=False, hooks=row.hooks)
+            row.scored += chunk_logprobs(model, prompt, begin, h[0], row.prompt_logprobs)
         ends = end == len(prompt)
         if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
-            h = prefill_chunk(self.model, ids, cache, begin, hooks=row.hooks)
+            h = prefill_chunk(model, ids, cache, begin, hooks=row.hooks)
         row.filled = end
         self.prefilled += end - begin
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
@@ -299,6 +308,11 @@ class Engine:
                                             [t[:, at, :, begin:end] for t in self.cache.parts], h if ends else None)
             row.blocks = None if block is None else [*row.blocks, block]
         return h
+
+    def _model(self, adapters: list[LoRA | None]):
+        """The model a pass of rows with these adapters (None: the base) runs on: the base itself where none has
+        one, else the adapted copy, this pass's rows' adapters selected (adapters.py)."""
+        return self.model if self.adapters is None else self.adapters.model_for(adapters)
 
     def _take(self, rows: list[Row], logits: torch.Tensor, events: list) -> None:
         """Every row's next token from its row of logits, in one sampling call; then the finished rows go."""

@@ -178,7 +178,10 @@ class FastAttention(Watched, Attention):
 class FastMLP(Watched, MLP):
     def forward(self, x):  # gate and up in one pass, then SiLU*up in one
         choices = self.accelerator.choices
-        gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in (self.gate_proj, self.up_proj)):
+            gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        else:  # layers swapped in since (a served adapter's): each its own forward
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(ops.silu_mul(choices, gate, up, lambda: F.silu(gate) * up))
 
 
@@ -234,8 +237,10 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
 
 def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
-    cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
+    cannot run the block: biases, mixed weight types, sizes off its multiples of 16, layers of its own forward."""
     norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block)
+    if not all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):  # swapped in since (a served adapter's)
+        return None
     attn = block.self_attn
     C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
     w_type = linears[0].weight.dtype

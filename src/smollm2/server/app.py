@@ -1,7 +1,8 @@
-"""The app: its factory (an engine thread per model served), its middleware and its API key; /health (alive),
-/ready (worth sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize here. Each API
-has a module of its own: OpenAI's chat completions, completions and models (openai.py), its Responses
-(responses.py) and embeddings (embeddings.py), Anthropic's Messages (messages.py), and /inspect (inspect.py).
+"""The app: its factory (the model's engine thread), its middleware and its API key; /health (alive), /ready (worth
+sending requests to), /metrics (Prometheus), and llama.cpp's /tokenize and /detokenize here. Each API has a module
+of its own: OpenAI's chat completions, completions and models (openai.py), its Responses (responses.py) and
+embeddings (embeddings.py), Anthropic's Messages (messages.py), /inspect (inspect.py), and vLLM's LoRA adapters
+loaded while serving (adapters.py).
 
 Request bodies are pydantic models. Every error, ours or FastAPI's, leaves as OpenAI's error body
 {"error": {"message", "type", "param", "code"}} (Anthropic's on its own routes) with a 4xx status (5xx only for a
@@ -16,7 +17,6 @@ tokenizer, metrics, API key) is their own app's Served, in app.state, so that se
 from __future__ import annotations
 
 import contextlib
-import copy
 import secrets
 from pathlib import Path
 from typing import Annotated
@@ -27,13 +27,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 import torch
-from torch import nn
 
 from .. import loading
 from ..errors import SmolError
 from ..generation.speculative import speculation
-from ..lora import with_adapter
 from ..tokenizer import Tokenizer
+from . import adapters as lora_adapters
 from . import embeddings, inspect, messages, openai, page, responses, scheduler
 from .draining import Admission
 from .metrics import CountResponses, Metrics
@@ -87,39 +86,37 @@ class BodyLimit:
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
                max_batch_size: int = scheduler.MAX_BATCH_SIZE, max_waiting: int = scheduler.MAX_WAITING,
                max_seq_len: int | None = None, max_body_bytes: int = 1 << 20, api_key: str | None = None,
-               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict | None = None,
+               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict[str, str | Path] | None = None,
                threads: int | None = None, speculative=scheduler.SPECULATIVE, kv_cache_dtype: str | None = None,
                prefix_cache_dir: str | Path | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine threads (each then owns its model) and stops them.
+    """The app; its lifespan starts the engine thread (which then owns the model) and stops it.
     The defaults are the engine thread's (scheduler.py), and `smollm2 serve`'s but for the KV cache's dtype.
-    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none), each
-    model's own. adapters: more models served beside `model_name`, by name, chosen per request by its `model`
-    field: copies of the model with a LoRA adapter merged in (smollm2.lora.with_adapter), sharing every other
-    weight with it. Each model has an engine thread (and a KV cache) of its own, running it with `threads`
-    CPU threads (default: as many as this thread's; see EngineThread). speculative: how requests guess tokens
-    unless they say otherwise: None (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2
-    with the same tokenizer (generation.speculative; the same answers either way), with which each engine thread
-    drafts as a copy of its own (own_copy). kv_cache_dtype: what each KV cache stores, "fp32", "bf16" (half fp32's
-    memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8" (smollm2.kv_cache.KVCache); None, the
-    model's dtype, gives the answers and log-probabilities of generate() on the same model, bit for bit.
-    prefix_cache_dir: a folder where each model's prefix cache also keeps its blocks, as files a later process (or
+    prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none).
+    adapters: LoRA adapters served over the model from the start, {name: directory in PEFT's format},
+    chosen per request by its `model` field, as those loaded later (POST /v1/load_lora_adapter, adapters.py):
+    each held as its low-rank matrices, its rows decoding in the same passes as the base's
+    (generation/adapters.py). The model's engine thread runs it with `threads` CPU threads (default: as many as
+    this thread's; see EngineThread). speculative: how requests guess tokens unless they say otherwise: None
+    (they do not), "ngram" (prompt lookup) or a draft model, a smaller SmolLM2 with the same tokenizer
+    (generation.speculative; the same answers either way). kv_cache_dtype: what the KV cache stores, "fp32",
+    "bf16" (half fp32's memory, perplexity within 0.1%; `smollm2 serve`'s default) or "int8"
+    (smollm2.kv_cache.KVCache); None, the model's dtype, gives the answers and log-probabilities of generate() on
+    the same model, bit for bit.
+    prefix_cache_dir: a folder where the prefix cache also keeps its blocks, as files a later process (or
     another on a shared disk) reads instead of prefilling them again, with the same bits
     (generation.prefix_cache.DiskCache)."""
-    if model_name in (adapters or {}):
-        raise SmolError(f"an adapter cannot be served as {model_name!r}, the base model's name")
-    models = {model_name: model, **(adapters or {})}
-    drafted = isinstance(speculative, nn.Module)
-    engines = {name: EngineThread(m, tokenizer, max_batch_size, max_waiting, max_seq_len,
-                                  on_end=lambda generation, name=name: metrics.ended(generation, name),
-                                  prefix_cache_bytes=prefix_cache_bytes, threads=threads,
-                                  speculative=own_copy(speculative) if drafted and i else speculative,
-                                  kv_cache_dtype=kv_cache_dtype, prefix_cache_dir=prefix_cache_dir)
-               for i, (name, m) in enumerate(models.items())}
+    engines = {model_name: EngineThread(model, tokenizer, max_batch_size, max_waiting, max_seq_len,
+                                        on_end=lambda generation: metrics.ended(generation, model_name),
+                                        prefix_cache_bytes=prefix_cache_bytes, threads=threads,
+                                        speculative=speculative, kv_cache_dtype=kv_cache_dtype,
+                                        prefix_cache_dir=prefix_cache_dir)}
     metrics = Metrics(engines)
     app = FastAPI(title="smollm2", lifespan=lifespan, dependencies=[Depends(authorize)],
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.served = served = Served(engines, tokenizer, metrics, api_key)
-    for routes in (router, openai.router, responses.router, messages.router, embeddings.router, inspect.router):
+    lora_adapters.load_at_start(served, adapters or {})
+    for routes in (router, openai.router, responses.router, messages.router, embeddings.router, inspect.router,
+                   lora_adapters.router):
         app.include_router(routes)
     page.serve(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -132,35 +129,25 @@ def load_app(src=None, *, load: dict | None = None, lora: dict | None = None, sp
              threads: int | None = None, saes: list[str] = (), **options) -> FastAPI:
     """create_app over what sources name, loaded as `smollm2 serve` loads them: the model at `src` (as smollm2.load
     takes it, with `load`'s options: dtype, device, adapter, quantize, kernels) and its tokenizer, served as `src`
-    (unless options say model_name); `lora`: more models by name, each the model with the LoRA adapter in that
-    directory merged (smollm2.lora.with_adapter); `speculative`: the guesser in the command line's words
-    (generation.speculative.speculation: "ngram", "off", "draft:SRC", a draft loaded with `load`'s options but the
-    adapter); `saes`: the sparse dictionaries served on the page and the inspect routes (inspect.serve_dictionaries).
-    options: create_app's.
+    (unless options say model_name); `lora`: LoRA adapters by name, each a directory (create_app's `adapters`);
+    `speculative`: the guesser in the command line's words (generation.speculative.speculation: "ngram", "off",
+    "draft:SRC", a draft loaded with `load`'s options but the adapter); `saes`: the sparse dictionaries served on
+    the page and the inspect routes (inspect.serve_dictionaries). options: create_app's.
 
-    This thread loads everything with one torch thread, and keeps one: the models run on the engine threads,
-    `threads` each (default: this thread's count before), and an OpenMP pool of this thread's own, made by the
-    load's first parallel operation, would add to theirs and, past the count of CPUs, put every pool's workers to
-    sleep between parallel regions (see EngineThread): 2.6x slower at batch 1 on 2 CPUs."""
+    This thread loads everything with one torch thread, and keeps one: the model runs on the engine thread,
+    `threads` (default: this thread's count before), and an OpenMP pool of this thread's own, made by the load's
+    first parallel operation, would add to its and, past the count of CPUs, put every pool's workers to sleep
+    between parallel regions (see EngineThread): 2.6x slower at batch 1 on 2 CPUs."""
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(1)
     load = load or {}
     model, tokenizer = loading.load(src, **load), Tokenizer.from_pretrained(src)
     guesser = speculation(speculative, tokenizer, **{k: v for k, v in load.items() if k != "adapter"})
-    adapters = {name: with_adapter(model, path) for name, path in (lora or {}).items()}
     if src is not None:
         options.setdefault("model_name", str(src))
-    app = create_app(model, tokenizer, adapters=adapters, threads=threads, speculative=guesser, **options)
+    app = create_app(model, tokenizer, adapters=lora, threads=threads, speculative=guesser, **options)
     inspect.serve_dictionaries(app, saes)
     return app
-
-
-def own_copy(model: nn.Module) -> nn.Module:
-    """A copy of model for another engine thread: the weights (parameters and buffers, a GGUF file's blocks
-    among them) shared, not copied; what running a model changes its own: its accelerator's plans and measured
-    choices, its RoPE tables as they grow (SmolLM2.extend_rope). One object run by two threads would have both
-    change those under each other."""
-    return copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})
 
 
 @contextlib.asynccontextmanager

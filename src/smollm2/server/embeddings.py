@@ -17,6 +17,7 @@ from fastapi import Request as Connection
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from ..generation import steps
+from ..generation.adapters import Adapters, LoRA
 from ..generation.embeddings import embed
 from ..generation.request import checked_rows
 from .serving import APIError, AppState, Text, text_or_ids
@@ -60,11 +61,12 @@ async def create_embeddings(body: EmbeddingsBody, connection: Connection, served
     tokens = sum(map(len, rows))
     if tokens > MAX_TOKENS:
         raise APIError(400, f"input: {tokens} tokens in all; at most {MAX_TOKENS}", param="input")
+    lora = thread.adapters.loaded.get(body.model)  # a LoRA adapter's embeddings are its own
     vectors = []
     for batch in batches(rows):
         if await connection.is_disconnected():  # nobody is waiting for the rest
             raise APIError(499, "the client went away")
-        vectors += await thread.call(functools.partial(embed, thread.model, batch))
+        vectors += await thread.call(functools.partial(adapted_embed, thread.adapters, lora, batch))
     data = [dict(object="embedding", index=i, embedding=encode(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return dict(object="list", data=data, model=body.model, usage=dict(prompt_tokens=tokens, total_tokens=tokens))
@@ -74,3 +76,8 @@ def encode(vector, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
     return vector.tolist()
+
+
+def adapted_embed(adapters: Adapters, lora: LoRA | None, rows: list[list[int]]):
+    """embed() on the model with `lora` (None: the base), chosen on the engine thread, where passes select theirs."""
+    return embed(adapters.model_for([lora] * len(rows)), rows)

@@ -336,9 +336,12 @@ def tool_finish(reason: str | None, calls: list[ToolCall]) -> str | None:
 @router.get("/v1/models")
 async def models(served: AppState):
     # meta, as llama.cpp's: what a client (the page) may want to know of the model's shape
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "smollm2",
-                                        "meta": meta(thread.model.config)}
-                                       for name, thread in served.engines.items()]}
+    # a LoRA adapter as vLLM lists one: its base model as `parent`, its directory as `root`
+    return {"object": "list", "data": [
+        entry for name, thread in served.engines.items() for entry in (
+            {"id": name, "object": "model", "created": 0, "owned_by": "smollm2", "meta": meta(thread.model.config)},
+            *({"id": lora.name, "object": "model", "created": 0, "owned_by": "smollm2", "parent": name,
+               "root": lora.path, "meta": meta(thread.model.config)} for lora in thread.adapters.loaded.values()))]}
 
 
 def meta(config) -> dict:

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import FieldError, SmolError
 from ..generation import steps
+from ..generation.adapters import Adapters
 from ..generation.engine import Engine, PromptLogprobs, Row
 from ..generation.logprobs import TokenLogprob
 from ..generation.prefix_cache import DiskCache, PrefixCache
@@ -172,8 +173,10 @@ class EngineThread:
             except OSError as e:
                 raise SmolError(f"the prefix cache folder {prefix_cache_dir}: cannot create it: {e.strerror}") from None
         self.prefix_cache_dir = prefix_cache_dir
+        self.adapters = Adapters(model)  # LoRA adapters, loaded and unloaded while serving (server/adapters.py)
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
-                             prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype)
+                             prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype,
+                             adapters=self.adapters)
         self.requests: dict[Row, Generation] = {}  # in flight: each holds (or is queued for) a row of the engine
         self.waiting: collections.deque[Generation] = collections.deque()
         self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
@@ -196,8 +199,10 @@ class EngineThread:
 
     def submit(self, request: Request) -> Generation:
         """Queue a request, made into a row of this thread's engine (Request.row: checked against the model and
-        max_seq_len); raises SmolError if it cannot run, QueueFull if too many are waiting."""
+        max_seq_len), with its LoRA adapter where it names a loaded one; raises SmolError if it cannot run,
+        QueueFull if too many are waiting."""
         row = request.row(self.model, self.max_seq_len, self.tokenizer)
+        row.adapter = self.adapters.loaded.get(request.adapter)
         generation = Generation(row, asyncio.get_running_loop(), self.on_end)
         if row.sequence.finish_reason and row.prompt_logprobs is None:  # max_tokens 0: nothing to generate
             generation.finish()

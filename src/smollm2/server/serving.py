@@ -162,11 +162,18 @@ class Served:
         return not self.draining and all(engine.ready.is_set() for engine in self.engines.values())
 
     def engine(self, name: str) -> EngineThread:
-        """The engine thread of the model a request names (Request.adapter)."""
-        if name not in self.engines:
-            raise APIError(404, f"the model {name!r} does not exist; this server has "
-                           f"{', '.join(map(repr, self.engines))}", param="model", code="model_not_found")
-        return self.engines[name]
+        """The engine thread of the model a request names (Request.adapter): the base model's, or the one that
+        holds the LoRA adapter of that name (its rows then have the adapter: EngineThread.submit)."""
+        for base, thread in self.engines.items():
+            if name == base or name in thread.adapters.loaded:
+                return thread
+        raise APIError(404, f"the model {name!r} does not exist; this server has {', '.join(map(repr, self.models))}",
+                       param="model", code="model_not_found")
+
+    @property
+    def models(self) -> list[str]:
+        """The names requests may give as their model: each base model's, then its adapters'."""
+        return [name for base, thread in self.engines.items() for name in (base, *thread.adapters.loaded)]
 
 
 async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
