@@ -313,7 +313,7 @@ class Engine:
         h = steps.prefill_rows(self.model, [steps.Chunk(cache_row, begin, row.sequence.prompt[begin:end])
                                             for row, cache_row, begin, end in work], self.cache)
         for i, (row, cache_row, begin, end) in enumerate(work):
-            last[at[i]] = self._keep(row, cache_row, begin, end, h[:, i:i + 1])
+            last[at[i]] = self._keep(row, cache_row, begin, end, h[:, i:i + 1].clone())  # kept apart (prefix cache)
 
     def _start(self, at: int) -> Row:
         """The next queued row, to prefill in cache row `at`, its cached prefix copied in. A row that scores its
