@@ -15,12 +15,14 @@ holds row n, the next. Each step
      fed after it: such a row may gain several tokens a step;
   2. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
      copied, so the rows decoding stay 0..n-1 (and the prefilling one n);
-  3. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
-     PREFILL_CHUNK (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on
-     between a long prompt's chunks; several short prompts fit in one step. Chunks already in the prefix cache
-     (same tokens, same place) are copied instead of computed, and those computed are kept. A row that scores
-     its prompt (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first
-     token (one sampling call), and decode from the next step on.
+  3. prefills the queued prompts into the free rows, in chunks that end at multiples of PREFILL_CHUNK
+     (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on between a long
+     prompt's chunks; several short prompts fit in one step. The chunks are those one prompt after another would
+     take, computed in waves (each row's first, then its second, ...), where several rows' chunks share one pass
+     (steps.prefill_rows), each row's bits those it gets alone. Chunks already in the prefix cache (same tokens,
+     same place) are copied instead of computed, and those computed are kept. A row that scores its prompt
+     (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first token (one
+     sampling call), and decode from the next step on.
 A row with hooks (hooks.py: steering, or any function at a hook point) runs its own passes through them: its
 prompt's chunks, never taken from or kept in the prefix cache, and after each decoding pass, which it takes
 part in as any row, its positions again, alone, overwriting its keys and values and its logits. The other
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SmolError
+from ..kernels.choosing import rows_bucket
 from . import steps
 from .adapters import Adapters, LoRA
 from .hooks import Hooks
@@ -245,40 +248,101 @@ class Engine:
                 if row.guesser is not None else [] for row in rows]
 
     def _prefill(self, events: list) -> tuple[list[Row], list[torch.Tensor]]:
-        """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the
-        rows whose prompt is complete, which join the rows decoding, and their next-token logits, (1, V) each,
-        computed as each prompt completes (a row's logits do not depend on the rows beside it)."""
+        """Prefill the queued prompts until the step's budget is spent: the chunks one prompt after another would
+        take (_plan), computed in waves (_fill). Returns the rows whose prompt is complete, which join the rows
+        decoding, and their next-token logits, (1, V) each (a row's logits do not depend on the rows beside it)."""
         spent, ready, logits = 0, [], []
-        while len(self.decoding) < self.cache_rows and (self.prefill_budget is None or spent < self.prefill_budget) \
-                and (row := self.filling or self._start()) is not None:
-            prompt = row.sequence.prompt
-            if row.filled < len(prompt):
-                begin, end = next(chunks(row.filled, len(prompt)))
-                if spent and self.prefill_budget is not None and spent + end - begin > self.prefill_budget:
-                    break  # a chunk is never split: it is the next step's
-                h = self._prefill_chunk(row, begin, end)
-                spent += end - begin
-                if end < len(prompt):
+        while plan := self._plan(spent):
+            spent += sum(end - begin for _, _, chunks in plan for begin, end in chunks)
+            for (row, at, _), h in zip(plan, self._fill(plan)):
+                if row.filled < len(row.sequence.prompt):  # the budget is spent: the rest is the next step's
+                    self.filling, self.filling_at = row, at
                     continue
-            else:  # an equal prompt was prefilled before: its last hidden state is cached
-                h = row.blocks[-1].h
-            self.filling = None
-            if row.prompt_logprobs is not None:
-                events.append((row, PromptLogprobs(row.scored)))
-            if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
-                continue
-            self.decoding.append(row)
-            ready.append(row)
-            logits.append(self.model.logits(h[:, -1]))
+                if row.prompt_logprobs is not None:
+                    events.append((row, PromptLogprobs(row.scored)))
+                if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
+                    continue
+                self.decoding.append(row)
+                ready.append(row)
+                logits.append(self.model.logits(h[:, -1]))
+            if self.filling is not None:
+                break
         return ready, logits
 
-    def _start(self) -> Row | None:
-        """The next queued row to prefill, in cache row len(decoding), its cached prefix copied in; None if none.
-        A row that scores its prompt computes every chunk: it needs every position's hidden state."""
-        if not self.queued:
-            return None
-        row = self.filling = self.queued.popleft()
-        at = self.filling_at = len(self.decoding)
+    def _plan(self, spent: int) -> list[tuple[Row, int, list[tuple[int, int]]]]:
+        """The rows to prefill next, each with its cache row and the chunks it computes, as one prompt after another
+        would take them: each chunk ends at a multiple of PREFILL_CHUNK (steps.chunks), and is never split, within
+        the budget; rows decoding stay 0..n-1 and these take n, n+1, .. (each complete but maybe the last). It ends
+        before a prompt that would find in the prefix cache a chunk one of these computes, and after a row that
+        will not decode (its cache row is the next one's)."""
+        plan, budget = [], self.prefill_budget
+        while len(self.decoding) + len(plan) < self.cache_rows and (budget is None or spent < budget):
+            if self.filling is not None:
+                row, at, self.filling = self.filling, self.filling_at, None
+            elif not self.queued or self._finds_planned(plan):
+                break
+            else:
+                row = self._start(at := len(self.decoding) + len(plan))
+            taken = []
+            for begin, end in chunks(row.filled, len(row.sequence.prompt)):
+                if spent and budget is not None and spent + end - begin > budget:
+                    break  # a chunk is never split: it is the next step's
+                taken.append((begin, end))
+                spent += end - begin
+            plan.append((row, at, taken))
+            if (taken[-1][1] if taken else row.filled) < len(row.sequence.prompt) or row.sequence.finish_reason:
+                break
+        return plan
+
+    def _finds_planned(self, plan: list) -> bool:
+        """Whether the next queued prompt would find in the prefix cache a chunk a planned row computes: it then
+        waits until they are kept, and copies it."""
+        row = self.queued[0]
+        if self.prefix_cache is None or row.prompt_logprobs is not None or row.hooks is not None \
+                or row.adapter is not None:
+            return False
+        prompt = row.sequence.prompt
+        first = min(steps.PREFILL_CHUNK, len(prompt))
+        return any(other.sequence.prompt[:first] == prompt[:first] for other, _, _ in plan)
+
+    def _fill(self, plan: list) -> list[torch.Tensor | None]:
+        """The planned chunks, in waves: each row's i-th in the i-th, where the rows' chunks of one kind share
+        passes (steps.prefill_rows: each row's bits are those it gets alone), and the others' run alone. Returns
+        each row's last hidden state, (1, 1, C), where its prompt is complete (its cached one where an equal
+        prompt was prefilled before and it computed nothing)."""
+        last = [row.blocks[-1].h if not taken and row.filled == len(row.sequence.prompt) else None
+                for row, _, taken in plan]
+        for wave in range(max(len(taken) for _, _, taken in plan)):
+            kinds: dict[int, list] = {}  # packed chunks by kind, in plan order
+            for i, (row, at, taken) in enumerate(plan):
+                if wave >= len(taken):
+                    continue
+                begin, end = taken[wave]
+                if row.hooks is None and row.prompt_logprobs is None and row.adapter is None \
+                        and steps.packs(self.model, end - begin):
+                    kinds.setdefault(rows_bucket(end - begin), []).append(i)
+                else:
+                    last[i] = self._prefill_chunk(row, at, begin, end)
+            for rows in kinds.values():
+                for group in (rows[j:j + steps.PACKED_ROWS] for j in range(0, len(rows), steps.PACKED_ROWS)):
+                    self._prefill_chunks([(plan[i][0], plan[i][1], *plan[i][2][wave]) for i in group], last, group)
+        return last
+
+    def _prefill_chunks(self, work: list[tuple[Row, int, int, int]], last: list, at: list[int]) -> None:
+        """Chunks of several rows, (row, cache row, begin, end), in one pass (one alone: prefill_chunk's); each
+        row's last hidden state into last[at[i]]."""
+        if len(work) == 1:
+            last[at[0]] = self._prefill_chunk(*work[0])
+            return
+        h = steps.prefill_rows(self.model, [steps.Chunk(cache_row, begin, row.sequence.prompt[begin:end])
+                                            for row, cache_row, begin, end in work], self.cache)
+        for i, (row, cache_row, begin, end) in enumerate(work):
+            last[at[i]] = self._keep(row, cache_row, begin, end, h[:, i:i + 1].clone())  # kept apart (prefix cache)
+
+    def _start(self, at: int) -> Row:
+        """The next queued row, to prefill in cache row `at`, its cached prefix copied in. A row that scores its
+        prompt computes every chunk: it needs every position's hidden state."""
+        row = self.queued.popleft()
         if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None \
                 and row.adapter is None:
             row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
@@ -289,18 +353,24 @@ class Engine:
                 row.filled = end
         return row
 
-    def _prefill_chunk(self, row: Row, begin: int, end: int) -> torch.Tensor:
-        """One chunk of the filling row's prompt into its cache row, kept in the prefix cache if it is whole or
-        ends the prompt; returns the last position's hidden state, (1, 1, C), as any prefill computes it."""
-        prompt, at = row.sequence.prompt, self.filling_at
+    def _prefill_chunk(self, row: Row, at: int, begin: int, end: int) -> torch.Tensor:
+        """One chunk of a row's prompt into its cache row `at`, alone; returns the last position's hidden state,
+        (1, 1, C), as any prefill computes it."""
+        prompt = row.sequence.prompt
         cache = self.cache.view(slice(at, at + 1))
         ids, model = torch.tensor([prompt[begin:end]], device=self.device), self._model([row.adapter])
         if row.prompt_logprobs is not None:  # echo: every position's state, each chunk scored
             h = prefill_chunk(model, ids, cache, begin, last_only=False, hooks=row.hooks)
             row.scored += chunk_logprobs(model, prompt, begin, h[0], row.prompt_logprobs)
-        ends = end == len(prompt)
-        if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
+        if row.prompt_logprobs is None or end == len(prompt):  # (echo: its keys and values written again, equal)
             h = prefill_chunk(model, ids, cache, begin, hooks=row.hooks)
+        return self._keep(row, at, begin, end, h)
+
+    def _keep(self, row: Row, at: int, begin: int, end: int, h: torch.Tensor) -> torch.Tensor:
+        """A chunk computed into cache row `at`: counted, and kept in the prefix cache if it is whole or ends the
+        prompt; returns h, its last position's hidden state."""
+        prompt = row.sequence.prompt
+        ends = end == len(prompt)
         row.filled = end
         self.prefilled += end - begin
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):

@@ -162,13 +162,12 @@ class FastInt8Linear(Watched, Int8Linear):
 
 class FastRMSNorm(Watched, RMSNorm):
     def forward(self, x):  # a prompt: one pass, not six
-        return ops.rms_norm(self.accelerator.choices, x, self.weight, self.eps,
-                            lambda: super(FastRMSNorm, self).forward(x))
+        return ops.rms_norm(self.accelerator.choices, x, self.weight, self.eps, super().forward)
 
 
 class FastAttention(Watched, Attention):
     def rotate(self, x, cos, sin):  # a prompt: one pass, not five
-        return ops.rope(self.accelerator.choices, x, cos, sin, lambda: Attention.rotate(x, cos, sin))
+        return ops.rope(self.accelerator.choices, x, cos, sin, Attention.rotate)
 
     def attend(self, q, k, v, mask, is_causal: bool):  # a prompt: the causal half of the scores, not all
         plain = lambda: super(FastAttention, self).attend(q, k, v, mask, is_causal)  # noqa: E731
@@ -182,7 +181,7 @@ class FastMLP(Watched, MLP):
             gate, up = products(choices, x, self.gate_proj, self.up_proj)
         else:  # layers swapped in since (a served adapter's): each its own forward
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.silu_mul(choices, gate, up, lambda: F.silu(gate) * up))
+        return self.down_proj(ops.silu_mul(choices, gate, up, lambda gate, up: F.silu(gate) * up))
 
 
 class WatchedBlock(Watched, Block):

@@ -63,6 +63,18 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     return y if scale is None else y * scale.to(y.dtype)
 
 
+def each_prompt(choices: Choices, plain: Callable, *rows: torch.Tensor):
+    """plain(*rows), torch's code for activations (1, rows, ...); in a batched prefill (Choices.packed) once per
+    prompt's rows, so that each gets the bits it gets alone."""
+    split = choices.split(rows[0].shape[1]) if rows[0].dim() > 2 and rows[0].shape[0] == 1 else None
+    if split is None or len(split) == 1:
+        return plain(*rows)
+    parts = [plain(*part) for part in zip(*(t.split(split, dim=1) for t in rows))]
+    if isinstance(parts[0], list):  # the products of one input (gate and up)
+        return [torch.cat(outputs, dim=1) for outputs in zip(*parts)]
+    return torch.cat(parts, dim=1)
+
+
 def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
@@ -92,7 +104,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
 
     def plain():
-        return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
+        return each_prompt(choices, lambda x: [torch_linear(x, w, s) for w, s in zip(weights, scales)], x)
 
     if not (multiplies(choices, x, rows) and K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
             w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
@@ -110,7 +122,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
                           N=(ctypes.c_long * len(sizes))(*sizes), K=K)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
-    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], rows_bucket(rows),
+    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
                             torch.get_num_threads(), (K, *sizes)), kernel, plain)
 
 
@@ -217,8 +229,9 @@ def prompt_attention(choices: Choices, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
-             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """silu(gate) * up in one pass; plain(), torch's, where the kernel does not run it or is the slower."""
+             torch_silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu(gate) * up in one pass; torch_silu_mul(gate, up) where the kernel does not run it or is the slower."""
+    plain = lambda: each_prompt(choices, torch_silu_mul, gate, up)  # noqa: E731
     if not (prompt_rows(choices, gate, up) and gate.shape == up.shape and gate.shape[-1] % 16 == 0):
         return plain()
 
@@ -228,15 +241,16 @@ def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
                             n=gate.numel())
         return out
 
-    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, rows_bucket(gate.numel() // gate.shape[-1]),
+    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, choices.bucket(gate.numel() // gate.shape[-1]),
                             torch.get_num_threads(), (gate.shape[-1],)), kernel, plain)
 
 
 def rope(choices: Choices, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); plain(), torch's,
-    where the kernel does not run it or is the slower."""
+         torch_rope: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); torch_rope(x, cos,
+    sin) where the kernel does not run it or is the slower."""
     B, T, heads, D = x.shape
+    plain = lambda: each_prompt(choices, torch_rope, x, cos, sin)  # noqa: E731
     if not (prompt_rows(choices, x, cos, sin) and cos.shape == sin.shape == (B, T, 1, D) and D % 32 == 0):
         return plain()
 
@@ -246,15 +260,16 @@ def rope(choices: Choices, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                              type=TYPES[x.dtype], R=B * T, heads=heads, D=D)
         return out
 
-    return choices.pick(Key("rope", DTYPES[x.dtype], None, rows_bucket(B * T), torch.get_num_threads(), (heads, D)),
+    return choices.pick(Key("rope", DTYPES[x.dtype], None, choices.bucket(B * T), torch.get_num_threads(), (heads, D)),
                         kernel, plain)
 
 
 def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float,
-             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """weight * x / rms(x) over the last dimension in one pass; plain(), torch's, where the kernel does not run
-    it or is the slower."""
+             torch_norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension in one pass; torch_norm(x) where the kernel does not run it or
+    is the slower."""
     C = x.shape[-1]
+    plain = lambda: each_prompt(choices, torch_norm, x)  # noqa: E731
     if not (prompt_rows(choices, x, weight) and C % 16 == 0 and weight.shape == (C,)):
         return plain()
 
@@ -264,5 +279,5 @@ def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float
                              R=x.numel() // C, C=C, eps=eps)
         return out
 
-    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, rows_bucket(x.numel() // C), torch.get_num_threads(),
+    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, choices.bucket(x.numel() // C), torch.get_num_threads(),
                             (C,)), kernel, plain)
