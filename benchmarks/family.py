@@ -231,16 +231,16 @@ def table(rows: list[dict], setup: dict) -> str:
              f"rounds, best of {setup['repeats']}); read rate {setup['read_gb_s']:.1f} GB/s; runtime "
              f"{setup['runtime_mb']:.0f} MB; llama.cpp {setup['llama_cpp_build']}",
              f"{'model, type':<15}{'file MB':>8}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
-             f"{'RSS MB (/file)':>17}{'llama RSS':>11}{'GB/s (read)':>14}{'reads':>9}  "]
+             f"{'RSS MB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
     for r in rows:
         s, l = r["smollm2"], r["llama_cpp"]
         lines.append(f"{r['size'] + ' ' + r['type'].upper():<15}{r['file_mb']:>8.0f}"
                      f"{s['decode_tok_s']:>8.1f}/{s['prefill_tok_s']:<7.1f}{l['decode_tok_s']:>9.1f}/"
                      f"{l['prefill_tok_s']:<8.1f}{r['decode_ratio']:>6.2f}x{r['prefill_ratio']:>6.2f}x"
                      f"{s['peak_mb']:>9.0f} ({r['rss_per_file']:.1f}x){l['peak_mb']:>10.0f}"
-                     f"{r['read_gb_s']['smollm2']:>7.1f} ({r['read_share']['smollm2']:.0%})"
-                     f"{s['weights_read']:>10}  {'busy ' if r['busy'] else ''}"
-                     f"{'FAILS ' + ','.join(r['failed']) if r['failed'] else ''}")
+                     f"{r['read_gb_s']['smollm2']:>9.1f} ({r['read_share']['smollm2']:>3.0%})"
+                     f"  {s['weights_read']}{' busy' if r['busy'] else ''}"
+                     f"{' FAILS ' + ','.join(r['failed']) if r['failed'] else ''}")
     return "\n".join(lines)
 
 
@@ -271,19 +271,25 @@ def main() -> int:
             p.error(f"no {tool_binary('native', tool)}: run benchmarks/llamacpp.py --build-tools")
 
     files = {size: gguf_files(size, types) for size in sizes}  # all made first: the timings then run alone
-    rates = [read_rate(args.threads)]
-    runtime = runtime_mb()
-    rows = [compare(size, type, path, args) for size in sizes for type, path in files[size].items()]
-    rates.append(read_rate(args.threads))
-    rate = max(rates)
-    rows = [with_bars(row, runtime, rate) for row in rows]
-    setup = {"cpu": rows[0]["llama_cpp"]["cpu"] if rows else None, "threads": args.threads, "rounds": args.rounds,
-             "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mb": runtime,
-             "llama_cpp_build": rows[0]["llama_cpp"]["build"] if rows else None, "torch": torch.__version__}
-    print(table(rows, setup))
-    if args.json:
-        args.json.write_text(json.dumps({**setup, "rows": rows}, indent=1))
-    return 1 if args.bars and any(row["failed"] for row in rows) else 0
+    rate, runtime, rows = read_rate(args.threads), runtime_mb(), []
+
+    def report(final: bool) -> list[dict]:  # the JSON written after each file too: a long run cut short keeps it
+        done = [with_bars(row, runtime, rate) for row in rows]
+        setup = {"cpu": rows[0]["llama_cpp"]["cpu"], "threads": args.threads, "rounds": args.rounds,
+                 "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mb": runtime,
+                 "llama_cpp_build": rows[0]["llama_cpp"]["build"], "torch": torch.__version__, "complete": final}
+        if args.json:
+            args.json.write_text(json.dumps({**setup, "rows": done}, indent=1))
+        if final:
+            print(table(done, setup))
+        return done
+
+    for size in sizes:
+        for type, path in files[size].items():
+            rows.append(compare(size, type, path, args))
+            report(final=False)
+    rate = max(rate, read_rate(args.threads))
+    return 1 if args.bars and any(row["failed"] for row in report(final=True)) else 0
 
 
 if __name__ == "__main__":
