@@ -671,6 +671,9 @@ static inline vf update(const struct updates *d, int m, int a, long i, long n, l
  * a_adapter's r dot products with the row (fmadd in LANES partial sums, as the base products), rounded to the
  * step's `type` as torch's x @ A^T would be. */
 static void lowrank_inputs(const struct updates *d, int count, const void *x, int x_type, int type, long K) {
+    int adapted = 0;  /* the same for every thread: none of them meets the loop's barrier, or all do */
+    for (int m = 0; m < count; m++) adapted |= d->u->a[d->first + m] != NULL;
+    if (!adapted) return;
 #pragma omp for schedule(static)
     for (long k = 0; k < count * d->R * d->rmax; k++) {
         const int m = k / (d->R * d->rmax);
