@@ -4,9 +4,9 @@ and vLLM's routes to load and unload them while serving.
 
 The tolerance: a row's logits within 1e-4 of its merged model's, relative to their largest magnitude (measured on
 the 135M model with 4 random rank-8 adapters: 3e-6), and its greedy tokens equal. Rows without an adapter: in a
-pass of the base's alone, the base model's own bits (the pass runs on it); in a pass with adapter rows, the bits
-of the base model's per-layer path over the same rows (the prefill's; a decoding pass of the base alone runs the
-whole-step kernel instead, which agrees to float rounding).
+pass of the base's alone, the base model's own bits (the pass runs on it); in a decoding pass with adapter rows
+(the whole-step kernel, which adds each adapter row's update itself), the bits of the base model's own step; in
+a prompt's pass with adapter rows, those of the base model's per-layer path over the same rows.
 """
 
 from __future__ import annotations

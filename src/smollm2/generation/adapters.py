@@ -6,7 +6,9 @@ An adapter is held as its A and B matrices alone (the model's dtype, B scaled), 
 weights. The engine runs a pass on the base model itself where no row has an adapter (the accelerator's whole-step
 decode kernel, where it runs, the same bits as without adapters), and on `adapted` where one does: a copy of the
 model sharing every tensor, whose blocks' linear layers are AdaptedLinear wrappers, each its own forward (the
-accelerator's per-layer products, then the update). Against the model with the adapter merged (lora.with_adapter)
+accelerator's per-layer products, then the update), except in a decoding step the accelerator's whole-step kernel
+runs: it streams the wrappers' bases and adds each adapter row's update itself (Pass.updates), its base rows'
+bits those of the base model's own step. Against the model with the adapter merged (lora.with_adapter)
 the answers agree to float rounding, not to the bit: merging rounds W + s B A once, here the update is a
 product of its own (tests/test_adapters.py states the tolerance).
 """
