@@ -13,8 +13,8 @@ each run's first step left out (it warms up). On a shared machine the best is th
 new tokens; the decoding steps after the first are timed, the kinds taking turns `--repeats` times, with torch's
 threads (OMP_NUM_THREADS): the base's rows alone (the whole-step kernel); the same on the adapted copy adapter
 rows take (its whole-step kernel, which adds their updates), with no update; 2 rows of each of 4 adapters and 2
-of the base; and the server before this, a merged copy per adapter, an engine and a batch each, stepped in turn. The adapters: random, rank --lora-r, on every linear layer of 2 of them and
-on q_proj and v_proj of the other 2.
+of the base; and the server before this, a merged copy per adapter, an engine and a batch each, stepped in turn.
+The adapters: random, rank --lora-r, on every linear layer of 2 of them and on q_proj and v_proj of the other 2.
 """
 
 from __future__ import annotations
