@@ -11,10 +11,10 @@ Each run is `smollm2 finetune` on the chats of finetune_fact.py, one process eac
 each run's first step left out (it warms up). On a shared machine the best is the steadier figure.
 --serving: one engine (the server's, generation.engine) of `--rows` rows, each an 8-token prompt and `--steps`
 new tokens; the decoding steps after the first are timed, the kinds taking turns `--repeats` times, with torch's
-threads (OMP_NUM_THREADS): the base's rows alone (the whole-step kernel); the same on the path adapter rows take,
-each layer on its own, with no update; 2 rows of each of 4 adapters and 2 of the base; and the server before
-this, a merged copy per adapter, an engine and a batch each, stepped in turn. The adapters: random, rank --lora-r, on every linear layer of 2 of them and
-on q_proj and v_proj of the other 2.
+threads (OMP_NUM_THREADS): the base's rows alone (the whole-step kernel); the same on the adapted copy adapter
+rows take (its whole-step kernel, which adds their updates), with no update; 2 rows of each of 4 adapters and 2
+of the base; and the server before this, a merged copy per adapter, an engine and a batch each, stepped in turn.
+The adapters: random, rank --lora-r, on every linear layer of 2 of them and on q_proj and v_proj of the other 2.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def serving(rows: int, steps: int, r: int, repeats: int) -> None:
     merged = [model] + [with_adapter(model, work / f"a{i}") for i in range(4)]
     mix = [([None] + loras)[b % 5] for b in range(rows)]
     # The server before: a merged copy per adapter, each with an engine of its own, its rows a batch of their own
-    nothing = LoRA("nothing", "", 1, {})  # adapts no layer: its rows take the per-layer path, with no update
-    kinds = {"base alone": [(model, [None] * rows)], "base, per-layer path": [(model, [nothing] * rows)],
+    nothing = LoRA("nothing", "", 1, {})  # adapts no layer: its rows take the adapted copy, with no update
+    kinds = {"base alone": [(model, [None] * rows)], "base, adapted copy": [(model, [nothing] * rows)],
              "4 adapters + base": [(model, mix)],
              "merged copies": [(m, [None] * len(mix[i::5])) for i, m in enumerate(merged)]}
     speeds = {name: [] for name in kinds}  # tokens per wall second, and per CPU second of this process

@@ -49,7 +49,8 @@ struct cache {  /* kernels.c's struct cache, field for field */
     long S, stride_b, stride_h, scale_stride_b, scale_stride_h;
 };
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
+           const void *lowrank, const int32_t *adapter);
 
 static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0",
                                   "q5_1"};
@@ -529,7 +530,7 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
     const struct cache layers = {k_caches, v_caches, NULL, NULL, type, S, cache, S * D, 0, 0};
     if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
-               (const char *)sines + first * T * D * size, slots, T, &layers, NULL))
+               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;

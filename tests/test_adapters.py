@@ -4,9 +4,9 @@ and vLLM's routes to load and unload them while serving.
 
 The tolerance: a row's logits within 1e-4 of its merged model's, relative to their largest magnitude (measured on
 the 135M model with 4 random rank-8 adapters: 3e-6), and its greedy tokens equal. Rows without an adapter: in a
-pass of the base's alone, the base model's own bits (the pass runs on it); in a pass with adapter rows, the bits
-of the base model's per-layer path over the same rows (the prefill's; a decoding pass of the base alone runs the
-whole-step kernel instead, which agrees to float rounding).
+pass of the base's alone, the base model's own bits (the pass runs on it); in a decoding pass with adapter rows
+(the whole-step kernel, which adds each adapter row's update itself), the bits of the base model's own step; in
+a prompt's pass with adapter rows, those of the base model's per-layer path over the same rows.
 """
 
 from __future__ import annotations
@@ -103,6 +103,43 @@ def test_each_row_of_a_mixed_batch_decodes_its_merged_models_tokens(served):
         assert tokens == generate(model, [prompt], 12, temperature=0)[0, len(prompt):].tolist()
     same = [10, 11, 12, 13]  # one prompt, five models: five answers
     assert len({tuple(t) for t in decode(base, [same] * 5, [None, *NAMES], adapters, 6)}) == 5
+
+
+def test_a_decoding_pass_with_adapter_rows_runs_the_whole_step_kernel(served):
+    """The accelerator's decoding step adds each adapter row's update itself: its base rows get the bits of the base
+    model's own step alone, its adapter rows their merged models' logits within the tolerance."""
+    from smollm2.generation.steps import decode_step, prefill_chunk
+    from smollm2.kv_cache import KVCache
+
+    base = load(served / "base")
+    if "accelerator" not in vars(base):
+        pytest.skip("no CPU kernels here")
+    adapters = loaded(base, served)
+    names = [None, "a", "b", "c", "d", None]
+    models = [base if name is None else with_adapter(base, served / name) for name in names]
+    torch.manual_seed(0)
+    prompts = torch.randint(0, base.config.vocab_size, (len(names), 8))
+    nxt = torch.randint(0, base.config.vocab_size, (len(names), 1))
+
+    def prefilled() -> KVCache:  # each row's prompt by its own (merged) model
+        cache = KVCache(base.config, len(names), 16)
+        for b, model in enumerate(models):
+            prefill_chunk(model, prompts[b:b + 1], cache.view(slice(b, b + 1)), 0)
+        return cache
+
+    with torch.inference_mode():
+        model = adapters.model_for([None if n is None else adapters.loaded[n] for n in names])
+        runs = model.accelerator.kernel_runs["blocks"]
+        mixed = decode_step(model, nxt, torch.full((len(names), 1), 8), prefilled(), None)
+        assert model.accelerator.kernel_runs["blocks"] == runs + 1  # one kernel call for the whole pass
+        cache = prefilled()
+        for b, (name, own) in enumerate(zip(names, models)):
+            alone = decode_step(own, nxt[b:b + 1], torch.full((1, 1), 8), cache.view(slice(b, b + 1)), None)[0]
+            if name is None:
+                assert torch.equal(mixed[b], alone)  # bit for bit
+            else:
+                assert (mixed[b] - alone).abs().max() <= TOLERANCE * alone.abs().max()
+                assert torch.equal(mixed[b].argmax(), alone.argmax())
 
 
 def test_a_pass_without_adapter_rows_is_the_base_models_own(served):

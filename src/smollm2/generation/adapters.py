@@ -6,7 +6,9 @@ An adapter is held as its A and B matrices alone (the model's dtype, B scaled), 
 weights. The engine runs a pass on the base model itself where no row has an adapter (the accelerator's whole-step
 decode kernel, where it runs, the same bits as without adapters), and on `adapted` where one does: a copy of the
 model sharing every tensor, whose blocks' linear layers are AdaptedLinear wrappers, each its own forward (the
-accelerator's per-layer products, then the update). Against the model with the adapter merged (lora.with_adapter)
+accelerator's per-layer products, then the update), except in a decoding step the accelerator's whole-step kernel
+runs: it streams the wrappers' bases and adds each adapter row's update itself (Pass.updates), its base rows'
+bits those of the base model's own step. Against the model with the adapter merged (lora.with_adapter)
 the answers agree to float rounding, not to the bit: merging rounds W + s B A once, here the update is a
 product of its own (tests/test_adapters.py states the tolerance).
 """
@@ -14,6 +16,7 @@ product of its own (tests/test_adapters.py states the tolerance).
 from __future__ import annotations
 
 import copy
+import ctypes
 from collections import abc
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..kernels import ops
 from ..lora import read_for
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,23 +68,59 @@ class Pass:
     products of the whole batch, not one per adapter: at decoding's few rows, the products' calls cost more than
     their arithmetic."""
 
-    def __init__(self):
+    def __init__(self, layers: int):
+        self.layers = layers
         self.adapters: tuple[LoRA, ...] = ()  # the last pass's, in its order
         self.joined: dict[str, tuple[tuple[LoRA, ...], torch.Tensor, torch.Tensor]] = {}  # layer -> its adapters,
         # their A^T side by side and (s B)^T stacked
         self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer -> A^T, (s B)^T, mask
+        self.stacked: tuple[ctypes.Array, list[torch.Tensor]] | None = None  # the decoding step's, once asked for
+        self.index = torch.empty(0, dtype=torch.int32)  # each row's adapter among self.adapters, -1: none
 
     def select(self, row_adapters: abc.Sequence[LoRA | None], device: torch.device) -> None:
         """Each row's mask for every layer; the joined matrices are rebuilt only when the pass's adapters differ
         from the last's (a server's mix changes as requests come and go, not every pass)."""
         adapters = tuple(dict.fromkeys(a for a in row_adapters if a is not None))
         if adapters != self.adapters:
-            self.adapters, self.joined = adapters, joined(adapters)
+            self.adapters, self.joined, self.stacked = adapters, joined(adapters), None
+        self.index = torch.tensor([-1 if a is None else adapters.index(a) for a in row_adapters], dtype=torch.int32)
         masks, self.rows = {}, {}
         for layer, (among, a, b) in self.joined.items():
             if among not in masks:  # the layers adapted by the same adapters share one
                 masks[among] = mask(row_adapters, among, device, a.dtype)
             self.rows[layer] = a, b, masks[among]
+
+
+    def updates(self) -> tuple[ctypes.Array, torch.Tensor]:
+        """The pass's updates as the accelerator's decoding step adds them (FastSmolLM2.updates): a LowRank per
+        block, each row's adapter among them. Stacked on the first step of a mix of adapters, kept while it
+        lasts."""
+        if self.stacked is None:
+            self.stacked = stacked(self.adapters, self.layers)
+        return self.stacked[0], self.index
+
+
+def stacked(adapters: tuple[LoRA, ...], layers: int) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """Per block an ops.LowRank: per linear layer some adapter adapts, every adapter's A, (r, in), and (s B)^T,
+    (r, out), stacked in float32, zeros for one that does not adapt it and past one's rank (0 + 0 x: its row's
+    update is 0); with the tensors it points into."""
+    out, kept = (ops.LowRank * layers)(), []
+    for i in range(layers):
+        for j, name in enumerate(LINEARS):
+            layer = f"model.layers.{i}.{'self_attn' if j < 4 else 'mlp'}.{name}"
+            held = [a.layers[layer] for a in adapters if layer in a.layers]
+            if not held:
+                continue
+            r, (a_t, b_t) = max(a.shape[1] for a, _ in held), held[0]
+            a = torch.zeros(len(adapters), r, a_t.shape[0])
+            b = torch.zeros(len(adapters), r, b_t.shape[1])
+            for n, adapter in enumerate(adapters):
+                if layer in adapter.layers:
+                    a_t, b_t = adapter.layers[layer]
+                    a[n, :a_t.shape[1]], b[n, :b_t.shape[0]] = a_t.t(), b_t
+            out[i].a[j], out[i].b[j], out[i].r[j] = a.data_ptr(), b.data_ptr(), r
+            kept += [a, b]
+    return out, kept
 
 
 def joined(adapters: tuple[LoRA, ...]) -> dict[str, tuple[tuple[LoRA, ...], torch.Tensor, torch.Tensor]]:
@@ -130,7 +170,7 @@ class Adapters:
     def __init__(self, model: nn.Module):
         self.model = model
         self.loaded: dict[str, LoRA] = {}
-        self.current = Pass()
+        self.current = Pass(len(model.model.layers))
         # The copy shares every parameter and buffer, a GGUF file's blocks among them; what running it changes is
         # its own (its accelerator's plans and choices, its RoPE tables as they grow). Each block's linear layers
         # are wrapped, which the accelerator's whole-step kernel and fused MLP leave to their own forward.
@@ -141,6 +181,8 @@ class Adapters:
                     if name in LINEARS:
                         full = f"model.layers.{i}.{'self_attn' if owner is block.self_attn else 'mlp'}.{name}"
                         setattr(owner, name, AdaptedLinear(child, full, self.current))
+        if "accelerator" in vars(self.adapted):  # its decoding step adds the updates itself (kernels/accelerate.py)
+            self.adapted.updates = self.current.updates
 
     def model_for(self, row_adapters: abc.Sequence[LoRA | None]) -> nn.Module:
         """The model a pass of rows with these adapters runs on: the base itself where none has one."""

@@ -202,7 +202,7 @@ class DecodePlan:
     place."""
 
     def __init__(self, model: FastSmolLM2, dtype: torch.dtype):
-        found = [block_weights(block, dtype) for block in model.model.layers]
+        found = [block_weights(block, dtype, model.updates is not None) for block in model.model.layers]
         self.weights = None if None in found else (ops.BlockWeights * len(found))(*(f[0] for f in found))
         self.kept = [f[1] for f in found if f is not None]  # the float32 scales that weights point into
         self.tensors = tensors_of(model)
@@ -212,16 +212,20 @@ class DecodePlan:
         return accelerator.changes == self.changes and versions(self.tensors) == self.versions
 
 
-def block_linears(block) -> list[nn.Module]:
+def block_linears(block, wrapped: bool = False) -> list[nn.Module]:
+    """A block's linear layers, in struct block's order; wrapped: they are wrappers adding low-rank updates to
+    their `base` layers (FastSmolLM2.updates), whose bases these are."""
     attn, mlp = block.self_attn, block.mlp
-    return [getattr(attn, name) for name in ops.LINEARS[:4]] + [getattr(mlp, name) for name in ops.LINEARS[4:]]
+    found = [getattr(attn, name) for name in ops.LINEARS[:4]] + [getattr(mlp, name) for name in ops.LINEARS[4:]]
+    return [m.base for m in found] if wrapped else found
 
 
 def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
     """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at,
     or at a copy of (packed blocks, float32 scales). The packed copies themselves change only by assignment."""
+    wrapped = getattr(model, "updates", None) is not None
     modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
-                                                           *block_linears(block))]
+                                                           *block_linears(block, wrapped))]
     return [t for m in modules for t in (*m.parameters(recurse=False),
                                          *(b for name, b in m.named_buffers(recurse=False) if name != "packed"))]
 
@@ -234,14 +238,15 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
         return [version(t) for t in tensors]
 
 
-def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | None:
+def block_weights(block, dtype: torch.dtype, wrapped: bool = False) -> tuple[ops.BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
-    cannot run the block: biases, mixed weight types, sizes off its multiples of 16, layers of its own forward."""
-    norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block)
+    cannot run the block: biases, mixed weight types, sizes off its multiples of 16, layers of its own forward.
+    wrapped: as block_linears."""
+    norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block, wrapped)
     if not all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):  # swapped in since (a served adapter's)
         return None
     attn = block.self_attn
-    C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
+    C, D, I = linears[3].weight.shape[0], attn.head_dim, linears[6].weight.shape[1]
     w_type = linears[0].weight.dtype
     if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= ops.MAX_HEAD_DIM and w_type in (dtype, torch.int8)
             and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous()
@@ -257,6 +262,11 @@ def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | 
 
 
 class FastSmolLM2(Watched, SmolLM2):
+    # Where set (generation/adapters.py's adapted copy of a served model): every block's linear layer is a wrapper
+    # adding rows' LoRA updates to its `base`'s product, and this gives a decoding step those updates (a LowRank
+    # per block, each row's adapter among them): the step streams the bases and adds the updates itself.
+    updates: Callable[[], tuple[ctypes.Array, torch.Tensor]] | None = None
+
     def blocks(self, x, rope, mask, cache, slots, last_only: bool = False):
         """A decoding step of up to MAX_ROWS rows: every block in one kernel call, where it is the faster."""
         B, T, _ = x.shape
@@ -266,7 +276,8 @@ class FastSmolLM2(Watched, SmolLM2):
             plan = self.decode_plan(x.dtype)
             if plan.weights is not None:
                 y = ops.blocks(choices, plan.weights, x, rope, mask, cache, slots,
-                               lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots))
+                               lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots),
+                               None if self.updates is None else self.updates())
                 if y is not None:
                     return y[:, -1:] if last_only else y
         return super().blocks(x, rope, mask, cache, slots, last_only)

@@ -634,12 +634,66 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
 #undef DOT_ROWS
 }
 
+/* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
+ * layer and linear layer (struct block's order), the step's adapters' A stacked, a (n, r, in), and their scaled B
+ * transposed, b (n, r, out), float32, every rank zero-padded to r; a NULL: no row's adapter adapts it. */
+struct lowrank {
+    const float *a[7], *b[7];
+    long r[7];
+};
+
+/* The updates of `count` matrices of one products() call (those of u from `first` on): row i (of T a sequence)
+ * of adapter adapter[i / T] >= 0 adds b_adapter^T t_i, its t_i = a_adapter x_i (lowrank_inputs()) at t + (m * R
+ * + i) * rmax. */
+struct updates {
+    const struct lowrank *u;
+    int first;
+    const int32_t *adapter;
+    long T, R, rmax;
+    const float *t;
+};
+
+/* Row i's adapter for matrix m of d's products, or -1: none (a base row, or a layer no adapter adapts). */
+static inline int adapter_of(const struct updates *d, int m, long i) {
+    return d && d->u->a[d->first + m] ? d->adapter[i / d->T] : -1;
+}
+
+/* LANES outputs n.. of row i's update for matrix m: b_a^T t_i, its r products added in order (fmadd). */
+static inline vf update(const struct updates *d, int m, int a, long i, long n, long N) {
+    const long r = d->u->r[d->first + m];
+    const float *b = d->u->b[d->first + m] + a * r * N + n, *t = d->t + (m * d->R + i) * d->rmax;
+    vf acc = {0};
+    for (long j = 0; j < r; j++) acc = fmadd(splat(t[j]), load_f32(b + j * N), acc);
+    return acc;
+}
+
+/* Inside a parallel region: t for each adapted row of `count` matrices of one input x (R, K) of x_type, every
+ * a_adapter's r dot products with the row (fmadd in LANES partial sums, as the base products), rounded to the
+ * step's `type` as torch's x @ A^T would be. */
+static void lowrank_inputs(const struct updates *d, int count, const void *x, int x_type, int type, long K) {
+    int adapted = 0;  /* the same for every thread: none of them meets the loop's barrier, or all do */
+    for (int m = 0; m < count; m++) adapted |= d->u->a[d->first + m] != NULL;
+    if (!adapted) return;
+#pragma omp for schedule(static)
+    for (long k = 0; k < count * d->R * d->rmax; k++) {
+        const int m = k / (d->R * d->rmax);
+        const long i = k / d->rmax % d->R, j = k % d->rmax, a = adapter_of(d, m, i), r = d->u->r[d->first + m];
+        if (a < 0 || j >= r) continue;
+        const float *row = d->u->a[d->first + m] + (a * r + j) * K;
+        vf acc = {0};
+        for (long c = 0; c < K; c += LANES) acc = fmadd(load(x, i * K + c, x_type), load_f32(row + c), acc);
+        ((float *)d->t)[(m * d->R + i) * d->rmax + j] = round_to(type, sum_lanes(acc));
+    }
+}
+
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
  * w[m] of w_type[m], times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices
  * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
- * torch's y + product would be. */
+ * torch's y + product would be. With d (else NULL), an adapted row's product, rounded, then gets its update added
+ * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. */
 static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
-                     const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
+                     const float *const *scale, void *const *y, int add, long B, const long *N, long K,
+                     const struct updates *d) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
 #pragma omp for schedule(static)
@@ -652,6 +706,9 @@ static void products(const void *x, int x_type, int type, int count, const void 
         for (long b = 0; b < B; b++) {
             vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
+            const int a = adapter_of(d, m, b);
+            if (a >= 0)
+                value = round_lanes(type, round_lanes(type, value) + round_lanes(type, update(d, m, a, b, n, N[m])));
             if (add) value = load(y[m], b * N[m] + n, type) + round_lanes(type, value);
             store_lanes(y[m], b * N[m] + n, type, value);
         }
@@ -681,7 +738,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
         for (int m = 0, before = 0; m < count; before += N[m++])
             ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
         products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
-                 ys, 0, rows, N, K);
+                 ys, 0, rows, N, K, NULL);
     }
     free(wide);
 }
@@ -871,11 +928,17 @@ struct step {
     long slot_stride;
     const struct cache *cache;
     const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
+    const struct lowrank *lowrank;  /* each layer's, or NULL: no adapter rows */
+    const int32_t *adapter;  /* (B,): row b's adapter in lowrank's stacks, or -1: the base's */
 };
 
 /* Scratch for a layer's intermediate activations: queries, keys and values of the step's type; the products'
  * inputs (room for float32), read many times. */
-struct scratch { char *q, *k, *v, *h, *att, *a; };
+struct scratch {
+    char *q, *k, *v, *h, *att, *a;
+    float *t;  /* the low-rank updates' t, (7, R, rmax) */
+    long rmax;
+};
 
 /* One transformer block, inside a parallel region (every thread calls it):
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
@@ -892,10 +955,17 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
     const int in = as_pairs(type, w->w_type[0]) ? BF16 : F32;  /* bf16 models' matrices are all bf16 */
+    /* Adapter rows' updates, of the linear layers from q_proj (0), o_proj (3), gate_proj (4), down_proj (6) on */
+    const struct updates *d[7] = {NULL};
+    struct updates all[7];
+    for (int j = 0; s->lowrank && j < 7; j++)
+        all[j] = (struct updates){s->lowrank + l, j, s->adapter, T, R, m->rmax, m->t + j * R * m->rmax},
+        d[j] = all + j;
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
+    if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C);
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0]);
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -935,9 +1005,11 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
                    s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
+    if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3]);
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
+    if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
@@ -949,22 +1021,29 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
             if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
+            const int ga = adapter_of(d[4], 0, r), ua = adapter_of(d[4], 1, r);  /* as products() adds them */
+            if (ga >= 0)
+                gv = round_lanes(type, round_lanes(type, gv) + round_lanes(type, update(d[4], 0, ga, r, n, I)));
+            if (ua >= 0)
+                uv = round_lanes(type, round_lanes(type, uv) + round_lanes(type, update(d[4], 1, ua, r, n, I)));
             store_lanes(m->a, r * I + n, in, silu_times(type, round_lanes(type, gv), round_lanes(type, uv)));
         }
     }
 
+    if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I);
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6]);
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
  * `type` updated in place; one parallel region for all of them, so the threads never go back to sleep
  * between layers. cache: every layer's keys and values (struct cache), of any cache type; the rest as struct
- * step. D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of
- * memory. */
+ * step; lowrank (each layer's, or NULL) and adapter (B,) the LoRA adapters' updates of the adapter rows. D is
+ * a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of memory. */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask) {
-    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask};
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
+           const struct lowrank *lowrank, const int32_t *adapter) {
+    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask, lowrank, adapter};
     const long S = cache->S;
     const long R = B * T, size = size_of(type);
     long C = 0, QD = 0, KVD = 0, I = 0, D = 0;  /* the largest of any layer */
@@ -972,11 +1051,15 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
         C = w[l].C > C ? w[l].C : C, I = w[l].I > I ? w[l].I : I, D = w[l].D > D ? w[l].D : D;
         QD = w[l].H * w[l].D > QD ? w[l].H * w[l].D : QD, KVD = w[l].KVH * w[l].D > KVD ? w[l].KVH * w[l].D : KVD;
     }
-    char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I));
+    long rmax = 0;  /* the largest rank */
+    for (int l = 0; lowrank && l < layers; l++)
+        for (int j = 0; j < 7; j++) rmax = lowrank[l].a[j] && lowrank[l].r[j] > rmax ? lowrank[l].r[j] : rmax;
+    char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I + 7 * rmax));
     if (!buffer) return -1;
     struct scratch m;
     m.h = buffer, m.att = m.h + sizeof(float) * R * C, m.a = m.att + sizeof(float) * R * QD;
-    m.q = m.a + sizeof(float) * R * I, m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
+    m.t = (float *)(m.a + sizeof(float) * R * I), m.rmax = rmax;
+    m.q = (char *)(m.t + 7 * R * rmax), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
     int failed = 0;
 #pragma omp parallel
     {

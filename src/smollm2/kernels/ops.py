@@ -135,6 +135,14 @@ class BlockWeights(ctypes.Structure):
                 + [("eps", ctypes.c_float)])
 
 
+class LowRank(ctypes.Structure):
+    """kernels.c's struct lowrank: a layer's LoRA updates for a decoding step, per linear layer (LINEARS' order) the
+    step's adapters' A stacked, (n, r, in), and their (s B)^T stacked, (n, r, out), float32 and contiguous, ranks
+    zero-padded to r; None: no adapter of the step adapts it."""
+    _fields_ = [("a", ctypes.c_void_p * len(LINEARS)), ("b", ctypes.c_void_p * len(LINEARS)),
+                ("r", ctypes.c_long * len(LINEARS))]
+
+
 class CacheLayers(ctypes.Structure):
     """kernels.c's struct cache: where every layer's keys and values (and an int8 cache's scales) are, their type
     and strides."""
@@ -152,7 +160,8 @@ def layer_pointers(t: torch.Tensor | None):
 
 
 def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache,
-           slots: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+           slots: torch.Tensor, plain: Callable[[], torch.Tensor],
+           updates: tuple[ctypes.Array, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
     parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
     kernel cannot run them. weights: a BlockWeights per block. plain() is the model's own loop over the
@@ -161,16 +170,19 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     cache: a KVCache (or a view of one), (L, B, KVH, S, D) of any of its dtypes; slots: (T,) or (B, T) cache slots
-    of the rows."""
+    of the rows; updates: LoRA adapters' (a LowRank per block, and each row's adapter among them, (B,) int32, -1
+    for none), each adapter row's update added after its base product, the other rows' bits unchanged."""
     B, T, C = x.shape
     k, v, k_scale, v_scale = cache.k, cache.v, cache.k_scale, cache.v_scale  # in place: a view's rows and slots
     L, S, w = len(weights), cache.max_len, weights[0]
     cos, sin = rope
+    lowrank, adapter = updates or (None, None)
     if B * T > MAX_ROWS or not usable(choices, x) or not (
             k.dtype in TYPES and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
             and (k_scale is None or (k_scale.stride(-2) == 1 and k_scale.stride() == v_scale.stride()))
             and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
-            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C):
+            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C
+            and (adapter is None or (adapter.dtype == torch.int32 and adapter.shape == (B,)))):
         return None
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
@@ -185,7 +197,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
         if compiled().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
                              sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
                              cache=ctypes.byref(cache_layers),
-                             mask=None if full_mask is None else full_mask.data_ptr()):
+                             mask=None if full_mask is None else full_mask.data_ptr(), lowrank=lowrank,
+                             adapter=None if adapter is None else adapter.data_ptr()):
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
