@@ -186,7 +186,7 @@ def runtime_mb() -> float:
 
 
 def read_rate(threads: int) -> float:
-    from smollm2.lens import measure
+    from smollm2.roofline import measure
 
     torch.set_num_threads(threads)
     return measure(torch.device("cpu")).bandwidth
