@@ -82,8 +82,8 @@ def process(command: list[str], url: str, log_path: Path, env: dict | None = Non
 def smollm2_command(args, port: int) -> list[str]:
     model = ["--model", args.model] if args.model else []
     pinned = ["taskset", "-c", args.taskset] if args.taskset else []
-    return [*pinned, sys.executable, "-m", "smollm2", "serve", *model, "--port", str(port), "--threads", str(args.threads),
-            "--max-batch-size", str(args.slots), "--max-seq-len", str(args.max_seq_len),
+    return [*pinned, sys.executable, "-m", "smollm2", "serve", *model, "--port", str(port),
+            "--threads", str(args.threads), "--max-batch-size", str(args.slots), "--max-seq-len", str(args.max_seq_len),
             "--max-waiting", str(args.clients)]
 
 
@@ -226,7 +226,8 @@ def main() -> int:
     p.add_argument("--smollm2-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the smollm2 server alone (repeatable), OMP_WAIT_POLICY say")
     p.add_argument("--omp-wait-policy", choices=["active", "passive"],
-                   help="OpenMP's wait policy for the smollm2 server alone (OMP_WAIT_POLICY): idle workers spin or sleep")
+                   help="OpenMP's wait policy for the smollm2 server alone (OMP_WAIT_POLICY): idle workers spin "
+                        "or sleep")
     p.add_argument("--taskset", metavar="CPUS",
                    help="run the smollm2 server on these CPUs alone (taskset -c CPUS, as 0 or 0,1): fewer cores "
                         "than --threads oversubscribes them")
