@@ -13,7 +13,7 @@ each a process of its own under /usr/bin/time, whose maximum resident set size i
 
 Bandwidth: a decoding step of these models reads every matrix once (the tied embedding as the output head), so
 the file's tensor bytes per token times decode tok/s is the rate it reads at; it is given as a share of this
-machine's measured read rate (smollm2.lens.measure, as the page's Time view measures it: a 256 MiB float32 matrix
+machine's measured read rate (smollm2.roofline.measure, as the page's Time view measures it: a 256 MiB float32 matrix
 times a vector, with --threads threads), measured before and after the runs, the better kept.
 
 The machine is sampled for a second before each turn: where other processes used over a tenth of its CPUs, the
