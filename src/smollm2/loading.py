@@ -47,15 +47,16 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
     accelerated = kernels and torch.device(device).type == "cpu"
     # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
     with torch.inference_mode(False):
-        # A GGUF file's blocks hold its float32 weights' exact values, for the kernels to stream; a bf16 weight is
-        # rounded from them.
-        ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32)
+        # A GGUF file's blocks hold its float32 weights' exact values: the kernels stream them, and a float32 model
+        # holds them alone (kernels/held.py). A bf16 or int8 weight is rounded from their float32 values.
+        ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32 and quantize is None)
         ckpt.check(parameter_shapes(ckpt.config))
         if adapter is not None:
             merge_adapter(ckpt, adapter)
         with WithoutRandomInit():  # every weight is replaced below
             model = SmolLM2(ckpt.config)
-        model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
+        # already in dtype; ckpt.quantized's matrices, checked above, become parameters in accelerate()
+        model.load_state_dict(ckpt.tensors, strict=not ckpt.quantized, assign=True)
         model.to(device).eval()
         if quantize == "int8":
             quantize_int8(model)

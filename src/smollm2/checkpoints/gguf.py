@@ -56,12 +56,16 @@ class GGUFFile:
     metadata: dict  # key -> value, as the gguf library decodes it
     tensors: list[GGUFTensor]
     mapping: mmap.mmap | None  # that mapping
+    address: int = 0  # where it starts in memory
 
-    def release_pages(self) -> None:
-        """Drop the file's pages read so far from this process's resident memory (the OS keeps them in its
-        page cache): once the weights are decoded into tensors of their own, they would double its size."""
-        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self.mapping.madvise(mmap.MADV_DONTNEED)
+    def release_pages(self, view: np.ndarray) -> None:
+        """Drop the file's pages under `view` (a tensor's data) from this process's resident memory (the OS keeps
+        them in its page cache, and reads them back if they are read again): once a tensor is decoded or copied
+        into one of its own, they would count its bytes twice."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED") and view.nbytes:
+            start = view.ctypes.data - self.address
+            first = start - start % mmap.PAGESIZE
+            self.mapping.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -79,7 +83,9 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
         start = reader.tensors_at(metadata)
         tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape))
                    for name, kind, shape, offset in tensors]
-        return GGUFFile(metadata, tensors, data.base)
+        file = GGUFFile(metadata, tensors, data.base, data.ctypes.data)
+        file.release_pages(data[:start])  # the metadata, now Python values (~5 MB of the embedded file)
+        return file
     except (ValueError, OSError, KeyError, struct.error) as e:  # UnicodeDecodeError is a ValueError
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
 
@@ -301,37 +307,67 @@ def check_weight_types(reader: GGUFFile, path: Path) -> None:
 
 
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> Checkpoint:
-    """quantized: also keep the file's blocks of every matrix it stores in a quantized type (Checkpoint.quantized)."""
+    """quantized: every matrix the file stores in a quantized type stays its blocks (Checkpoint.quantized, read
+    from the mapped file when asked), not a float32 tensor."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     check_weight_types(reader, path)
     tensors, files, blocks = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)
-        try:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-            if not t.shape or t.shape[0] % block or t.data.nbytes != math.prod(t.shape) // block * block_bytes:
-                raise ValueError(f"its shape {t.shape} and {t.data.nbytes} bytes do not fit type {qtype.name}, "
-                                 f"whose rows are blocks of {block} values in {block_bytes} bytes")
-            shape = t.shape[::-1]
-            w = dequantized(t.data, qtype).reshape(shape)
-            kept = (GGUFBlocks(qtype, torch.from_numpy(np.array(t.data)).reshape(shape[0], -1))
-                    if quantized and block > 1 and len(shape) == 2 else None)  # copied: the file's pages go below
-        except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
-            raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
+        qtype = GGMLQuantizationType(t.tensor_type)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        if not t.shape or t.shape[0] % block or t.data.nbytes != math.prod(t.shape) // block * block_bytes:
+            raise SmolError(f"{path}: cannot read tensor {t.name} (its shape {t.shape} and {t.data.nbytes} bytes "
+                            f"do not fit type {qtype.name}, whose rows are blocks of {block} values in "
+                            f"{block_bytes} bytes)")
+        shape = torch.Size(t.shape[::-1])
         heads = rotary_heads(name, config)
-        if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
-            w = unpermute(w, heads)
-            kept = kept and kept._replace(data=unpermute(kept.data, heads))
-        tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
-        if kept:
-            blocks[name] = kept
-    reader.release_pages()  # every tensor above is a copy
+        # any other shape: check() names the mismatch
+        rows = GGUFRows(reader, t, path, heads if heads and shape[0] == heads * config.head_dim else None)
+        if quantized and block > 1 and len(shape) == 2:
+            blocks[name] = GGUFBlocks(qtype, shape, rows.blocks, rows.values)
+        else:
+            tensors[name] = rows.values().to(dtype)
+        files[name] = f"{path} ({t.name})"
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
         blocks.pop("lm_head.weight", None)
     return Checkpoint(config, tensors, files, str(path), blocks)
+
+
+@dataclass(frozen=True)
+class GGUFRows:
+    """A tensor of the mapped file, read when asked: its rows in the model's order (llama.cpp's q/k permutation
+    undone, where `heads` is given). Each read copies what it needs off the file and drops the file's pages from
+    this process's resident memory."""
+    reader: GGUFFile
+    tensor: GGUFTensor
+    path: Path
+    heads: int | None
+
+    def blocks(self) -> torch.Tensor:
+        """Its bytes, uint8 (rows, bytes a row)."""
+        t = self.tensor
+        data = torch.from_numpy(np.array(t.data))  # a copy: (rows, bytes a row), as tensor_data shapes blocks
+        self.reader.release_pages(t.data)
+        return data if self.heads is None else unpermute(data, self.heads)
+
+    def values(self, rows: slice | None = None) -> torch.Tensor:
+        """Its values, float32, in its shape (outermost first); or those of the file's `rows` (outermost),
+        in the file's order, to be checked a part at a time."""
+        t = self.tensor
+        data = t.data if rows is None else t.data[rows]
+        try:
+            w = dequantized(data, GGMLQuantizationType(t.tensor_type)).reshape(-1, *t.shape[-2::-1])
+        except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+            raise SmolError(f"{self.path}: cannot read tensor {t.name} ({e})") from None
+        finally:
+            self.reader.release_pages(data)
+        if rows is not None:
+            return w
+        w = w.reshape(t.shape[::-1])
+        return w if self.heads is None else unpermute(w, self.heads)
 
 
 def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
