@@ -105,8 +105,9 @@ def packed_of(module: nn.Module) -> Packed | None:
 def dequantize(model: nn.Module) -> nn.Module:
     """Give every matrix held as GGUF blocks its float32 values as a plain parameter, in place (and returns
     `model`): what training, or any change in place, needs. The same values; 4 bytes a weight from then on."""
-    for owner, name, weight in list(held_weights(model)):
-        setattr(owner, name, nn.Parameter(weight.decoded(), weight.requires_grad))
+    with torch.inference_mode(False):  # weights of the usual kind, as loading makes them, even under inference
+        for owner, name, weight in list(held_weights(model)):
+            setattr(owner, name, nn.Parameter(weight.decoded(), weight.requires_grad))
     return model
 
 

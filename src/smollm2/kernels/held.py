@@ -62,7 +62,8 @@ class HeldWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):  # nn.Parameter, state_dict: the same blocks
-            return HeldWeight(args[0].packed, args[0].shape)
+            with torch.inference_mode(False):  # a view of a tensor of the usual kind, as torch's own detach
+                return HeldWeight(args[0].packed, args[0].shape)
         if func is aten.embedding.default and isinstance(args[0], HeldWeight):  # the rows looked up, alone
             return unpacked(args[0].packed, args[1])
         if func._schema.is_mutable:
@@ -79,7 +80,8 @@ class HeldWeight(torch.Tensor):
 def parameter(packed: Packed, shape: tuple[int, int], requires_grad: bool = True) -> nn.Parameter:
     """A HeldWeight as a module's parameter. nn.Parameter(HeldWeight(...)) would do it by a detach, through
     torch's Python dispatch (see the top); this marks it as nn.Parameter marks a tensor subclass."""
-    weight = HeldWeight(packed, shape, requires_grad)
+    with torch.inference_mode(False):  # a parameter of the usual kind, even made under inference
+        weight = HeldWeight(packed, shape, requires_grad)
     weight._is_param = True
     return weight
 
