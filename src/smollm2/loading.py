@@ -15,6 +15,7 @@ from .checkpoints import load_checkpoint, parameter_shapes, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
+from .kernels.held import HeldWeight
 from .model import SmolLM2
 from .quantize import quantize_int8
 
@@ -64,5 +65,7 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
 
 
 def save(model: SmolLM2, path: str | os.PathLike) -> None:
-    """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads."""
-    save_hf(model.config, model.state_dict(), path)
+    """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads.
+    Weights held as GGUF blocks are written as the float32 values they hold."""
+    state = {name: t.decoded() if isinstance(t, HeldWeight) else t for name, t in model.state_dict().items()}
+    save_hf(model.config, state, path)

@@ -56,16 +56,13 @@ class GGUFFile:
     metadata: dict  # key -> value, as the gguf library decodes it
     tensors: list[GGUFTensor]
     mapping: mmap.mmap | None  # that mapping
-    address: int = 0  # where it starts in memory
 
-    def release_pages(self, view: np.ndarray) -> None:
-        """Drop the file's pages under `view` (a tensor's data) from this process's resident memory (the OS keeps
-        them in its page cache, and reads them back if they are read again): once a tensor is decoded or copied
-        into one of its own, they would count its bytes twice."""
-        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED") and view.nbytes:
-            start = view.ctypes.data - self.address
-            first = start - start % mmap.PAGESIZE
-            self.mapping.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's resident memory (the OS keeps them in its page
+        cache, and maps them again if they are read again): once a tensor is decoded or copied into one of its
+        own, they would count its bytes twice. Safe at any time, from any thread: the mapping is read-only."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -83,8 +80,8 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
         start = reader.tensors_at(metadata)
         tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape))
                    for name, kind, shape, offset in tensors]
-        file = GGUFFile(metadata, tensors, data.base, data.ctypes.data)
-        file.release_pages(data[:start])  # the metadata, now Python values (~5 MB of the embedded file)
+        file = GGUFFile(metadata, tensors, data.base)
+        file.release_pages()  # the metadata, now Python values (~5 MB of the embedded file)
         return file
     except (ValueError, OSError, KeyError, struct.error) as e:  # UnicodeDecodeError is a ValueError
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
@@ -350,7 +347,7 @@ class GGUFRows:
         """Its bytes, uint8 (rows, bytes a row)."""
         t = self.tensor
         data = torch.from_numpy(np.array(t.data))  # a copy: (rows, bytes a row), as tensor_data shapes blocks
-        self.reader.release_pages(t.data)
+        self.reader.release_pages()
         return data if self.heads is None else unpermute(data, self.heads)
 
     def values(self, rows: slice | None = None) -> torch.Tensor:
@@ -363,7 +360,7 @@ class GGUFRows:
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise SmolError(f"{self.path}: cannot read tensor {t.name} ({e})") from None
         finally:
-            self.reader.release_pages(data)
+            self.reader.release_pages()
         if rows is not None:
             return w
         w = w.reshape(t.shape[::-1])

@@ -66,7 +66,8 @@ class HeldWeight(torch.Tensor):
                 return HeldWeight(args[0].packed, args[0].shape)
         if func is aten.embedding.default and isinstance(args[0], HeldWeight):  # the rows looked up, alone
             return unpacked(args[0].packed, args[1])
-        if func._schema.is_mutable:
+        written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
+        if any(isinstance(a, HeldWeight) for a in (*written, *kwargs.values())):
             raise SmolError(f"a weight held as its GGUF blocks cannot change in place ({func}); give the model "
                             "float32 weights first: smollm2.kernels.dequantize(model), or load it with "
                             "kernels=False")
