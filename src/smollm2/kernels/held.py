@@ -44,7 +44,13 @@ class HeldWeight(torch.Tensor):
         held.packed = packed
         return held
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # every operation reaches __torch_dispatch__
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.detach:  # state_dict's, the same blocks, without torch's Python dispatch (the top)
+            with torch.inference_mode(False):  # a tensor of the usual kind, as torch's own detach gives
+                return HeldWeight(args[0].packed, args[0].shape)
+        with torch._C.DisableTorchFunctionSubclass():  # the rest reaches __torch_dispatch__, results as they are
+            return func(*args, **(kwargs or {}))
 
     def __repr__(self) -> str:
         return f"HeldWeight({tuple(self.shape)}, kernels.c type {self.packed.type})"
@@ -52,6 +58,9 @@ class HeldWeight(torch.Tensor):
     def decoded(self) -> torch.Tensor:
         """The float32 matrix, a new tensor."""
         return unpacked(self.packed)
+
+    def numpy(self, *, force: bool = False):  # torch refuses it for a subclass: the decoded values'
+        return self.decoded().numpy(force=force)
 
     def __deepcopy__(self, memo):  # the blocks never change, so a copy shares them
         if isinstance(self, nn.Parameter):
