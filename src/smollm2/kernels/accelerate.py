@@ -235,11 +235,13 @@ def block_linears(block) -> list[nn.Module]:
 
 
 def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
-    """Every parameter and buffer of the blocks' norms and linear layers: what a decoding step's plan points at,
-    or at a copy of (float32 scales). Held weights' blocks change only by assignment."""
+    """Every parameter and buffer of the blocks' norms and linear layers that can change in place: what a decoding
+    step's plan points at, or at a copy of (float32 scales). Held weights change only by assignment (and reading
+    a version through their __torch_function__ would take ~10 us each, a step's 10%)."""
     modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
                                                            *block_linears(block))]
-    return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+            if not isinstance(t, HeldWeight)]
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int]:

@@ -1,6 +1,6 @@
-"""GGUF's quantized blocks in the layout the kernels stream. A float32 weight decoded from them keeps them beside
-it (Checkpoint.quantized gives the file's blocks), and the decoding kernels read those few bits a weight instead
-of its float32 copy, the same values.
+"""GGUF's quantized blocks in the layout the kernels stream, and decoded from it (unpacked). A float32 model read
+from a GGUF file holds its matrices as these alone (held.py; Checkpoint.quantized gives the file's blocks), and
+the decoding kernels read those few bits a weight, the float32 values gguf decodes.
 
 The layout (kernels.c's block types) is blocks of 32 weights, each opening with float32 scales: GGUF's float16
 ones converted exactly, or for the K-quants (super-blocks of 256 with 6- or 8-bit sub-block scales) each sub-block's
