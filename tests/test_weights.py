@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +160,28 @@ def test_a_loaded_model_costs_its_file_and_the_runtime(embedded_path, tmp_path):
     runtime, model = resident(tmp_path / "tiny.gguf"), resident(embedded_path)
     bound = runtime["VmHWM"] + 1.2 * embedded_path.stat().st_size
     assert model["VmRSS"] <= bound and model["VmHWM"] <= bound, (runtime, model, bound)
+
+
+def mapping_of(t: torch.Tensor) -> str:
+    """What /proc/self/maps says holds t's first byte: a file's path, [heap], or nothing."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= t.data_ptr() < high:
+            return rest[-1] if len(rest) == 5 else ""
+    return ""
+
+
+def test_a_float32_gguf_matrix_is_the_files_own_pages(tmp_path):
+    """An F32 file's matrices whose rows the model takes in the file's order are mapped, not copied (q and k,
+    whose rows llama.cpp permutes, are copies); a change in place copies its page, never the file."""
+    source = tiny_model(TINY["gqa"])
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, source.config, gguf_tensors(source, Q.F32))
+    model = load(path)
+    for name, p in model.named_parameters():
+        assert (mapping_of(p) == str(path)) == (p.dim() == 2 and not name.endswith(("q_proj.weight", "k_proj.weight")))
+        assert torch.equal(p, source.get_parameter(name))
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2)
+    assert torch.equal(load(path).model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)

@@ -49,6 +49,7 @@ class GGUFTensor(NamedTuple):
     tensor_type: int  # a GGMLQuantizationType
     shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
     data: np.ndarray  # a view of the file, mapped in memory
+    offset: int  # where data starts in the file
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
         reader = MetadataReader(memoryview(data.base))
         metadata, tensors = reader.metadata(), reader.tensor_infos()
         start = reader.tensors_at(metadata)
-        tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape))
-                   for name, kind, shape, offset in tensors]
+        tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape),
+                              start + offset) for name, kind, shape, offset in tensors]
         file = GGUFFile(metadata, tensors, data.base)
         file.release_pages()  # the metadata, now Python values (~5 MB of the embedded file)
         return file
@@ -352,8 +353,13 @@ class GGUFRows:
 
     def values(self, rows: slice | None = None) -> torch.Tensor:
         """Its values, float32, in its shape (outermost first); or those of the file's `rows` (outermost),
-        in the file's order, to be checked a part at a time."""
+        in the file's order, to be checked a part at a time. A float32 matrix whose rows the model takes in the
+        file's order is the file's own pages, mapped copy-on-write: shared with every process that maps the
+        file, dropped by the OS under pressure (it reads them again), nothing copied; a change in place copies
+        the page it writes, never the file."""
         t = self.tensor
+        if rows is None and self.heads is None and t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 2:
+            return torch.from_numpy(np.memmap(self.path, np.float32, "c", t.offset, t.shape[::-1]))
         data = t.data if rows is None else t.data[rows]
         try:
             w = dequantized(data, GGMLQuantizationType(t.tensor_type)).reshape(-1, *t.shape[-2::-1])

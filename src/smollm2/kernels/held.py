@@ -10,8 +10,10 @@ kernels read the blocks as they are. An embedding lookup decodes just the rows i
 
 torch routes operations on such a tensor through its Python dispatch, whose first use in a process imports
 torch.distributed.tensor (~45 MB and ~1.5 s, once). Inference on the kernels never takes that route: the held
-parameters are made without it (parameter()), the kernels read their blocks, and the accelerated embedding
-(accelerate.py) decodes its rows itself; only the torch code above does.
+parameters are made without it (parameter()), state_dict detaches them without it (__torch_function__), the
+kernels read their blocks, and the accelerated embedding (accelerate.py) decodes its rows itself; only the torch
+code above does. Reading a held weight's shape, dtype or version goes through __torch_function__, ~5-10 us
+each: the decoding step reads none of them (accelerate.py's plan).
 
 What cannot work on blocks is a change in place (an optimizer's step, load_state_dict into it, a .data
 write): it raises, naming dequantize(model), which gives every held matrix its float32 copy (for training).
@@ -75,8 +77,9 @@ class HeldWeight(torch.Tensor):
                 return HeldWeight(args[0].packed, args[0].shape)
         if func is aten.embedding.default and isinstance(args[0], HeldWeight):  # the rows looked up, alone
             return unpacked(args[0].packed, args[1])
-        written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
-        if any(isinstance(a, HeldWeight) for a in (*written, *kwargs.values())):
+        written = {spec.name for spec in func._schema.arguments if spec.alias_info and spec.alias_info.is_write}
+        if any(isinstance(a, HeldWeight) for a, spec in zip(args, func._schema.arguments) if spec.name in written) \
+                or any(isinstance(kwargs.get(name), HeldWeight) for name in written):
             raise SmolError(f"a weight held as its GGUF blocks cannot change in place ({func}); give the model "
                             "float32 weights first: smollm2.kernels.dequantize(model), or load it with "
                             "kernels=False")
@@ -99,9 +102,9 @@ def parameter(packed: Packed, shape: tuple[int, int], requires_grad: bool = True
 def held_weights(module: nn.Module):
     """(owner, name, weight) of each held matrix in `module`'s tree."""
     for owner in module.modules():
-        for name, parameter in owner.named_parameters(recurse=False):
-            if isinstance(parameter, HeldWeight):
-                yield owner, name, parameter
+        for name, weight in owner.named_parameters(recurse=False):
+            if isinstance(weight, HeldWeight):
+                yield owner, name, weight
 
 
 def release_freed_memory() -> None:
