@@ -17,7 +17,7 @@ from conftest import TINY, tiny_model
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_files import gguf_metadata, gguf_tensors, write_fields, write_gguf
-from test_kernels import WIDE, crafted_blocks, crafted_gguf_model
+from test_kernels import SCALES_AT, WIDE, crafted_blocks, crafted_gguf_model
 
 from smollm2 import SmolError, kernels, load, save
 from smollm2.checkpoints.gguf import open_gguf
@@ -27,7 +27,6 @@ from smollm2.quantize import quantize_int8
 
 pytestmark = pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
 
-STREAMED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = torch.tensor([[1, 7, 3, 30, 2, 11, 5, 19, 4, 8, 13, 21, 6, 9, 12, 17, 22, 25]])
 
 
@@ -39,9 +38,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(torch.int32) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
 
 
-@pytest.mark.parametrize("qtype", STREAMED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
 def test_held_blocks_decode_to_ggufs_values(qtype):
-    """packed.unpacked gives gguf.quants.dequantize's float32 values bit for bit (-0 included), all rows or some."""
+    """packed.unpacked gives gguf.quants.dequantize's float32 values bit for bit (-0 included), all rows or some:
+    every type the kernels stream is held as its blocks alone."""
     N, K = 32, 512
     blocks = crafted_blocks(N, K, qtype, np.random.default_rng(int(qtype)))
     want = torch.from_numpy(dequantize(blocks, qtype).reshape(N, K))
@@ -51,7 +51,7 @@ def test_held_blocks_decode_to_ggufs_values(qtype):
     assert torch.equal(bits(unpacked(packed, rows)), bits(want[rows]))
 
 
-@pytest.mark.parametrize("qtype", STREAMED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
 def test_a_quantized_gguf_model_holds_its_blocks_alone(tmp_path, qtype):
     """Every matrix is its blocks, no float32 copy beside them: only the norms are float32 tensors. What they hold
     is what the float32 model read from the same file has, and its state dict says so."""
@@ -61,10 +61,8 @@ def test_a_quantized_gguf_model_holds_its_blocks_alone(tmp_path, qtype):
     assert all(p.dim() == 1 for p in model.parameters() if not isinstance(p, HeldWeight))
     state, want = model.state_dict(), plain.state_dict()
     assert state.keys() == want.keys()
-    assert all(torch.equal(bits(w), bits(want[name] if not isinstance(w, HeldWeight) else want[name]))
-               for name, w in state.items() if not isinstance(w, HeldWeight))
-    assert all(torch.equal(bits(w.decoded()), bits(want[name])) for name, w in state.items()
-               if isinstance(w, HeldWeight))
+    assert all(torch.equal(bits(w.decoded() if isinstance(w, HeldWeight) else w), bits(want[name]))
+               for name, w in state.items())
     with torch.inference_mode():
         embedded = model.model.embed_tokens(IDS % WIDE.vocab_size)
     assert torch.equal(bits(embedded), bits(plain.model.embed_tokens(IDS % WIDE.vocab_size).detach()))

@@ -40,7 +40,7 @@ from . import ops
 from .build import choices_file, compiled
 from .choosing import MODES, Choices
 from .held import HeldWeight, held_weights, parameter, release_freed_memory
-from .packed import Packed, packed_layout, streams, unpacked
+from .packed import UNPACKED, Packed, packed_layout, streams, unpacked
 
 if TYPE_CHECKING:
     from ..checkpoints import GGUFBlocks
@@ -92,7 +92,7 @@ def held(blocks: GGUFBlocks) -> nn.Parameter:
     once into their layout (packed.py: ~1.1x the file's bytes, ~0.5 s for the 135M model's 98 MB); else its
     float32 values."""
     packed = packed_layout(blocks.type, blocks.read())
-    weight = None if packed is None else parameter(packed, blocks.shape)
+    weight = None if packed is None or packed.type not in UNPACKED else parameter(packed, blocks.shape)
     return weight if weight is not None and streams(weight, packed) else nn.Parameter(blocks.dequantize())
 
 

@@ -110,12 +110,19 @@ def streams(weight: torch.Tensor, packed: Packed | None) -> bool:
             and packed.data.shape == (N, K // 32 * PACKED_BYTES[packed.type]))
 
 
+# kernels.c's types whose layout unpacked() decodes: a type the kernels stream is held as its blocks alone only
+# once it is here (held.py), else kept as float32 values
+UNPACKED = {PACKED_TYPES[kind] for kind in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+
+
 def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weights `packed` holds, (N, K), or only `rows` of them (row indices, any shape: (*rows.shape,
     K)), each the value kernels.c computes from its block (load_block), which is gguf.quants.dequantize's bit
     for bit: a * q or a * q + b, rounded once each (no fused multiply-add), Q6_K's second half b * q. A new
     tensor each call, decoded by torch (~3-6 ns a weight on one core: 0.1 s for a 1536 x 576 matrix of the
     135M model at the worst)."""
+    if packed.type not in UNPACKED:
+        raise ValueError(f"no decoding of kernels.c's block type {packed.type}")
     data = packed.data if rows is None else packed.data[rows]
     size = PACKED_BYTES[packed.type]
     blocks = data.reshape(*data.shape[:-1], data.shape[-1] // size, size)  # (..., K / 32, bytes)
