@@ -29,10 +29,13 @@ makes that venv (pip, CMake and a C++ compiler; minutes), then a run borrows its
     .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 [--json]
 The header prints llama.cpp's llama_print_system_info(), which names the instructions it was compiled with.
 
---build-server builds llama.cpp's own HTTP server, llama-server, from the same source distribution and with the
-same options, into $XDG_CACHE_HOME/smollm2/llama-server-<tier>/bin (~10 minutes on 2 cores), for
-benchmarks/server_load.py to serve beside `smollm2 serve`:
+--build-server builds llama.cpp's own HTTP server, llama-server, from llama-cpp-python's source distribution (of
+the version tests/llama_cpp_converter.py pins) with the same options, into
+$XDG_CACHE_HOME/smollm2/llama-server-<tier>/bin (~10 minutes on 2 cores), for benchmarks/server_load.py to serve
+beside `smollm2 serve`; --build-tools builds llama-bench and llama-quantize alike, into
+$XDG_CACHE_HOME/smollm2/llama-tools-<tier>/bin, for benchmarks/family.py:
     .venv/bin/python benchmarks/llamacpp.py --build-server
+    .venv/bin/python benchmarks/llamacpp.py --build-tools
 """
 
 from __future__ import annotations
@@ -196,24 +199,44 @@ def server_binary(tier: str) -> Path:
     return venv_dir(tier).with_name(f"llama-server-{tier}") / "bin" / "llama-server"
 
 
-def build_server(tier: str) -> int:
-    """llama-server compiled for the tier from llama-cpp-python's source distribution (the llama.cpp it vendors),
-    without its web page, TLS or downloads: a server for the model file it is given, nothing more."""
-    build_dir = server_binary(tier).parent.parent
+def tool_binary(tier: str, name: str) -> Path:
+    """llama-bench or llama-quantize, built by --build-tools."""
+    return venv_dir(tier).with_name(f"llama-tools-{tier}") / "bin" / name
+
+
+def build_binaries(tier: str, build_dir: Path, targets: list[str]) -> None:
+    """llama.cpp's programs compiled for the tier from llama-cpp-python's source distribution (the llama.cpp it
+    vendors), of the version whose converter the tests use, without the server's web page, TLS or downloads."""
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
+    from llama_cpp_converter import VERSION
+
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
-                        "llama-cpp-python"], check=True)
+                        f"llama-cpp-python=={VERSION}"], check=True)
         (archive,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         subprocess.run(["tar", "xzf", str(archive), "-C", tmp], check=True)
         (source,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
-        log(f"building llama-server for {tier} from {archive.name} into {build_dir}")
+        log(f"building {', '.join(targets)} for {tier} from {archive.name} into {build_dir}")
         subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
                         "-DLLAMA_CURL=OFF", *CMAKE_ARGS[tier]], check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{os.cpu_count()}"],
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", *targets, f"-j{os.cpu_count()}"],
                        check=True)
+
+
+def build_server(tier: str) -> int:
+    """llama-server: a server for the model file it is given, nothing more."""
+    build_binaries(tier, server_binary(tier).parent.parent, ["llama-server"])
     print(server_binary(tier))
+    return 0
+
+
+def build_tools(tier: str) -> int:
+    """llama-bench and llama-quantize, for benchmarks/family.py."""
+    tools = ["llama-bench", "llama-quantize"]
+    build_binaries(tier, tool_binary(tier, tools[0]).parent.parent, tools)
+    print(*(tool_binary(tier, tool) for tool in tools), sep="\n")
     return 0
 
 
@@ -225,6 +248,8 @@ def main() -> int:
                    help="build llama-cpp-python for --tier into its venv (replacing it), then exit")
     p.add_argument("--build-server", action="store_true",
                    help="build llama-server for --tier (for benchmarks/server_load.py), then exit")
+    p.add_argument("--build-tools", action="store_true",
+                   help="build llama-bench and llama-quantize for --tier (for benchmarks/family.py), then exit")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
@@ -241,6 +266,8 @@ def main() -> int:
         return build(args.tier, venv)
     if args.build_server:
         return build_server(args.tier)
+    if args.build_tools:
+        return build_tools(args.tier)
     if not (site_packages(venv) / "llama_cpp").is_dir():
         p.error(f"no llama.cpp built for {args.tier} in {venv}: run {sys.argv[0]} --tier {args.tier} --build")
 

@@ -5,9 +5,9 @@
  *
  * References sum in double; the kernels in float32 and in other orders, so results are compared within
  * tolerances relative to the magnitude of what was summed. What the kernels promise bit for bit is compared
- * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
- * giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize rounds),
- * and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
+ * with memcmp: a product row's result whatever rows share the call, blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K,
+ * Q5_0, Q5_1) giving the results of the float32 weights they decode to (decoded here as gguf.quants.dequantize
+ * rounds), and a decoding step's RMSNorm, RoPE and SiLU giving the prompt functions' results on the same rows.
  *
  * Prints one line per check, then a hash of every result's bits, then "N passed, M failed"; exits 1 on any
  * failure. */
@@ -18,9 +18,12 @@
 #include <string.h>
 
 /* As kernels.c (and the Python side) number and lay them out. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
-enum { BLOCK = 32 };
-static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 24, 28, 32};  /* by type; 0: not blocks */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
+enum { BLOCK = 32, SUPER = 256, TYPES = 11 };
+/* by type: bytes a block of 32 (a K-quant's super-block of 256, as GGUF's files hold them); 0: not blocks */
+static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 144, 176, 210, 24, 28};
+static int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+static long block_size(int type) { return is_super(type) ? SUPER : BLOCK; }
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
             void *y, long B, const long *N, long K);
@@ -46,9 +49,11 @@ struct cache {  /* kernels.c's struct cache, field for field */
     long S, stride_b, stride_h, scale_stride_b, scale_stride_h;
 };
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask);
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
+           const void *lowrank, const int32_t *adapter);
 
-static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0",
+                                  "q5_1"};
 static int passed, failed;
 
 /* ---- inputs: a fixed-seed generator, bf16 conversions ---- */
@@ -169,12 +174,54 @@ static struct weights random_weights(int w_type, long N, long K) {
         for (long i = 0; i < N * K; i++) w.values[i] = q[i] = (int8_t)(next_random() % 255 - 127);
         for (long n = 0; n < N; n++) w.scale[n] = uniform(0.005f, 0.01f);
         w.data = q;
+    } else if (is_super(w_type)) {
+        /* GGUF's super-blocks as they are: random bytes (all valid), then float16 d (and dmin) set to finite
+         * values of either sign (dmin of one); decoded as gguf.quants.dequantize does in float32, operation by
+         * operation: Q4_K, Q5_K (d * sc) * q - dmin * m, sc and m 6-bit; Q6_K (d * sc) * (q - 32), sc int8. */
+        const long bytes = BLOCK_BYTES[w_type];
+        uint8_t *blocks = malloc(N * K / SUPER * bytes);
+        for (long b = 0; b < N * K / SUPER; b++) {
+            uint8_t *block = blocks + b * bytes;
+            float *values = w.values + b * SUPER;
+            for (long i = 0; i < bytes; i++) block[i] = (uint8_t)next_random();
+            const uint16_t sign = next_random() % 2 ? 0x8000 : 0, mantissa = (uint16_t)(next_random() % 1024);
+            const uint16_t least = (uint16_t)(next_random() % 1024);
+            if (w_type == Q6_K) {  /* d = (1024 + mantissa) 2^-21: float16 exponent field 4 */
+                const uint16_t h = sign | 4 << 10 | mantissa;
+                memcpy(block + 208, &h, 2);
+                const float d = (sign ? -1.0f : 1.0f) * ldexpf((float)(1024 + mantissa), -21);
+                for (int t = 0; t < SUPER; t++) {
+                    const int half = t / 128, within = t % 128;
+                    const int low = block[half * 64 + within % 64] >> (within / 64 * 4) & 15;
+                    const int high = block[128 + half * 32 + within % 32] >> (within / 32 * 2) & 3;
+                    const float scaled = d * (float)(int8_t)block[192 + t / 16];
+                    values[t] = scaled * (float)((low | high << 4) - 32);
+                }
+                continue;
+            }
+            /* d = (1024 + mantissa) 2^-20, dmin = (1024 + least) 2^-19: exponent fields 5 and 6 */
+            const uint16_t hd = sign | 5 << 10 | mantissa, hmin = 6 << 10 | least;
+            memcpy(block, &hd, 2), memcpy(block + 2, &hmin, 2);
+            const float d = (sign ? -1.0f : 1.0f) * ldexpf((float)(1024 + mantissa), -20);
+            const float dmin = ldexpf((float)(1024 + least), -19);
+            const uint8_t *sc = block + 4, *nibbles = block + (w_type == Q4_K ? 16 : 48);
+            for (int j = 0; j < SUPER / BLOCK; j++) {
+                const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
+                const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+                const float scaled = d * (float)scale, offset = dmin * (float)min;
+                for (int l = 0; l < BLOCK; l++) {
+                    int q = nibbles[j / 2 * 32 + l] >> (j % 2 * 4) & 15;
+                    if (w_type == Q5_K) q |= (block[16 + l] >> j & 1) << 4;
+                    float product = scaled * (float)q;  /* numpy's d * q, then - dm: two roundings */
+                    values[j * BLOCK + l] = product - offset;
+                }
+            }
+        }
+        w.data = blocks;
     } else {
         /* Blocks in kernels.c's layout, their scales float32 as packed.py makes them: a float16's value (11
-         * significant bits, either sign), or for K-quants a product of one with the sub-block's integer scale
-         * (and minus dmin times its integer min), as gguf computes them. Each value is decoded as
-         * gguf.quants.dequantize does in float32, operation by operation: Q4_1 d * q + m; Q8_0 d * q; Q4_0
-         * d * (q - 8); Q4_K, Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). */
+         * significant bits, either sign). Each value is decoded as gguf.quants.dequantize does in float32: Q4_1,
+         * Q5_1 d * q + m; Q8_0 d * q; Q4_0 d * (q - 8); Q5_0 d * (q - 16). */
         const long bytes = BLOCK_BYTES[w_type];
         uint8_t *blocks = calloc(N * K / BLOCK, bytes);
         for (long b = 0; b < N * K / BLOCK; b++) {
@@ -192,14 +239,13 @@ static struct weights random_weights(int w_type, long N, long K) {
                 continue;
             }
             int q[BLOCK];
-            const int levels = w_type == Q5_K ? 32 : w_type == Q6_K ? 64 : 16;
+            const int levels = w_type == Q5_0 || w_type == Q5_1 ? 32 : 16;
             for (int j = 0; j < BLOCK; j++) q[j] = (int)(next_random() % levels);
-            uint8_t *nibbles = block + (w_type == Q4_0 ? 4 : 8);
-            uint32_t fifth = 0, sixth = 0;
+            uint8_t *nibbles = block + (w_type == Q4_0 || w_type == Q5_0 ? 4 : 8);
+            uint32_t fifth = 0;
             for (int j = 0; j < BLOCK / 2; j++)  /* byte j: weight j in its low half, j + 16 in its high */
                 nibbles[j] = (uint8_t)((q[j] & 15) | (q[j + BLOCK / 2] & 15) << 4);
-            for (int j = 0; j < BLOCK; j++)  /* bit j: weight j's fifth (sixth) bit */
-                fifth |= (uint32_t)(q[j] >> 4 & 1) << j, sixth |= (uint32_t)(q[j] >> 5 & 1) << j;
+            for (int j = 0; j < BLOCK; j++) fifth |= (uint32_t)(q[j] >> 4 & 1) << j;  /* bit j: weight j's fifth */
             if (w_type == Q4_1) {
                 float d = ldexpf((float)(1024 + next_random() % 1024), -16);
                 float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
@@ -209,22 +255,15 @@ static struct weights random_weights(int w_type, long N, long K) {
                 float d = sign * ldexpf((float)(1024 + next_random() % 1024), -16);
                 memcpy(block, &d, 4);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 8);
-            } else if (w_type == Q4_K || w_type == Q5_K) {
-                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -20);
-                float dmin = ldexpf((float)(1024 + next_random() % 1024), -19);
-                float scaled = d * (float)(next_random() % 64), least = dmin * (float)(next_random() % 64);
-                float offset = -least;
-                memcpy(block, &scaled, 4), memcpy(block + 4, &offset, 4);
-                if (w_type == Q5_K) memcpy(block + 24, &fifth, 4);
-                for (int j = 0; j < BLOCK; j++) {
-                    float product = scaled * (float)q[j];  /* numpy's d * qs, then - dm: two roundings */
-                    values[j] = product - least;
-                }
-            } else {
-                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -21);
-                float scaled[2] = {d * (float)(int8_t)(next_random() % 256), d * (float)(int8_t)(next_random() % 256)};
-                memcpy(block, scaled, 8), memcpy(block + 24, &fifth, 4), memcpy(block + 28, &sixth, 4);
-                for (int j = 0; j < BLOCK; j++) values[j] = scaled[j / 16] * (float)(q[j] - 32);
+            } else if (w_type == Q5_0) {
+                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -17);
+                memcpy(block, &d, 4), memcpy(nibbles + 16, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 16);
+            } else if (w_type == Q5_1) {
+                float d = ldexpf((float)(1024 + next_random() % 1024), -17);
+                float m = sign * ldexpf((float)(1024 + next_random() % 1024), -13);
+                memcpy(block, &d, 4), memcpy(block + 4, &m, 4), memcpy(nibbles + 16, &fifth, 4);
+                for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
             }
         }
         w.data = blocks;
@@ -446,7 +485,8 @@ static void check_norm_rows(int type, long R, long C) {
 
 /* ---- blocks: one float32 layer decoding T rows of each of B sequences against a cache ---- */
 
-enum { BC = 64, BH = 4, BKVH = 2, BI = 96, PAST = 5 };  /* sizes (and a head size D); slots filled before the step */
+enum { BH = 4, BKVH = 2, PAST = 5 };  /* heads (and a head size D); slots filled before the step */
+static long BC = 64, BI = 96;  /* hidden and MLP sizes: whole K-quant super-blocks for the K-quants' layers */
 
 static void rms_normed(const double *x, const float *weight, double *out) {
     double squares = 0;
@@ -490,7 +530,7 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
     const struct cache layers = {k_caches, v_caches, NULL, NULL, type, S, cache, S * D, 0, 0};
     if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
-               (const char *)sines + first * T * D * size, slots, T, &layers, NULL))
+               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;
@@ -504,7 +544,7 @@ static double largest(const double *v, long n) {
 
 /* Bytes of an (N, K) weight matrix of w_type. */
 static long weight_bytes(int w_type, long N, long K) {
-    if (BLOCK_BYTES[w_type]) return N * K / BLOCK * BLOCK_BYTES[w_type];
+    if (BLOCK_BYTES[w_type]) return N * K / block_size(w_type) * BLOCK_BYTES[w_type];
     return N * K * (w_type == I8 ? 1 : w_type == BF16 ? 2 : 4);
 }
 
@@ -562,7 +602,8 @@ static void check_layer(int type, int w_type, int vd_type, long B, long T, long 
             w[i].data = as_type(w[i].values, sizes[i][0] * sizes[i][1], w_type);
         }
     }
-    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's and Q6_K's -0: sums from +0 stay +0) */
+    if (zero_o) {  /* every encoding's zero bytes are weights of zero (Q4_0's, Q5_0's, Q6_K's -0: sums from +0 stay
+                    * +0) */
         memset(w[3].data, 0, weight_bytes(w_type, BC, QD));
         memset(w[3].values, 0, sizeof(float) * BC * QD);
     }
@@ -587,7 +628,7 @@ static void check_layer(int type, int w_type, int vd_type, long B, long T, long 
                                 BC, BH, BKVH, D, BI, 1e-5f};
     char name[160], types[40];
     snprintf(types, sizeof types, vd_type == w_type ? "%s" : "%s v,down=%s", type_name[w_type], type_name[vd_type]);
-    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%d H=%d KVH=%d D=%ld I=%d%s", type_name[type], types,
+    snprintf(name, sizeof name, "blocks %s w=%s B=%ld T=%ld C=%ld H=%d KVH=%d D=%ld I=%ld%s", type_name[type], types,
              B, T, BC, BH, BKVH, D, BI, zero_o ? " o=0" : "");
     struct layer_run run = run_blocks(&layer, type, 0, B, T, xt, cos_t, sin_t, k_t, v_t);
     if (!run.x) {
@@ -686,7 +727,7 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
         for (int w_type = F32; w_type <= Q6_K; w_type++)
-            for (long K = 64; K <= 96; K += 32) check_linear(x_type, w_type, K);
+            for (long K = 64; K <= 96 && !is_super(w_type); K += 32) check_linear(x_type, w_type, K);
     for (int type = F32; type <= BF16; type++) {
         const long T[] = {1, 5, 16, 17, 40, 70};  /* within one tile of keys and queries, and across them */
         for (int i = 0; i < 6; i++) check_attention(type, 1, T[i], 4, 2, 64);
@@ -699,13 +740,11 @@ int main(void) {
     }
     /* activations and weights as models have them */
     const int layers[][2] = {{F32, F32}, {F32, I8}, {F32, Q4_1}, {F32, Q8_0}, {BF16, BF16}, {BF16, I8},
-                             {F32, Q4_0}, {F32, Q4_K}, {F32, Q5_K}, {F32, Q6_K}};
-    for (int i = 0; i < 10; i++) {
+                             {F32, Q4_0}};
+    for (int i = 0; i < 7; i++) {
         check_blocks(layers[i][0], layers[i][1], 2, 3, 32, 0);
         check_blocks(layers[i][0], layers[i][1], 2, 3, 64, 1);
     }
-    check_layer(F32, Q4_K, Q6_K, 2, 3, 32, 0);
-    check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
     check_blocks(F32, F32, 1, 1, 32, 0);
     check_blocks(BF16, BF16, 1, 1, 32, 0);
     /* head sizes whose half is not a whole number of vectors with AVX-512: RoPE's last elements one at a time */
@@ -713,6 +752,25 @@ int main(void) {
         check_blocks(F32, F32, 2, 3, D, 0);
         check_blocks(BF16, BF16, 2, 3, D, 0);
     }
+    /* the types added later, last: every check above keeps its inputs */
+    for (int w_type = Q5_0; w_type < TYPES; w_type++) {
+        for (int x_type = F32; x_type <= BF16; x_type++)
+            for (long K = 64; K <= 96; K += 32) check_linear(x_type, w_type, K);
+        check_blocks(F32, w_type, 2, 3, 32, 0);
+        check_blocks(F32, w_type, 2, 3, 64, 1);
+    }
+    check_layer(F32, Q5_0, Q8_0, 2, 3, 32, 0);  /* a Q4_K_M file's matrices of rows off super-blocks (the 135M's) */
+    /* the K-quants, as the files hold them: rows of whole super-blocks */
+    for (int w_type = Q4_K; w_type <= Q6_K; w_type++)
+        for (int x_type = F32; x_type <= BF16; x_type++)
+            for (long K = SUPER; K <= 2 * SUPER; K += SUPER) check_linear(x_type, w_type, K);
+    BC = 256, BI = 512;  /* and with a head size of 64, o_proj's 256 inputs */
+    for (int w_type = Q4_K; w_type <= Q6_K; w_type++) {
+        check_blocks(F32, w_type, 2, 3, 64, 0);
+        check_blocks(F32, w_type, 2, 3, 64, 1);
+    }
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 0);  /* a Q4_K_M file's: v_proj and down_proj Q6_K */
+    check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

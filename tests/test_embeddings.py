@@ -166,7 +166,7 @@ def test_bad_input_gets_400_naming_the_field(tiny, monkeypatch):
 
 def test_scheduler_calls_return_results_and_exceptions_between_steps(tiny):
     model, tokenizer = tiny
-    sched = scheduler.Scheduler(model, tokenizer)
+    sched = scheduler.EngineThread(model, tokenizer)
 
     def fails():
         raise SmolError("no")

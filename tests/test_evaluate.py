@@ -94,6 +94,17 @@ def test_hostile_loglikelihood_requests(tiny, context, continuation, message):
         evaluate.loglikelihood(tiny, context, continuation)
 
 
+def test_windowed_perplexity_takes_the_commands_defaults(tiny):
+    """evaluate.windowed_perplexity, which `smollm2 perplexity` calls: 1024-token windows, or the model's whole
+    context window (512) where shorter, moved by half a window unless the stride says."""
+    ids = random_ids(700, tiny.config.vocab_size, seed=2)
+    assert evaluate.windowed_perplexity(tiny, ids) == evaluate.perplexity(tiny, ids, 512, 256)
+    assert evaluate.windowed_perplexity(tiny, ids, 2000, 100) == evaluate.perplexity(tiny, ids, 512, 100)
+    assert evaluate.windowed_perplexity(tiny, ids, 128) == evaluate.perplexity(tiny, ids, 128, 64)
+    with pytest.raises(SmolError, match=r"--stride must be in \[1, --context - 1 = 127\], got 128"):
+        evaluate.windowed_perplexity(tiny, ids, 128, 128)
+
+
 def test_hostile_perplexity_input(tiny):
     with pytest.raises(SmolError, match="at least 2 tokens"):
         evaluate.perplexity(tiny, [5], 64, 32)

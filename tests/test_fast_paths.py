@@ -15,7 +15,7 @@ from smollm2.generation import generate
 from smollm2.kernels import accelerate
 from smollm2.kernels.accelerate import FastSmolLM2
 from smollm2.quantize import Int8Linear, quantize_int8
-from smollm2.server.scheduler import Scheduler
+from smollm2.server.scheduler import EngineThread
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_an_unknown_kv_cache_dtype_is_named(capsys):
     with pytest.raises(SmolError, match="kv_cache_dtype must be one of fp32, bf16, int8, got 'fp8'"):
         generate(model, [[1, 2]], 2, kv_cache_dtype="fp8")
     with pytest.raises(SmolError, match="kv_cache_dtype must be one of"):
-        Scheduler(model, None, kv_cache_dtype="fp16")
+        EngineThread(model, None, kv_cache_dtype="fp16")
     with pytest.raises(SystemExit):
         main(["generate", "--kv-cache-dtype", "fp8", "Hello"])
     assert "--kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err

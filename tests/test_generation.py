@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
-from conftest import TINY, hf_copy, tiny_model
+from conftest import TINY, hf_copy, tiny_model, torch_row_variance
 
 import smollm2.generation.steps as steps
 from smollm2 import SmolError, Tokenizer
 from smollm2.generation import PrefixCache, Sampling, generate, stream
-from smollm2.generation.engine import prompt_logprobs
+from smollm2.generation.engine import Engine, prompt_logprobs
 from smollm2.generation.logprobs import log_probs
 from smollm2.generation.sampling import penalized, sample, warped
 from smollm2.generation.sequence import Sequence, StopStrings
+from smollm2.generation.steps import prefill_rows
+from smollm2.kernels import accelerate
+from smollm2.kernels.choosing import Choices
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
          "Name three primary colors."]
@@ -57,6 +61,68 @@ def test_batch_rows_equal_rows_alone(model, tokenizer):
             alone = generate(model, [row], 12, eos_token_id=None, **sampling)
             assert batch[b, -12:].tolist() == alone[0, -12:].tolist()
             assert batch[b, batch.shape[1] - 12 - len(row):-12].tolist() == row  # left-padded prompt
+
+
+# Prompts of several lengths, with 64-token chunks: several waves, rows of two kinds (rows_bucket) packed in a pass
+# each, chunks of at most 16 tokens (a decoding step's rows, run alone), a long prompt's later chunk beside
+# another's.
+PACKED_PROMPTS = [list(range(3, 23)), list(range(40, 70)), list(range(5, 50)), list(range(90, 190)),
+                  list(range(7, 16)), list(range(200, 270)), list(range(30, 61)), list(range(300, 450))]
+SEEDED = Sampling(temperature=0.8, top_p=0.9, seed=7)
+
+
+def engine_steps(model, prompts, budget=None, prefix_cache=None) -> list[list]:
+    """Every row's Steps (tokens and log-probabilities), its prompts admitted to one engine at once; a prompt of
+    odd length samples, seeded."""
+    engine = Engine(model, len(prompts), max(map(len, prompts)) + 6, prefill_budget=budget, prefix_cache=prefix_cache)
+    rows = [engine.admit(Sequence(prompt, 6, SEEDED if len(prompt) % 2 else Sampling(), eos=(), logprobs=2))
+            for prompt in prompts]
+    taken = {row: [] for row in rows}
+    while not all(row.ended for row in rows):
+        for row, step in engine.step():
+            taken[row].append(step)
+    return list(taken.values())
+
+
+@pytest.mark.parametrize("mode", ["on", "auto", "off"])
+def test_a_batched_prefill_gives_each_row_the_bits_it_gets_alone(mode, tmp_path, monkeypatch):
+    """Rows' chunks prefilled in one pass (steps.prefill_rows) give each row the first token and log-probabilities
+    it gets prefilled alone, in every kernels mode: measured choices, then mixes of kernel and torch (torch runs
+    each prompt's rows alone, the kernel all of them); and with a budget and a prefix cache. Off, rows prefill
+    alone (torch's products may give a row other bits among others). Its later tokens, decoded beside the other
+    rows, are its own where the decoding step's products keep a row's bits: on the kernels, always."""
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 64)
+    model = accelerate(tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64)), mode=mode)
+    if mode == "auto":  # measured into the test's own file
+        model.accelerator.choices = Choices("auto", lambda: tmp_path / "choices.json")
+    alone = [engine_steps(model, [prompt])[0] for prompt in PACKED_PROMPTS]
+    passes = []
+    monkeypatch.setattr(steps, "prefill_rows", lambda model, chunks, cache: passes.append(len(chunks)) or
+                        prefill_rows(model, chunks, cache))
+    decoded_alone = mode != "off" or torch_row_variance(model) is None
+
+    def check(together, want):
+        assert [row[0] for row in together] == [row[0] for row in want]  # the prefill's
+        assert together == want or not decoded_alone
+
+    check(engine_steps(model, PACKED_PROMPTS), alone)
+    assert max(passes, default=0) == (4 if mode != "off" else 0)  # the first chunks of 45-150 tokens
+    check(engine_steps(model, PACKED_PROMPTS, budget=100, prefix_cache=PrefixCache(1 << 22)), alone)
+    if mode == "auto":
+        made = model.accelerator.choices.made
+        assert made  # the prompts' kinds, measured
+        for parity in (0, 1):  # each kind the other side's than its neighbour's
+            model.accelerator.choices.made = {key: choice._replace(winner=("kernel", "torch")[(i + parity) % 2])
+                                              for i, (key, choice) in enumerate(made.items())}
+            check(engine_steps(model, PACKED_PROMPTS), [engine_steps(model, [p])[0] for p in PACKED_PROMPTS])
+
+
+def test_the_embedded_model_prefills_rows_together_with_the_bits_of_each_alone(model, tokenizer):
+    """Real weights (the file's Q4_1 blocks streamed), prompts of 20-60 tokens in one pass: each row's tokens and
+    log-probabilities are those it gets alone."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question * (1 + b)}])
+               for b, question in enumerate(CHATS)]
+    assert engine_steps(model, prompts) == [engine_steps(model, [prompt])[0] for prompt in prompts]
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny, monkeypatch):

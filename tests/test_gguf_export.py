@@ -222,6 +222,20 @@ def test_cli_exports_a_hf_directory_to_gguf_and_back(tiny_dir, tmp_path, capsys)
         == Tokenizer.from_pretrained(tiny_dir).encode(text)
 
 
+def test_export_writes_a_model_and_its_tokenizer_as_a_hf_directory_or_a_gguf_file(tiny_dir, tmp_path):
+    """loading.export, which `smollm2 export` calls: either way, the same model and tokens read back."""
+    from smollm2.loading import export
+
+    model, tokenizer = load(tiny_dir, kernels=False), Tokenizer.from_pretrained(tiny_dir)
+    gguf, hf = tmp_path / "tiny.gguf", tmp_path / "hf"
+    export(model, tokenizer, gguf, gguf_type="f32")
+    export(model, tokenizer, hf)
+    original, text = read_back(tiny_dir), "Hello <|im_start|> 123  world\n"
+    for written in (gguf, hf):
+        assert torch.equal(logits(read_back(written)), logits(original))
+        assert Tokenizer.from_pretrained(written).encode(text) == tokenizer.encode(text)
+
+
 def test_cli_exports_gguf_by_default_at_f32_and_at_the_type_asked(tiny_dir, tmp_path):
     for args, file_type in (([], 0), (["--type", "q8_0"], 7)):
         assert main(["export", "--model", str(tiny_dir), "--to", "gguf", *args, "--out", str(tmp_path / "t.gguf")]) == 0

@@ -46,8 +46,8 @@ def inference():
         yield
 
 
-def on_torch():
-    """plain() for a kernel's function: says that it ran."""
+def on_torch(*rows):
+    """plain() for a kernel's function (the elementwise ones pass it their rows): says that it ran."""
     return "torch"
 
 
@@ -239,7 +239,8 @@ def linears(model) -> list[torch.nn.Module]:
 
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-SCALES_AT = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SCALES_AT = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+             Q.Q5_0: (0,), Q.Q5_1: (0, 2)}
 WIDE = dataclasses.replace(TINY["gqa"], hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=1024)
 
 
@@ -262,20 +263,26 @@ def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
     blocks = crafted_blocks(N, K, qtype, np.random.default_rng(int(qtype)))
     want = torch.from_numpy(dequantize(blocks, qtype).reshape(N, K))
     weight = torch.zeros(N, K)  # only its shape and dtype matter: the packed blocks are streamed
-    got, = ops.linear(ON, torch.eye(K), [weight], packed=[packed_layout(qtype, torch.from_numpy(blocks))])
+    file_blocks = torch.from_numpy(blocks)
+    packed = packed_layout(qtype, file_blocks)
+    if qtype in K_QUANTS:  # streamed as the file holds them: no copy
+        assert packed.data.data_ptr() == file_blocks.data_ptr() and packed.data.shape == file_blocks.shape
+    got, = ops.linear(ON, torch.eye(K), [weight], packed=[packed])
     assert torch.equal(got.T, want)
     nonzero = want != 0
     assert torch.equal(got.T[nonzero].view(torch.int32), want[nonzero].view(torch.int32))
 
 
-def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | None = None) -> SmolLM2:
+def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | None = None,
+                       kinds: dict[str, Q] | None = None) -> SmolLM2:
     """A tiny random model (WIDE: its matrices' rows are whole super-blocks) written as GGUF with every matrix
-    crafted blocks of qtype (v_proj and down_proj of v_down where given, as Q4_K_M files mix Q6_K ones in) and
-    norms in F32, read back and accelerated, as gguf_model."""
+    crafted blocks of qtype (v_proj and down_proj of v_down where given, as Q4_K_M files mix Q6_K ones in; or of
+    kinds[part] where part is in its name) and norms in F32, read back and accelerated, as gguf_model."""
     source, rng = tiny_model(WIDE), np.random.default_rng(0)
+    kinds = kinds or ({"v_proj": v_down, "down_proj": v_down} if v_down else {})
     tensors = {}
     for name, t in source.state_dict().items():
-        kind = v_down if v_down and ("v_proj" in name or "down_proj" in name) else qtype
+        kind = next((k for part, k in kinds.items() if part in name), qtype)
         if t.dim() == 1:
             tensors[gguf_name(name)] = (t.numpy(), None)
         else:
@@ -284,11 +291,11 @@ def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | No
     return load(path) if packed else accelerate(load(path, kernels=False))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0, *K_QUANTS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0, *K_QUANTS, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_gguf_packed_blocks_give_the_float32_weights_results(tmp_path, qtype):
     """A float32 model read from GGUF's packed blocks streams them: its logits and cache are those of its
     float32 weights, to the last bit; the decoding step reads the blocks."""
-    read = crafted_gguf_model if qtype in K_QUANTS else gguf_model
+    read = crafted_gguf_model if qtype in K_QUANTS + [Q.Q5_0, Q.Q5_1] else gguf_model
     model = read(tmp_path / "tiny.gguf", qtype)
     assert all(packed_of(m) is not None for m in [*linears(model), model.model.embed_tokens])
     assert kernels.weight_format(model) == f"{qtype.name} packed"
@@ -312,6 +319,27 @@ def test_a_layer_of_mixed_block_types_streams_each(tmp_path):
     packed, _ = decode(model, ids, torch.ones_like(ids), 3)
     assert model.accelerator.kernel_runs["blocks"] > runs
     weights, _ = decode(crafted_gguf_model(tmp_path / "tiny.gguf", Q.Q4_K, packed=False, v_down=Q.Q6_K), ids,
+                        torch.ones_like(ids), 3)
+    assert torch.equal(packed, weights)
+
+
+# What llama-quantize writes for a matrix whose rows are not whole super-blocks of 256 (src/llama-quant.cpp,
+# tensor_type_fallback): SmolLM2-135M's and -360M's q, k, v, o, gate and up (576 and 960 inputs), whose down_proj
+# (1536 and 2560) keeps its K-quant.
+FALLBACKS = {"Q4_K_M": ({"v_proj": Q.Q8_0, "down_proj": Q.Q6_K}, Q.Q5_0),
+             "Q5_K_M": ({"v_proj": Q.Q8_0, "down_proj": Q.Q5_K}, Q.Q5_1)}
+
+
+@pytest.mark.parametrize("file_type", FALLBACKS)
+def test_k_quant_files_of_widths_off_super_blocks_stream_each_fallback(tmp_path, file_type):
+    """As a Q4_K_M (Q5_K_M) file of the 135M or 360M: Q5_0 (Q5_1) matrices, v_proj Q8_0 (use_more_bits' Q6_K
+    fallen back), down_proj a K-quant. Every matrix streams its own blocks, to its float32 weights' bits."""
+    kinds, qtype = FALLBACKS[file_type]
+    model = crafted_gguf_model(tmp_path / "tiny.gguf", qtype, kinds=kinds)
+    assert kernels.weight_format(model) == f"{qtype.name} packed+Q8_0 packed+{kinds['down_proj'].name} packed"
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    packed, _ = decode(model, ids, torch.ones_like(ids), 3)
+    weights, _ = decode(crafted_gguf_model(tmp_path / "tiny.gguf", qtype, packed=False, kinds=kinds), ids,
                         torch.ones_like(ids), 3)
     assert torch.equal(packed, weights)
 

@@ -23,7 +23,7 @@ from smollm2.generation.engine import Engine
 from smollm2.server import create_app
 from smollm2.server.draining import DrainingServer
 from smollm2.server.metrics import VLLM_FIRST_TOKEN_BUCKETS, VLLM_INTER_TOKEN_BUCKETS
-from smollm2.server.scheduler import Scheduler
+from smollm2.server.scheduler import EngineThread
 
 NAME = "tiny"
 
@@ -58,14 +58,14 @@ def test_ready_only_once_the_warm_up_step_has_run(tiny, monkeypatch):
     leaves no trace in what /metrics counts."""
     model, tokenizer = tiny
     release, warmed = threading.Event(), []
-    warm_up = Scheduler._warm_up
+    warm_up = EngineThread._warm_up
 
     def held(self):
         assert release.wait(30)
         warm_up(self)
         warmed.append(self)
 
-    monkeypatch.setattr(Scheduler, "_warm_up", held)
+    monkeypatch.setattr(EngineThread, "_warm_up", held)
     with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
         assert client.get("/health").status_code == 200
         r = client.get("/ready")

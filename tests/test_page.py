@@ -11,9 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from smollm2 import Tokenizer
-from smollm2.server import create_app
+from smollm2.sae import save_sae
+from smollm2.server import create_app, inspect
+from test_inspect import COUNTRIES, countries_dictionary, random_transcoder
 from test_server import running
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -92,3 +95,48 @@ def test_the_page_chats_and_shows_inside_the_model(model, browser_page, tmp_path
         page.wait_for_selector("table.ops", timeout=120_000)
         assert page.locator("table.ops").count() == 2 and "GB/s" in page.inner_text(".time-summary")
         page.screenshot(path=shots / "time.png", full_page=True)
+
+
+def test_the_page_shows_features_and_an_attribution_graph(model, browser_page, tmp_path):
+    """With dictionaries served (the README's countries at block 27, and 30 random transcoders): the Features view
+    of "The capital of France is" (each token's strongest features; the France feature at ` is`, its activation at
+    every token and the tokens it promotes), then the Graph view (its nodes by block and position, the ` Paris`
+    logit among the targets, the JSON to download)."""
+    shots = Path(os.environ.get("SMOLLM2_SCREENSHOTS", tmp_path))
+    page, tokenizer = browser_page, Tokenizer.from_pretrained()
+    sources = [str(save_sae(countries_dictionary(model, tokenizer), tmp_path / "countries"))]
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(model.config.num_hidden_layers):
+        save_sae(random_transcoder(layer, generator), tmp_path / "transcoders" / f"mlp{layer:02d}")
+    sources.append(str(tmp_path / "transcoders"))
+    app = create_app(model, tokenizer)
+    inspect.serve_dictionaries(app, sources)
+    with running(app) as url:
+        page.goto(url)
+        page.wait_for_selector("#tabs [data-tab=graph]:not([hidden])", state="attached")
+        page.fill("#input", "The capital of France is")
+        page.click("#inspect-input")
+        page.wait_for_function("document.querySelectorAll('#token-strip .tok').length === 5", timeout=120_000)
+        page.click("#tabs button[data-tab=features]")
+        page.wait_for_selector("table.features tr >> nth=4", timeout=120_000)
+        assert page.locator("table.features tr").count() == 5
+        last = page.locator("table.features tr >> nth=4 >> .feature")
+        assert last.count() >= 1 and last.nth(0).inner_text().startswith(f"#{COUNTRIES.index('France')} ")
+        last.nth(0).click()
+        page.wait_for_selector("#feature-detail .effects", timeout=120_000)
+        assert page.locator("#feature-detail .strip .tok").count() == 5
+        assert "Paris" in page.inner_text("#feature-detail .effects > div >> nth=0")  # France's feature promotes it
+        page.screenshot(path=shots / "features.png")
+
+        page.click("#tabs button[data-tab=graph]")
+        page.fill("#graph-features", "48")
+        page.click("#graph-build")
+        page.wait_for_selector("svg.graph", timeout=180_000)
+        assert page.locator("svg.graph .nodes .logit").count() >= 1
+        assert page.locator("svg.graph .nodes .feature").count() >= 1
+        assert page.locator("svg.graph .edges line").count() >= 10
+        assert "Paris" in page.text_content("svg.graph")
+        assert page.get_attribute("#graph-download", "href").startswith("blob:")
+        page.hover("svg.graph .nodes .logit >> nth=0")
+        assert "strongest inputs" in page.inner_text("#tooltip")
+        page.screenshot(path=shots / "graph.png")

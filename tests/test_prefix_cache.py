@@ -17,10 +17,10 @@ from safetensors import safe_open
 
 from smollm2 import Tokenizer, load
 from smollm2.errors import SmolError
-from smollm2.generation import Sampling, steps
+from smollm2.generation import Request, steps
 from smollm2.generation.prefix_cache import PrefixCache, checksum
 from smollm2.server import create_app
-from smollm2.server.scheduler import Scheduler
+from smollm2.server.scheduler import EngineThread
 from test_server import running
 
 NAME = "tiny"
@@ -152,15 +152,15 @@ def test_repeated_prompts_and_choices_reuse_the_whole_prefill(tiny, small_chunks
 def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny, small_chunks):
     """While a 400-token prompt is prefilled, 16 tokens a step, a running request gets a token every step."""
     model, tokenizer = tiny
-    scheduler = Scheduler(model, tokenizer, max_batch_size=4)
+    scheduler = EngineThread(model, tokenizer, max_batch_size=4)
 
     async def run():
         scheduler.start()
         try:
-            running_request = scheduler.submit([1, 2, 3], 200, Sampling(), ())
+            running_request = scheduler.submit(Request([1, 2, 3], 200))
             events = running_request.events()
             await anext(events)  # it is decoding
-            long = scheduler.submit(list(range(5, 405)), 2, Sampling(), ())
+            long = scheduler.submit(Request(list(range(5, 405)), 2))
             async for _ in long.events():
                 pass
             async for _ in events:
@@ -199,16 +199,16 @@ def test_the_embedded_model_reuses_a_long_history(model):
 def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_row(tiny, small_chunks):
     model, tokenizer = tiny
     ended = []
-    scheduler = Scheduler(model, tokenizer, max_batch_size=2, on_end=ended.append)
+    scheduler = EngineThread(model, tokenizer, max_batch_size=2, on_end=ended.append)
 
     async def run():
-        long = scheduler.submit(list(range(5, 405)), 4, Sampling(), ())
+        long = scheduler.submit(Request(list(range(5, 405)), 4))
         with torch.inference_mode():
             scheduler._step()  # its first chunk
         (row,) = scheduler.requests
         assert scheduler.requests[row] is long and scheduler.engine.filling is row and 0 < row.filled < 400
         scheduler.cancel(long)
-        short = scheduler.submit([1, 2, 3], 3, Sampling(), ())
+        short = scheduler.submit(Request([1, 2, 3], 3))
         with torch.inference_mode():
             for _ in range(6):
                 scheduler._step()

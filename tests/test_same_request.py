@@ -2,10 +2,12 @@
 the same text through generate/stream in Python, the `smollm2 generate` and `smollm2 chat` commands (their
 --logprobs lines name each token's id), and the server (its log-probabilities name each token: by its bytes in
 a chat, by its text in a completion), streamed or not, alone or among 15 other requests decoded in the same
-batch."""
+batch; and the same chat through the Responses and Messages APIs (which name no token: the same text, as many
+tokens, the same end), as far as each API's fields reach: greedy, and Messages' stop sequences."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -203,3 +205,49 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
                 assert served == answer, (name, streamed)
             assert max(rows) == 16
             rows.clear()
+
+
+def ask_other(client: httpx.Client, api: str, request: Request, streamed: bool) -> tuple[str, int, str]:
+    """A greedy chat's text, its token count and its finish_reason (as chat completions name it) through
+    /v1/responses (which takes no stop string) or /v1/messages."""
+    message = {"role": "user", "content": request.prompt}
+    if api == "responses":
+        body = dict(model=NAME, input=[message], max_output_tokens=MAX_TOKENS, temperature=0.0, stream=streamed)
+    else:
+        body = dict(model=NAME, messages=[message], max_tokens=MAX_TOKENS, stop_sequences=[request.stop],
+                    temperature=0.0, stream=streamed)
+    if not streamed:
+        r = client.post(f"/v1/{api}", json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+    else:
+        with client.stream("POST", f"/v1/{api}", json=body) as r:
+            assert r.status_code == 200
+            sent = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        last = sent[-1]
+        if api == "responses":
+            answer = last["response"]
+            text = "".join(event["delta"] for event in sent if event["type"] == "response.output_text.delta")
+            assert text == answer["output"][0]["content"][0]["text"]
+        else:
+            text = "".join(event["delta"]["text"] for event in sent if event["type"] == "content_block_delta")
+            (end,) = [event for event in sent if event["type"] == "message_delta"]
+            answer = dict(content=[dict(type="text", text=text)], usage=end["usage"], **end["delta"])
+    if api == "responses":
+        reason = {"completed": "stop", "incomplete": "length"}[answer["status"]]
+        return answer["output"][0]["content"][0]["text"], answer["usage"]["output_tokens"], reason
+    reason = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}[answer["stop_reason"]]
+    return answer["content"][0]["text"], answer["usage"]["output_tokens"], reason
+
+
+def test_responses_and_messages_answer_a_greedy_chat_as_python_does(model, tokenizer, requests, answers):
+    """Responses without a stop string (it has none): the whole answer; Messages with it: the answer cut."""
+    request, whole = requests["chat, greedy"]
+    cut = answers["chat, greedy"]
+    with running(create_app(model, tokenizer, model_name=NAME, max_seq_len=256)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        for streamed in (False, True):
+            got = ask_other(client, "responses", request, streamed)
+            assert got == (whole.text, len(whole.tokens), whole.finish_reason), streamed
+            got = ask_other(client, "messages", request, streamed)
+            assert got == (cut.text, len(cut.tokens), cut.finish_reason), streamed

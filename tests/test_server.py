@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
 from smollm2 import Tokenizer, load
 from smollm2.generation import generate, stream
-from smollm2.server import create_app, scheduler
+from smollm2.server import create_app, load_app, scheduler
 from smollm2.server.serving import MAX_STOP_LENGTH
 
 NAME = "tiny"
@@ -234,6 +235,24 @@ def test_create_app_serves_as_smollm2_serve_does_by_default():
     assert (defaults["max_batch_size"], defaults["max_waiting"]) == (serve.max_batch_size, serve.max_waiting)
 
 
+def test_load_app_serves_what_sources_name_loaded_on_one_thread(tiny, tiny_dir):
+    """server.load_app, which `smollm2 serve` calls: the model and tokenizer at a source, served by its name,
+    loaded on one torch thread, which this thread keeps (see EngineThread), the engine threads running on `threads`."""
+    model, tokenizer = tiny
+    threads = torch.get_num_threads()
+    try:
+        app = load_app(str(tiny_dir), speculative="off", threads=2)
+        assert torch.get_num_threads() == 1
+        assert [s.threads for s in app.state.served.engines.values()] == [2]
+        with TestClient(app) as client:
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [str(tiny_dir)]
+            body = dict(model=str(tiny_dir), prompt=PROMPTS[1], max_tokens=12, temperature=0)
+            r = client.post("/v1/completions", json=body)
+            assert r.json()["choices"][0]["text"] == expected(model, tokenizer, tokenizer.encode(PROMPTS[1]), 12)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_malformed_requests_get_openai_errors_and_leave_the_server_healthy(tiny):
     model, tokenizer = tiny
     with TestClient(create_app(model, tokenizer, model_name=NAME)) as client:
@@ -354,7 +373,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny, mo
 
 
 def test_the_scheduler_thread_runs_the_model_with_the_threads_it_was_given(tiny, monkeypatch):
-    """OpenMP's thread count is each thread's own: the scheduler sets it in its thread (see Scheduler)."""
+    """OpenMP's thread count is each thread's own: the scheduler sets it in its thread (see EngineThread)."""
     import threading
 
     import torch
@@ -665,14 +684,14 @@ def test_requests_cancelled_together_each_end_once(tiny):
 
     import torch
 
-    from smollm2.generation import Sampling
+    from smollm2.generation import Request
 
     model, tokenizer = tiny
     ended = []
-    sched = scheduler.Scheduler(model, tokenizer, max_batch_size=4, on_end=ended.append)
+    sched = scheduler.EngineThread(model, tokenizer, max_batch_size=4, on_end=ended.append)
 
     async def run():
-        requests = [sched.submit([1, 2, 3 + i], 8, Sampling(), ()) for i in range(3)]
+        requests = [sched.submit(Request([1, 2, 3 + i], 8)) for i in range(3)]
         with torch.inference_mode():
             sched._step()
         assert [sched.requests[row] for row in sched.engine.decoding] == requests

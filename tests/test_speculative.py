@@ -12,13 +12,13 @@ import torch
 from conftest import TINY, tiny_model
 from fastapi.testclient import TestClient
 
-from smollm2 import SmolError, SmolLM2, Tokenizer
+from smollm2 import SmolError, SmolLM2, Tokenizer, load
 from smollm2.cli import main
 from smollm2.generation import generate, stream
 from smollm2.generation.engine import Engine
 from smollm2.generation.sampling import Sampling
 from smollm2.generation.sequence import Sequence
-from smollm2.generation.speculative import MAX_GUESS, MIN_GUESS, Draft, PromptLookup, lookup
+from smollm2.generation.speculative import MAX_GUESS, MIN_GUESS, Draft, PromptLookup, lookup, speculation
 from smollm2.server import create_app
 
 TEXT = ("The committee met on Tuesday to review the budget. The budget for the library grew by ten percent, "
@@ -168,7 +168,8 @@ def test_the_cli_and_server_answer_alike_with_a_draft_and_without(model, tok, ca
             "smollm2_speculation_guessed_tokens_total"]
 
 
-def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_dir, tmp_path, capsys):
+def another_tokenizer(tiny_dir, tmp_path):
+    """A copy of the tiny model whose tokenizer has two tokens' ids swapped: the same size, another vocabulary."""
     other = tmp_path / "other"
     shutil.copytree(tiny_dir, other)
     data = json.loads((other / "tokenizer.json").read_text())
@@ -176,12 +177,33 @@ def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_dir, tmp_pat
     a, b = (next(token for token, i in vocab.items() if i == j) for j in (300, 301))
     vocab[a], vocab[b] = 301, 300  # two tokens' ids swapped
     (other / "tokenizer.json").write_text(json.dumps(data))
+    return other
+
+
+def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_dir, tmp_path, capsys):
+    other = another_tokenizer(tiny_dir, tmp_path)
     assert main(["generate", "--model", str(tiny_dir), "--speculative", f"draft:{other}", "Hi"]) == 1
     assert capsys.readouterr().err.strip() == (f"smollm2 generate: error: --speculative draft:{other}: the draft's "
                                                f"tokenizer is not the model's; a draft must share its vocabulary")
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tiny_dir), "--speculative", "draft:", "Hi"])
     assert "must be ngram, off, draft or draft:SRC, got 'draft:'" in capsys.readouterr().err
+
+
+def test_speculation_from_the_command_lines_words(tiny_dir, tmp_path):
+    """generation.speculative.speculation, which --speculative is: the value generate() takes, a draft loaded as
+    smollm2.load loads it, and a draft whose tokenizer is not the model's refused."""
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    assert speculation(None, tokenizer) is None and speculation("off", tokenizer) is None
+    assert speculation("ngram", tokenizer) == "ngram"
+    draft = speculation(f"draft:{tiny_dir}", tokenizer, kernels=False)
+    reference = load(tiny_dir, kernels=False)
+    assert type(draft) is SmolLM2 and all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(),
+                                                                            reference.state_dict().values()))
+    with pytest.raises(SmolError, match="the draft's tokenizer is not the model's"):
+        speculation(f"draft:{another_tokenizer(tiny_dir, tmp_path)}", tokenizer)
+    with pytest.raises(SmolError, match="must be ngram, off, draft or draft:SRC, got 'lookup'"):
+        speculation("lookup", tokenizer)
 
 
 # Draft-model speculation.

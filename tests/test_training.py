@@ -220,6 +220,20 @@ def test_metrics_checkpoints_and_final_model(corpus, tmp_path):
         Tokenizer.from_pretrained().encode("hello world")
 
 
+def test_pretrain_is_what_the_train_command_runs(corpus, tmp_path):
+    """training.pretrain in Python and `smollm2 train` with the same settings: the same losses, the same model."""
+    from smollm2 import cli
+    from smollm2.training import pretrain
+
+    c = TrainConfig(steps=2, seq_len=32, batch_size=4, lr=3e-3, warmup=2, eval_every=3, eval_batches=2)
+    final = pretrain("tiny", corpus, tmp_path / "python", c)
+    assert final == tmp_path / "python" / "final"
+    assert cli.main(["train", *SMALL, "--steps", "2", "--data", str(corpus), "--out", str(tmp_path / "cli")]) == 0
+    assert losses(tmp_path / "python") == losses(tmp_path / "cli")
+    assert all(torch.equal(a, b) for a, b in zip(load(final).state_dict().values(),
+                                                 load(tmp_path / "cli" / "final").state_dict().values()))
+
+
 @pytest.mark.subprocess
 def test_kill_9_then_resume_gives_the_uninterrupted_losses(corpus, tmp_path):
     steps = ["--steps", "12", "--save-every", "2", "--data", str(corpus)]

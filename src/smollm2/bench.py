@@ -5,12 +5,16 @@ N tokens that marks the moment each step's tokens arrive. Prefill is the time to
 tokens), decode the time from the first token to the last (B*(N-1) tokens). Each figure is the best of a
 few runs after a warm-up, the systems taking turns: these machines are noisy, so compare ratios from one run,
 not figures across runs. `smollm2 bench` keeps each system in a process of its own (timed_apart), as their
-users run them.
+users run them: compare() is that command, a Setup what it times.
+
+    found = compare(Setup(model="model.gguf", prompt_tokens=128), others=("transformers",))
+    print(found.table())                       # each system's speeds, then our ratio to each other one
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import multiprocessing
@@ -18,13 +22,17 @@ import re
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import loading
 from .errors import SmolError
 from .generation import stream
+from .generation.speculative import speculation
+from .kernels import weight_format
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -213,15 +221,122 @@ def transformers(model, prompt: torch.Tensor, new_tokens: int):
     return run
 
 
-def table(rows: list[Speed]) -> str:
-    """The systems' speeds, then the first one's ratio to each other."""
-    lines = [f"{'system':<18}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>11}"]
-    lines += [f"{r.system:<18}{r.prefill_tok_s:>15.1f}{r.decode_tok_s:>15.1f}{r.peak_memory_mb:>11.0f}" for r in rows]
-    ours = rows[0]
-    lines += [f"{'ratio to ' + ref.system:<18}{ours.prefill_tok_s / ref.prefill_tok_s:>14.2f}x"
-              f"{ours.decode_tok_s / ref.decode_tok_s:>14.2f}x" for ref in rows[1:]]
-    return "\n".join(lines)
+# What `smollm2 bench` times, each system in a process of its own.
+
+@dataclass(frozen=True)
+class Setup:
+    """A model as smollm2.load takes it (source, dtype, device, adapter, quantize, kernels), how it generates
+    (compile, the KV cache's dtype, speculative in the command line's words: generation.speculative.speculation),
+    the torch threads (None: torch's choice) and the run's shape: batch_size prompts of prompt_tokens random
+    tokens, new_tokens generated each, greedy."""
+    model: str | None = None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    adapter: str | None = None
+    quantize: str | None = None
+    kernels: bool = True
+    compile: bool | None = None
+    kv_cache_dtype: str | None = None
+    speculative: str | None = None
+    threads: int | None = None
+    batch_size: int = 1
+    prompt_tokens: int = 512
+    new_tokens: int = 128  # a decode time needs two steps: the first token is the prefill's
+
+    def __post_init__(self):
+        for flag, least in (("batch_size", 1), ("prompt_tokens", 1), ("new_tokens", 2)):
+            if getattr(self, flag) < least:
+                raise SmolError(f"--{flag.replace('_', '-')} must be at least {least}")
+
+    def load(self):
+        """The model, in the process that times it, on setup.threads torch threads."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SmolError("--device cuda: no CUDA device is available")
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return loading.load(self.model, dtype=self.dtype, device=self.device, adapter=self.adapter,
+                            quantize=self.quantize, kernels=self.kernels)
+
+    def prompt(self, vocab_size: int) -> torch.Tensor:
+        return random_prompt(vocab_size, self.batch_size, self.prompt_tokens, self.device)
 
 
-def as_dict(rows: list[Speed]) -> list[dict]:
-    return [asdict(r) for r in rows]
+def smollm2_run(setup: Setup):
+    """smollm2's run and facts, in the process that times it: after the warm-up run, which chose between the
+    kernels and torch, what the model read and chose, and what its decoding passes did (speculating, a pass
+    decodes more than a token a row)."""
+    model = setup.load()
+    guesser = speculation(setup.speculative, Tokenizer.from_pretrained(setup.model), dtype=setup.dtype,
+                          device=setup.device, quantize=setup.quantize, kernels=setup.kernels)
+    run = ours(model, setup.prompt(model.config.vocab_size), setup.new_tokens, setup.compile, guesser,
+               setup.kv_cache_dtype)
+    counts = []
+
+    def counted(mark):
+        counts.append(run(mark))
+
+    def facts():
+        accelerator = getattr(model, "accelerator", None)  # none: kernels off, another device, no C compiler
+        c = counts[-1]
+        return dict(weights_read=weight_format(model),  # what our decoding steps read
+                    kernels=accelerator.mode if accelerator else "off",
+                    kernel_choices=accelerator.report() if accelerator else [],
+                    tokens_per_pass=round(c.decoded / max(c.passes, 1), 2),
+                    acceptance=round(c.kept / c.guessed, 3) if c.guessed else None)
+
+    return counted, facts
+
+
+def torch_run(setup: Setup):
+    """smollm2's reference model, model.py on torch alone (kernels off): what the kernels must beat. Its facts
+    are smollm2's to report."""
+    run, _ = smollm2_run(dataclasses.replace(setup, kernels=False))
+    return run, lambda: {}
+
+
+def transformers_run(setup: Setup):
+    """transformers' run on the same checkpoint (unquantized) and prompt, in the process that times it."""
+    model = dataclasses.replace(setup, quantize=None).load()
+    return transformers(model, setup.prompt(model.config.vocab_size), setup.new_tokens), lambda: {}
+
+
+OTHERS = {"torch": ("smollm2 (torch)", torch_run), "transformers": ("transformers", transformers_run)}
+
+
+@dataclass
+class Comparison:
+    """compare()'s answer: each system's speeds (smollm2's first), and what smollm2 reported of its runs."""
+    speeds: list[Speed]
+    weights_read: str  # what its decoding steps read: the dtype's weights, int8 ones, or a GGUF file's blocks
+    kernels: str  # the accelerator's mode, or "off"
+    kernel_choices: list[dict]  # each operation on the kernel or torch, whichever was faster here
+    tokens_per_pass: float  # tokens a decoding pass gave a row: above 1 where guesses stood
+    acceptance: float | None  # guesses kept over guesses made (None: none made)
+
+    def table(self) -> str:
+        """The systems' speeds, then the first one's ratio to each other."""
+        lines = [f"{'system':<18}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>11}"]
+        lines += [f"{r.system:<18}{r.prefill_tok_s:>15.1f}{r.decode_tok_s:>15.1f}{r.peak_memory_mb:>11.0f}"
+                  for r in self.speeds]
+        ours = self.speeds[0]
+        lines += [f"{'ratio to ' + ref.system:<18}{ours.prefill_tok_s / ref.prefill_tok_s:>14.2f}x"
+                  f"{ours.decode_tok_s / ref.decode_tok_s:>14.2f}x" for ref in self.speeds[1:]]
+        return "\n".join(lines)
+
+
+def compare(setup: Setup, others: tuple[str, ...] = (), repeats: int = 2) -> Comparison:
+    """smollm2 on `setup`, and beside it each of `others` ("torch": model.py alone, the kernels off;
+    "transformers": its LlamaForCausalLM on the same weights, unquantized), each in a process of its own
+    (timed_apart), the best of `repeats` runs after a warm-up. This process takes setup.threads torch threads."""
+    if repeats < 1:
+        raise SmolError("--repeats must be at least 1")
+    unknown = set(others) - OTHERS.keys()
+    if unknown:
+        raise SmolError(f"others must be among {', '.join(OTHERS)}, got {', '.join(sorted(unknown))}")
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    systems = [("smollm2", functools.partial(smollm2_run, setup))]
+    systems += [(OTHERS[name][0], functools.partial(OTHERS[name][1], setup)) for name in dict.fromkeys(others)]
+    speeds, facts = timed_apart(systems, (setup.batch_size, setup.prompt_tokens), setup.new_tokens, repeats,
+                                setup.device)
+    return Comparison(speeds, **facts)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import socket
@@ -93,6 +92,15 @@ def check_address(host: str, port: int) -> None:
         raise SmolError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
 
 
+def load_options(args) -> dict:
+    """--dtype, --device, --adapter, --quantize and --kernels as smollm2.load takes them; --device cuda refused
+    where there is none."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SmolError("--device cuda: no CUDA device is available")
+    return dict(dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter, quantize=args.quantize,
+                kernels=args.kernels)
+
+
 def named_model(args):
     """The model named by --model (default: the embedded SmolLM2-135M-Instruct) with --adapter merged in, as
     --dtype/--quantize say; on the CPU kernels unless --no-kernels."""
@@ -101,12 +109,10 @@ def named_model(args):
 
     if hasattr(args, "temperature"):
         Sampling(**sampling(args))  # bad sampling flags fail before the model loads, not after
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SmolError("--device cuda: no CUDA device is available")
+    options = load_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return loading.load(args.model, dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter,
-                        quantize=args.quantize, kernels=args.kernels)
+    return loading.load(args.model, **options)
 
 
 def load(args):
@@ -124,20 +130,12 @@ def speculative_flag(text: str) -> str:
 
 
 def speculation(args, tokenizer):
-    """What --speculative asks generation for: None, "ngram", or the draft model, loaded as --model is (its
-    --dtype, --device, --quantize, kernels), whose tokenizer must be the model's."""
-    from . import loading
-    from .tokenizer import Tokenizer
+    """What --speculative asks generation for (generation.speculative.speculation): a draft is loaded as --model
+    is (its --dtype, --device, --quantize, kernels), and its tokenizer must be the model's."""
+    from .generation import speculative
 
-    if args.speculative in (None, "off", "ngram"):
-        return None if args.speculative == "off" else args.speculative
-    src = args.speculative.partition(":")[2] or None
-    vocab = Tokenizer.from_pretrained(src).backend.get_vocab(with_added_tokens=True)
-    if vocab != tokenizer.backend.get_vocab(with_added_tokens=True):
-        raise SmolError(f"--speculative {args.speculative}: the draft's tokenizer is not the model's; a draft must "
-                        f"share its vocabulary")
-    return loading.load(src, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
-                        kernels=args.kernels)
+    options = {k: v for k, v in load_options(args).items() if k != "adapter"}
+    return speculative.speculation(args.speculative, tokenizer, **options)
 
 
 def sampling(args) -> dict:
@@ -287,8 +285,8 @@ def embed(args):
 
 
 def perplexity(args):
-    """Sliding-window perplexity (evaluate.perplexity): each window scores only the tokens the previous one did
-    not."""
+    """Sliding-window perplexity (evaluate.windowed_perplexity): each window scores only the tokens the previous
+    one did not."""
     from tqdm import tqdm
 
     from . import evaluate
@@ -306,91 +304,42 @@ def perplexity(args):
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise SmolError(f"{path}: needs at least 2 tokens to measure perplexity, has {len(ids)}")
-    window = min(args.context, model.config.max_position_embeddings)
-    stride = window // 2 if args.stride is None else args.stride
-    if not 0 < stride < window:
-        raise SmolError(f"--stride must be in [1, --context - 1 = {window - 1}], got {stride}")
     start = time.perf_counter()
     with tqdm(total=len(ids) - 1, unit="tok", desc="perplexity", disable=None, file=sys.stderr) as bar:
-        measured = evaluate.perplexity(model, ids, window, stride, progress=bar.update,
-                                       kv_cache_dtype=args.kv_cache_dtype)
+        measured = evaluate.windowed_perplexity(model, ids, args.context, args.stride, progress=bar.update,
+                                                kv_cache_dtype=args.kv_cache_dtype)
     seconds = time.perf_counter() - start
-    result = dict(file=str(path), tokens=len(ids), perplexity=measured.perplexity, nll=measured.nll, window=window,
-                  stride=stride, tokens_per_s=len(ids) / seconds)
+    result = dict(file=str(path), tokens=len(ids), perplexity=measured.perplexity, nll=measured.nll,
+                  window=measured.window, stride=measured.stride, tokens_per_s=len(ids) / seconds)
     if args.json:
         print(json.dumps(result))
     else:
         print(f"perplexity {result['perplexity']:.4f} over {len(ids)} tokens "
-              f"(window {window}, stride {stride}), {result['tokens_per_s']:.1f} tokens/s")
-
-
-def bench_ours(args):
-    """smollm2's run and facts for bench, in the process that times it."""
-    from . import bench
-    from .kernels import weight_format
-
-    model, tokenizer = load(args)
-    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    run = bench.ours(model, prompt, args.new_tokens, args.compile, speculation(args, tokenizer), args.kv_cache_dtype)
-    counts = []
-
-    def counted(mark):
-        counts.append(run(mark))
-
-    def facts():  # after the warm-up run, which chose between the kernels and torch
-        accelerator = getattr(model, "accelerator", None)  # none: --no-kernels, another device, no C compiler
-        c = counts[-1]
-        return dict(weights_read=weight_format(model),  # what our decoding steps read
-                    kernels=accelerator.mode if accelerator else "off",
-                    kernel_choices=accelerator.report() if accelerator else [],
-                    tokens_per_pass=round(c.decoded / max(c.passes, 1), 2),
-                    acceptance=round(c.kept / c.guessed, 3) if c.guessed else None)
-
-    return counted, facts
-
-
-def bench_torch(args):
-    """smollm2's reference model, model.py on torch alone (--no-kernels): what the kernels must beat."""
-    run, _ = bench_ours(argparse.Namespace(**{**vars(args), "kernels": False}))
-    return run, lambda: {}
-
-
-def bench_transformers(args):
-    """transformers' run for bench on the same checkpoint (unquantized) and prompt, in the process that times it."""
-    from . import bench
-
-    model = named_model(argparse.Namespace(**{**vars(args), "quantize": None}))
-    prompt = bench.random_prompt(model.config.vocab_size, args.batch_size, args.prompt_tokens, args.device)
-    return bench.transformers(model, prompt, args.new_tokens), lambda: {}
+              f"(window {measured.window}, stride {measured.stride}), {result['tokens_per_s']:.1f} tokens/s")
 
 
 def bench(args):
+    """Prefill and decode speed, beside other systems, each in a process of its own (bench.compare)."""
     from . import bench
 
-    for flag, least in (("batch_size", 1), ("prompt_tokens", 1), ("new_tokens", 2), ("repeats", 1)):
-        if getattr(args, flag) < least:
-            raise SmolError(f"--{flag.replace('_', '-')} must be at least {least}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    systems = [("smollm2", functools.partial(bench_ours, args))]
-    others = {"torch": ("smollm2 (torch)", bench_torch), "transformers": ("transformers", bench_transformers)}
-    systems += [(others[name][0], functools.partial(others[name][1], args)) for name in dict.fromkeys(args.compare)]
-    rows, facts = bench.timed_apart(systems, (args.batch_size, args.prompt_tokens), args.new_tokens, args.repeats,
-                                    args.device)
-    setup = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
-                 weights_read=facts["weights_read"], kv_cache_dtype=args.kv_cache_dtype or args.dtype,
-                 compile=args.compile, speculative=args.speculative,
-                 tokens_per_pass=facts["tokens_per_pass"], acceptance=facts["acceptance"],
-                 device=args.device, threads=torch.get_num_threads(), kernels=facts["kernels"],
-                 batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    fields = {f.name for f in dataclasses.fields(bench.Setup)}
+    setup = bench.Setup(**{**{k: v for k, v in vars(args).items() if k in fields}, "dtype": DTYPES[args.dtype]})
+    found = bench.compare(setup, tuple(args.compare), args.repeats)
+    header = dict(model=args.model or "embedded SmolLM2-135M-Instruct", dtype=args.dtype, quantize=args.quantize,
+                  weights_read=found.weights_read, kv_cache_dtype=args.kv_cache_dtype or args.dtype,
+                  compile=args.compile, speculative=args.speculative,
+                  tokens_per_pass=found.tokens_per_pass, acceptance=found.acceptance,
+                  device=args.device, threads=torch.get_num_threads(), kernels=found.kernels,
+                  batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
-        print(json.dumps({**setup, "results": bench.as_dict(rows), "kernel_choices": facts["kernel_choices"]}))
+        print(json.dumps({**header, "results": [dataclasses.asdict(r) for r in found.speeds],
+                          "kernel_choices": found.kernel_choices}))
     else:
-        print(", ".join(f"{k}={v}" for k, v in setup.items()))
-        print(bench.table(rows))
-        if facts["kernel_choices"]:
+        print(", ".join(f"{k}={v}" for k, v in header.items()))
+        print(found.table())
+        if found.kernel_choices:
             print("smollm2's operations, on the kernel or torch, whichever was faster here:")
-            print("\n".join(f"  {choice['text']}" for choice in facts["kernel_choices"]))
+            print("\n".join(f"  {choice['text']}" for choice in found.kernel_choices))
 
 
 def lora_name(text: str) -> tuple[str, str]:
@@ -405,34 +354,32 @@ def lora_name(text: str) -> tuple[str, str]:
 
 def serve(args):
     """The OpenAI-compatible HTTP server, until Ctrl-C, or SIGTERM once drained (server.draining)."""
-    from .lora import with_adapter
-    from .server import create_app, draining
+    from .server import draining, load_app
 
     if args.compile:
         raise SmolError("--compile is not supported by serve")
     check_address(args.host, args.port)
     served = dict(lora_name(text) for text in args.lora)  # checked before the model loads
-    # The model runs on the schedulers' threads, with --threads each; this thread loads it with one, so that it
-    # makes no OpenMP pool of its own to slow theirs (see Scheduler).
-    threads = args.threads or torch.get_num_threads()
-    model, tokenizer = load(argparse.Namespace(**{**vars(args), "threads": 1}))
-    speculative = speculation(args, tokenizer)
-    name = args.model or "SmolLM2-135M-Instruct"
-    adapters = {adapter: with_adapter(model, path) for adapter, path in served.items()}
-    app = create_app(model, tokenizer, model_name=name, adapters=adapters, max_batch_size=args.max_batch_size,
-                     max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, api_key=args.api_key,
-                     prefix_cache_bytes=args.prefix_cache * 2**20, threads=threads,
-                     speculative=speculative, kv_cache_dtype=args.kv_cache_dtype,
-                     prefix_cache_dir=args.prefix_cache_dir)
-    draining.serve(app, args.host, args.port, args.drain_timeout)
+    options = dict(load=load_options(args), lora=served, speculative=args.speculative, threads=args.threads,
+                   max_batch_size=args.max_batch_size, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len,
+                   api_key=args.api_key, prefix_cache_bytes=args.prefix_cache * 2**20,
+                   kv_cache_dtype=args.kv_cache_dtype, prefix_cache_dir=args.prefix_cache_dir, saes=args.sae)
+    if args.replicas or args.min_replicas or args.max_replicas or args.ray_address:  # each replica loads the model
+        from .server import replicas
+        scaling = replicas.Scaling(args.replicas or args.min_replicas or 1, args.min_replicas, args.max_replicas,
+                                   args.max_batch_size)
+        replicas.run(replicas.Recipe(args.model, options), scaling, args.host, args.port, args.ray_address)
+    else:
+        draining.serve(load_app(args.model, **options), args.host, args.port, args.drain_timeout)
 
 
 def prepare(args):
     from .tokenizer import Tokenizer
-    from .training.data import prepare, split_tokens
+    from .training import data
 
-    prepare(args.files, args.out, Tokenizer.from_pretrained(args.tokenizer), val_fraction=args.val_fraction)
-    print(f"{args.out}: {split_tokens(args.out, 'train')} train and {split_tokens(args.out, 'val')} validation tokens")
+    data.prepare(args.files, args.out, Tokenizer.from_pretrained(args.tokenizer), val_fraction=args.val_fraction)
+    print(f"{args.out}: {data.split_tokens(args.out, 'train')} train and {data.split_tokens(args.out, 'val')} "
+          f"validation tokens")
 
 
 def training_config(args):
@@ -442,41 +389,22 @@ def training_config(args):
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
+def lora_settings(args):
+    """--lora-r and the flags beside it as training.LoRASettings; None without --lora-r."""
+    from .training import LoRASettings
+
+    if args.lora_r is None:
+        return None
+    return LoRASettings(args.lora_r, args.lora_alpha, tuple(args.lora_targets.split(",")), args.lora_dropout)
+
+
 def train(args):
-    """Pretraining from scratch (HF-style init) on token shards made by `prepare`."""
-    from .config import PRESETS, SmolConfig
-    from .model import SmolLM2
-    from .tokenizer import Tokenizer
-    from .training import train
-    from .training.data import TokenData, split_tokens
+    """Pretraining from scratch (HF-style init) on token shards made by `prepare` (training.pretrain)."""
+    from . import training
 
-    c = training_config(args)
-    config = PRESETS.get(args.config) or SmolConfig.from_json(args.config)
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer)
-    data = TokenData(args.data, "train", c.seq_len, seed=c.seed)
-    if data.vocab_size > config.vocab_size:
-        raise SmolError(f"{args.data}: tokens from a vocabulary of {data.vocab_size}, but the model's has "
-                        f"{config.vocab_size}")
-    torch.manual_seed(c.seed)
-    model = SmolLM2(config)
-    run = dict(kind="pretrain", data=str(Path(args.data).resolve()), model=config.to_hf())
-    val = TokenData(args.data, "val", c.seq_len, seed=c.seed) if split_tokens(args.data, "val") else None
-    if val is None:
-        print(f"{args.data}: no validation split, so no validation loss", file=sys.stderr)
-    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run)
+    final = training.pretrain(args.config, args.data, args.out, training_config(args), tokenizer=args.tokenizer,
+                              device=args.device, resume=args.resume)
     print(f"the trained model is in {final}")
-
-
-def model_to_tune(args, c, run: dict):
-    """--model, ready to fine-tune (smollm2.training.tuning); with --lora-r its adapter's settings go into `run`."""
-    from .training.tuning import LoRASettings, model_to_tune
-
-    lora = None if args.lora_r is None else LoRASettings(args.lora_r, args.lora_alpha, tuple(args.lora_targets.split(",")),
-                                                        args.lora_dropout)
-    model = model_to_tune(args.model, lora, args.quantize, c.seed)
-    if lora is not None:
-        run["lora"] = lora.as_run(args.quantize)
-    return model
 
 
 def print_final(args, final: Path, how: str) -> None:
@@ -485,63 +413,38 @@ def print_final(args, final: Path, how: str) -> None:
 
 
 def finetune(args):
-    """Supervised fine-tuning on chats ({"messages": [...]} per line); loss on the assistant's tokens only."""
-    from .tokenizer import Tokenizer
-    from .training import train
-    from .training.data import ChatData
+    """Supervised fine-tuning on chats ({"messages": [...]} per line); loss on the assistant's tokens only
+    (training.finetune)."""
+    from . import training
 
-    c = training_config(args)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    data = ChatData(args.data, tokenizer, c.seq_len, seed=c.seed)
-    val = ChatData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
-    run = dict(kind="finetune", data=str(Path(args.data).resolve()), model=args.model or "embedded")
-    model = model_to_tune(args, c, run)
-    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
-                  adapter_base=args.model)
+    final = training.finetune(args.data, args.out, training_config(args), model=args.model, val_data=args.val_data,
+                              lora=lora_settings(args), quantize=args.quantize, device=args.device,
+                              resume=args.resume)
     print_final(args, final, "fine-tuned")
 
 
 def dpo(args):
     """Direct Preference Optimization on pairs of a chosen and a rejected answer; the starting model is the
-    reference, its log-probabilities computed once before training."""
-    from .tokenizer import Tokenizer
-    from .training import train
-    from .training.data import PreferenceData
-    from .training.dpo import check_settings, dpo_objective
-    from .training.loop import DTYPES as AUTOCAST
+    reference, its log-probabilities computed once before training (training.train_dpo)."""
+    from . import training
 
-    c = training_config(args)
-    check_settings(args.beta, args.label_smoothing)  # before the data and the model load
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SmolError("--device cuda: no CUDA device is available")
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    data = PreferenceData(args.data, tokenizer, c.seq_len, seed=c.seed)
-    val = PreferenceData(args.val_data, tokenizer, c.seq_len, seed=c.seed) if args.val_data else None
-    run = dict(kind="dpo", data=str(Path(args.data).resolve()), model=args.model or "embedded",
-               dpo=dict(beta=args.beta, label_smoothing=args.label_smoothing))
-    model = model_to_tune(args, c, run)
-    objective = dpo_objective(model, data, val, c.batch_size, args.device, AUTOCAST[c.dtype], args.beta,
-                              args.label_smoothing)
-    final = train(model, tokenizer, data, val, c, args.out, device=args.device, resume=args.resume, run=run,
-                  adapter_base=args.model, objective=objective)
+    final = training.train_dpo(args.data, args.out, training_config(args), model=args.model, val_data=args.val_data,
+                               lora=lora_settings(args), quantize=args.quantize, beta=args.beta,
+                               label_smoothing=args.label_smoothing, device=args.device, resume=args.resume)
     print_final(args, final, "DPO-trained")
 
 
 def export(args):
-    """--model, with --adapter merged into its weights, as a HF directory or a GGUF file (tokenizer included)."""
+    """--model, with --adapter merged into its weights, as a HF directory or a GGUF file, tokenizer included
+    (loading.export)."""
     from . import loading
-    from .checkpoints import save_gguf
     from .tokenizer import Tokenizer
 
     if args.to == "hf" and args.type:
         raise SmolError(f"--type {args.type} is for --to gguf; a HF directory's weights take --dtype")
     model = loading.load(args.model, dtype=DTYPES[args.dtype], adapter=args.adapter, kernels=False)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    if args.to == "gguf":
-        save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), args.out, args.type or "f32")
-    else:
-        loading.save(model, args.out)
-        tokenizer.save_pretrained(args.out)
+    loading.export(model, Tokenizer.from_pretrained(args.model), args.out,
+                   (args.type or "f32") if args.to == "gguf" else None)
     print(f"the {'merged ' if args.adapter else ''}model is in {args.out}")
 
 
@@ -620,7 +523,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("perplexity", parents=[model, cache], help="perplexity of a text file")
     c.add_argument("file")
-    c.add_argument("--context", type=int, default=1024, help="window length in tokens (default: 1024)")
+    c.add_argument("--context", type=int, help="window length in tokens (default: 1024, or the model's context "
+                                               "window where shorter)")
     c.add_argument("--stride", type=int, help="tokens the window moves by (default: half the window)")
     c.add_argument("--json", action="store_true", help="print the result as one JSON object")
     c.set_defaults(run=perplexity)
@@ -661,8 +565,12 @@ def parser() -> argparse.ArgumentParser:
                         "model); off: not. A request's \"speculative\" field overrides it (draft: only where the "
                         "server has one)")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
-                   help="also serve the model with this LoRA adapter merged, as model NAME (repeatable); it shares "
-                        "every weight it does not adapt with the base")
+                   help="also serve this LoRA adapter over the model, as model NAME (repeatable): held as its "
+                        "low-rank matrices, batched with the base's requests; more load and unload while serving "
+                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)")
+    c.add_argument("--sae", action="append", default=[], metavar="DIR_OR_HUBID",
+                   help="serve an SAE or transcoder (SAELens's or sparsify's format), or a folder of them (a "
+                        "transcoder per block: attribution graphs), to the page and the API (repeatable)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
                         f"{SERVE_KV_CACHE_DTYPE})")
@@ -678,6 +586,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--drain-timeout", type=whole_number(0, 3600), default=20, metavar="SECONDS",
                    help="on SIGTERM, wait this long for the requests in flight, refusing new ones with 503, then end "
                         "those left and exit (default: 20)")
+    c.add_argument("--replicas", type=whole_number(1, 1024), metavar="N",
+                   help="run N replicas under Ray Serve behind the one endpoint, --threads each (default: 1), "
+                        "requests of one prompt prefix to one replica (pip install 'smollm2[ray]')")
+    c.add_argument("--min-replicas", type=whole_number(1, 1024), metavar="N", help="autoscale from N replicas")
+    c.add_argument("--max-replicas", type=whole_number(1, 1024), metavar="N", help="autoscale up to N replicas")
+    c.add_argument("--ray-address", metavar="ADDRESS", help="join this Ray cluster (default: start one here)")
     c.set_defaults(run=serve)
 
     c = commands.add_parser("export", help="write a model, with a LoRA adapter merged in, as a HF directory or a "

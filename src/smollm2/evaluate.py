@@ -81,6 +81,21 @@ def perplexity(model, ids: Sequence[int], window: int, stride: int,
     return Perplexity(nll / (scored - 1), scored - 1, window, stride)
 
 
+CONTEXT = 1024  # `smollm2 perplexity`'s window, where the model's own context window is not shorter
+
+
+def windowed_perplexity(model, ids: Sequence[int], context: int | None = None, stride: int | None = None,
+                        progress: Callable[[int], None] | None = None,
+                        kv_cache_dtype: str | None = None) -> Perplexity:
+    """perplexity() as `smollm2 perplexity` measures it: windows of `context` tokens (default CONTEXT), or of the
+    model's whole context window where that is shorter, moved by `stride` (default: half a window)."""
+    window = min(CONTEXT if context is None else context, model.config.max_position_embeddings)
+    stride = window // 2 if stride is None else stride
+    if not 0 < stride < window:
+        raise SmolError(f"--stride must be in [1, --context - 1 = {window - 1}], got {stride}")
+    return perplexity(model, ids, window, stride, progress, kv_cache_dtype)
+
+
 def checked_request(model, context: Sequence[int], continuation: Sequence[int],
                     what: str) -> tuple[list[int], list[int]]:
     context, continuation = checked_ids(model, context, f"{what}: context"), checked_ids(model, continuation,

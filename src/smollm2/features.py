@@ -13,9 +13,9 @@ import math
 import torch
 
 from .errors import SmolError
-from .generation.hooks import HookFunction, Hooks, point_names
+from .generation.hooks import HookFunction, Hooks
 from .lens import run_with_cache
-from .sae import SAE
+from .sae import SAE, reads_before_writes
 
 STREAM_POINTS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
 
@@ -38,9 +38,15 @@ def direction(sae: SAE, feature: int) -> torch.Tensor:
     return row / row.norm() if sae.rescale_by_decoder_norm else row
 
 
+def writes_to_stream(config, sae: SAE) -> bool:
+    """Whether what the dictionary writes is in the residual stream, where a direction can be added to it and read
+    through the output."""
+    return (sae.hook_name_out == "hook_embed" or sae.hook_name_out.endswith(STREAM_POINTS)) \
+        and sae.W_dec.shape[1] == config.hidden_size
+
+
 def in_stream(config, sae: SAE) -> None:
-    if sae.hook_name_out != "hook_embed" and not sae.hook_name_out.endswith(STREAM_POINTS) \
-            or sae.W_dec.shape[1] != config.hidden_size:
+    if not writes_to_stream(config, sae):
         raise SmolError(f"{sae.hook_name_out} is not in the residual stream: a feature's direction there is not one "
                         f"to add to the stream or read through the output (hook_embed, {', '.join(STREAM_POINTS)})")
 
@@ -60,10 +66,11 @@ def logit_effect(model, sae: SAE, feature: int, k: int = 10) -> tuple[torch.retu
 
 def feature_steering(config, sae: SAE, feature: int, scale: float | None = None,
                      clamp: float | None = None) -> list[tuple[str, HookFunction]]:
-    """The hooks that steer by a feature at every position, prompt and answer alike, for smollm2.generate(model, ..., hooks=) or
-    an engine row (generation.hooks.steering's way): add scale times its decoder direction where the dictionary
-    writes (hook_name_out), or clamp its activation there to `clamp` (add (clamp - its activation) times the
-    direction; a transcoder's activation is read at its input, hook_name, in the same pass)."""
+    """The hooks that steer by a feature at every position, prompt and answer alike, for
+    smollm2.generate(model, ..., hooks=) or an engine row (generation.hooks.steering's way): add scale times its
+    decoder direction where the dictionary writes (hook_name_out), or clamp its activation there to `clamp` (add
+    (clamp - its activation) times the direction; a transcoder's activation is read at its input, hook_name, in
+    the same pass)."""
     in_stream(config, sae)
     d = direction(sae, feature)
     if (scale is None) == (clamp is None):
@@ -77,10 +84,7 @@ def feature_steering(config, sae: SAE, feature: int, scale: float | None = None,
     elif not sae.transcoder:
         hooks = [(sae.hook_name, lambda x, name: x + (clamp - sae.encode(x)[..., feature, None]).to(x) * d.to(x))]
     else:
-        names = point_names(config.num_hidden_layers)
-        if sae.hook_name not in names or sae.hook_name_out not in names \
-                or names.index(sae.hook_name) >= names.index(sae.hook_name_out):
-            raise SmolError(f"a transcoder clamped must read ({sae.hook_name}) before it writes ({sae.hook_name_out})")
+        reads_before_writes(config, sae)
         seen = {}
 
         def read(x, name):

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .checkpoints import load_checkpoint, parameter_shapes, save_hf
+from .checkpoints import load_checkpoint, parameter_shapes, save_gguf, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
@@ -67,5 +67,20 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
 def save(model: SmolLM2, path: str | os.PathLike) -> None:
     """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads.
     Weights held as GGUF blocks are written as the float32 values they hold."""
-    state = {name: t.decoded() if isinstance(t, HeldWeight) else t for name, t in model.state_dict().items()}
-    save_hf(model.config, state, path)
+    save_hf(model.config, decoded_state(model), path)
+
+
+def decoded_state(model: SmolLM2) -> dict:
+    """model's state_dict with weights held as GGUF blocks (held.py) decoded to their float32 values."""
+    return {name: t.decoded() if isinstance(t, HeldWeight) else t for name, t in model.state_dict().items()}
+
+
+def export(model: SmolLM2, tokenizer, path: str | os.PathLike, gguf_type: str | None = None) -> None:
+    """model with its tokenizer, for other tools: a HF directory at path (save()'s, and the tokenizer's files), or
+    with gguf_type ("f32", "f16", "q8_0", "q4_1": checkpoints.gguf.SAVE_TYPES) one GGUF file for llama.cpp and
+    Ollama, the tokenizer in its metadata."""
+    if gguf_type is not None:
+        save_gguf(model.config, decoded_state(model), tokenizer.gguf_metadata(), path, gguf_type)
+    else:
+        save(model, path)
+        tokenizer.save_pretrained(path)

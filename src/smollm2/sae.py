@@ -1,14 +1,17 @@
 """Sparse dictionaries: sparse autoencoders (SAEs), which rewrite the activation at one hook point as a few active
 features of a wide dictionary, and transcoders, which predict a later point's activation (an MLP's output) from
-an earlier one's the same way, read from SAELens's on-disk format: a directory of cfg.json and
-sae_weights.safetensors, or such a directory in a Hugging Face repository ("org/name/folder", from the hub's
-local cache). The activations: ReLU, TopK (the k largest, the rest zero) and JumpReLU (zero below a learned
-threshold per feature); a skip transcoder adds a linear map of its input.
+an earlier one's the same way, read from SAELens's on-disk format (a directory of cfg.json and
+sae_weights.safetensors) or EleutherAI's sparsify's (a directory of cfg.json and sae.safetensors, named by the
+module it hooks, as layers.3.mlp), or such a directory in a Hugging Face repository ("org/name/folder", from the
+hub's local cache). The activations: ReLU, TopK (the k largest, the rest zero) and JumpReLU (zero below a learned
+threshold per feature); a skip transcoder adds a linear map of its input. load_saes reads a set: a directory of
+such directories (sparsify's layout for a model's transcoders).
 
     sae = load_sae("path/to/blocks.3.hook_resid_pre")          # sae.hook_name: "blocks.3.hook_resid_pre"
     _, cache = lens.run_with_cache(model, ids, [sae.hook_name])
     features = sae.encode(cache[sae.hook_name])               # (B, T, d_sae), mostly zeros
     error = sae.error(cache[sae.hook_name])                    # (B, T, d_in): what the features leave out
+    smollm2.generate(model, [ids], 20, hooks=replacement(sae))  # the model run on the reconstruction
 
 A file is untrusted input: its settings, then every tensor's name, shape and dtype from the file's header, are
 checked before any tensor is read.
@@ -17,19 +20,21 @@ checked before any tensor is read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from .checkpoints.checkpoint import all_finite
 from .checkpoints.hf import read_json
 from .errors import SmolError
-from .generation.hooks import BLOCK_POINTS
+from .generation.hooks import BLOCK_POINTS, HookFunction, Hooks, point_names
 
-CFG, WEIGHTS = "cfg.json", "sae_weights.safetensors"
+CFG, WEIGHTS, SPARSIFY_WEIGHTS = "cfg.json", "sae_weights.safetensors", "sae.safetensors"
 # SAELens's architectures: (activation, a transcoder, with a skip connection)
 ARCHITECTURES = {"standard": ("relu", False, False), "topk": ("topk", False, False),
                  "jumprelu": ("jumprelu", False, False), "transcoder": ("relu", True, False),
@@ -41,6 +46,10 @@ STORED_FLOATS = ("F32", "F64", "F16", "BF16")
 ALIASES = {"hook_mlp_in": "hook_resid_mid"}
 POINT = re.compile(r"blocks\.(\d+)\.(.+)")
 HUB_FOLDER = re.compile(r"([\w.-]+/[\w.-]+)((?:/[\w.-]+)*)")  # org/name, then the folder in the repository
+# sparsify names a dictionary by the module of transformers' model it hooks (under the base model, or "model."):
+# a block (layers.3), its attention or MLP (layers.3.self_attn, layers.3.mlp), or the embedding
+SPARSIFY_MODULE = re.compile(r"(?:model\.)?(?:embed_tokens|layers\.(\d+)(?:\.(mlp|self_attn))?)")
+SPARSIFY_OUTPUTS = {None: "hook_resid_post", "mlp": "hook_mlp_out", "self_attn": "hook_attn_out"}  # of a block's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +104,68 @@ class SAE:
         return (activations if target is None else target).to(self.W_enc.dtype) - self.reconstruct(activations)
 
 
-def load_sae(source: str | os.PathLike) -> SAE:
-    """An SAE or transcoder in SAELens's format: a directory, or "org/name/folder" in the Hugging Face hub (its
-    local cache where HF_HUB_OFFLINE=1)."""
+def replacement(config, sae: SAE, keep_error: bool = False) -> list[tuple[str, HookFunction]]:
+    """The hooks that run the model on the dictionary's output where it writes (hook_name_out): an SAE's
+    reconstruction of the activation there, a transcoder's prediction from what it reads at hook_name in the same
+    pass. keep_error: add back the error (what the dictionary misses) as a constant, as circuit-tracer's
+    replacement model does: the activation keeps the model's own value, bit for bit, while a gradient flows
+    through the dictionary's features alone."""
+    def written(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        output = output.to(x.dtype)
+        return x.detach() + (output - output.detach()) if keep_error else output  # x + 0: x exactly
+
+    if not sae.transcoder:
+        hooks = [(sae.hook_name, lambda x, name: written(x, sae.reconstruct(x)))]
+    else:
+        reads_before_writes(config, sae)
+        seen = {}
+
+        def read(x, name):
+            seen["output"] = sae.reconstruct(x)
+
+        def write(x, name):  # the pass that read it, at once: each row's hooked pass runs alone
+            return written(x, seen.pop("output"))
+
+        hooks = [(sae.hook_name, read), (sae.hook_name_out, write)]
+    Hooks(config.num_hidden_layers, hooks)  # the points are the model's
+    return hooks
+
+
+def reads_before_writes(config, sae: SAE) -> None:
+    """A transcoder's pass reads before it writes: hook_name comes before hook_name_out in a model's pass."""
+    names = point_names(config.num_hidden_layers)
+    if sae.hook_name not in names or sae.hook_name_out not in names \
+            or names.index(sae.hook_name) >= names.index(sae.hook_name_out):
+        raise SmolError(f"a transcoder must read ({sae.hook_name}) before it writes ({sae.hook_name_out}), both "
+                        f"points of a model of {config.num_hidden_layers} blocks")
+
+
+def load_sae(source: str | os.PathLike, model=None) -> SAE:
+    """An SAE or transcoder in SAELens's or sparsify's format: a directory, or "org/name/folder" in the Hugging
+    Face hub (its local cache where HF_HUB_OFFLINE=1). model: the one it is for, which a sparsify transcoder of an
+    MLP or attention needs (it reads the module's input, after the norm's weight: see sparsify_sae)."""
+    return read_sae(sae_directory(source), model)
+
+
+def load_saes(source: str | os.PathLike, model=None) -> dict[str, SAE]:
+    """A dictionary, or a set of them: a directory (or hub folder) that is one, as {its name: it}, or that holds
+    one per folder, as {folder: it} in the order of their blocks (sparsify's layout: layers.0.mlp, layers.1.mlp,
+    ...)."""
     path = sae_directory(source)
+    if (path / CFG).is_file():
+        return {path.name: read_sae(path, model)}
+    folders = sorted((f for f in path.iterdir() if (f / CFG).is_file()),
+                     key=lambda f: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", f.name)])
+    if not folders:
+        raise SmolError(f"{path}: no {CFG}, nor folders with one (not an SAE, nor a set of them)")
+    return {folder.name: read_sae(folder, model) for folder in folders}
+
+
+def read_sae(path: Path, model) -> SAE:
     if not (path / CFG).is_file():
-        raise SmolError(f"{path}: no {CFG} (not an SAE in SAELens's format)")
+        raise SmolError(f"{path}: no {CFG} (not an SAE in SAELens's or sparsify's format)")
+    if (path / SPARSIFY_WEIGHTS).is_file() and not (path / WEIGHTS).is_file():
+        return sparsify_sae(path, model)
     cfg = read_json(path / CFG)
     setting = Settings(cfg, path / CFG)
     # Before SAELens 6, TopK was a standard SAE's activation_fn (activation_fn_str), with its k among its kwargs
@@ -142,6 +207,81 @@ def load_sae(source: str | os.PathLike) -> SAE:
     return SAE(hook_name, hook_name_out, activation, transcoder, tensors["W_enc"], tensors["b_enc"], tensors["W_dec"],
                tensors["b_dec"], tensors.get("threshold"), tensors.get("W_skip"), k, subtract_b_dec,
                activation == "topk" and setting.get("rescale_acts_by_decoder_norm", bool, False))
+
+
+def sparsify_sae(path: Path, model) -> SAE:
+    """sparsify's SparseCoder (sparse_coder.py): cfg.json (its SparseCoderConfig, and d_in) and sae.safetensors
+    (encoder.weight (d_sae, d_in), encoder.bias, W_dec (d_sae, d_in), b_dec, and W_skip (d_in, d_in) with a skip
+    connection), hooked at the module the folder is named for. It encodes TopK of ReLU(encoder(x)) (x - b_dec for
+    an SAE), decodes as SAELens, and a transcoder predicts the module's output from its input. That input is the
+    stream for a block; for an MLP or attention, its norm's output, weight applied: no point of ours, so the norm's
+    weight is folded into the encoder (and the skip) read at its hook_normalized, before the weight."""
+    setting = Settings(read_json(path / CFG), path / CFG)
+    if setting.get("activation", str, "topk") != "topk":
+        raise SmolError(f"{path / CFG}: activation {setting.cfg['activation']!r} is not supported (topk)"[:300])
+    d_in, k = setting.get("d_in", int), setting.get("k", int)
+    d_sae = setting.cfg.get("num_latents") or d_in * setting.get("expansion_factor", int)
+    transcoder, skip = setting.get("transcode", bool, False), setting.get("skip_connection", bool, False)
+    if isinstance(d_sae, bool) or not isinstance(d_sae, int) or d_sae < 1:
+        raise SmolError(f"{path / CFG}: num_latents must be a whole number, got {d_sae!r}"[:300])
+    if k > d_sae:
+        raise SmolError(f"{path / CFG}: k={k} is more than the {d_sae} features")
+    module = SPARSIFY_MODULE.fullmatch(path.name)
+    if not module:
+        raise SmolError(f"{path}: a sparsify folder is named for the module it hooks (embed_tokens, layers.{{l}}, "
+                        f"layers.{{l}}.mlp, layers.{{l}}.self_attn), not {path.name[:200]!r}")
+    layer, part = module[1], module[2]
+    out = "hook_embed" if layer is None else f"blocks.{layer}.{SPARSIFY_OUTPUTS[part]}"
+    norm = None
+    if transcoder and layer is None:
+        raise SmolError(f"{path}: a transcoder of embed_tokens would read token ids")
+    if transcoder and part is not None:
+        if model is None:
+            raise SmolError(f"{path}: a transcoder of {part} reads its norm's output, weight applied: load it with "
+                            f"the model (load_sae(source, model)), whose norm weight is folded into its encoder")
+        if int(layer) >= len(model.model.layers):
+            raise SmolError(f"{path}: the model has no block {layer}")
+        block = model.model.layers[int(layer)]
+        norm = (block.post_attention_layernorm if part == "mlp" else block.input_layernorm).weight.detach().float()
+        reads = f"blocks.{layer}.{'ln2' if part == 'mlp' else 'ln1'}.hook_normalized"
+    else:
+        reads = f"blocks.{layer}.hook_resid_pre" if transcoder else out
+    shapes = {"encoder.weight": (d_sae, d_in), "encoder.bias": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    shapes |= {"W_skip": (d_in, d_in)} if skip else {}
+    t = read_tensors(path / SPARSIFY_WEIGHTS, shapes, torch.float32)
+    W_enc, W_skip = t["encoder.weight"].T.contiguous(), t.get("W_skip")
+    if norm is not None:
+        if len(norm) != d_in:
+            raise SmolError(f"{path}: d_in={d_in}, but the model's stream has {len(norm)} numbers")
+        W_enc = W_enc * norm[:, None]
+        W_skip = None if W_skip is None else W_skip * norm
+    return SAE(reads, out, "topk", transcoder, W_enc, t["encoder.bias"], t["W_dec"], t["b_dec"], None, W_skip, k,
+               not transcoder, False)
+
+
+def save_sae(sae: SAE, path: str | os.PathLike) -> Path:
+    """Write the dictionary in SAELens's format (cfg.json and sae_weights.safetensors, float32) into directory
+    `path`, which SAELens and load_sae read: an SAE of any of its activations, a ReLU or JumpReLU transcoder."""
+    architecture = next((name for name, kind in ARCHITECTURES.items()
+                         if kind == (sae.activation, sae.transcoder, sae.W_skip is not None)), None)
+    if architecture is None:
+        raise SmolError(f"SAELens has no {sae.activation} transcoder{' with a skip' if sae.W_skip is not None else ''}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = dict(W_enc=sae.W_enc, b_enc=sae.b_enc, W_dec=sae.W_dec, b_dec=sae.b_dec, threshold=sae.threshold,
+                   W_skip=sae.W_skip)
+    save_file({name: t.detach().float().contiguous() for name, t in tensors.items() if t is not None},
+              str(path / WEIGHTS))
+    # the format's version: SAELens reads a config without one as written before SAELens 6, in other names
+    metadata = dict(sae_lens_version="6.0.0", hook_name=sae.hook_name)
+    cfg = dict(architecture=architecture, d_in=sae.W_enc.shape[0], d_sae=sae.W_enc.shape[1], dtype="float32",
+               apply_b_dec_to_input=sae.subtract_b_dec, metadata=metadata)
+    if sae.transcoder:
+        cfg |= dict(d_out=sae.W_dec.shape[1], metadata=metadata | dict(hook_name_out=sae.hook_name_out))
+    if sae.activation == "topk":
+        cfg |= dict(k=sae.k, rescale_acts_by_decoder_norm=sae.rescale_by_decoder_norm)
+    (path / CFG).write_text(json.dumps(cfg, indent=2))
+    return path
 
 
 class Settings:
@@ -186,7 +326,7 @@ def read_tensors(weights: Path, shapes: dict[str, tuple[int, ...]], dtype: torch
     """The tensors `shapes` names, read from `weights` as `dtype` once the file's header shows each there with
     its shape and a float dtype, and no other."""
     if not weights.is_file():
-        raise SmolError(f"{weights.parent}: no {WEIGHTS}")
+        raise SmolError(f"{weights.parent}: no {weights.name}")
     try:
         with safe_open(str(weights), framework="pt") as f:
             for name in sorted(shapes.keys() - set(f.keys())):
@@ -211,7 +351,7 @@ def read_tensors(weights: Path, shapes: dict[str, tuple[int, ...]], dtype: torch
 
 def sae_directory(source: str | os.PathLike) -> Path:
     """An existing directory as it is; "org/name/folder" (the folder may be empty) as its files' place in the Hugging
-    Face hub's cache, fetched unless HF_HUB_OFFLINE=1 (only those two files)."""
+    Face hub's cache, fetched unless HF_HUB_OFFLINE=1 (only a dictionary's files: its own, or its folders')."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -223,7 +363,8 @@ def sae_directory(source: str | os.PathLike) -> Path:
 
     repo, folder = match[1], match[2].strip("/")
     try:
-        root = snapshot_download(repo, allow_patterns=[f"{folder}/{name}".lstrip("/") for name in (CFG, WEIGHTS)])
+        root = snapshot_download(repo, allow_patterns=[f"{folder}/{where}{name}".lstrip("/") for where in ("", "*/")
+                                                       for name in (CFG, WEIGHTS, SPARSIFY_WEIGHTS)])
     except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SmolError(f"{source}: not a local directory, and the Hugging Face hub has no usable copy "

@@ -15,31 +15,19 @@ from ..errors import SmolError
 from .engine import Engine
 from .grammar import Grammar
 from .hooks import Hooks
-from .logprobs import check_top
 from .prefix_cache import PrefixCache
+from .request import MAX_NEW_TOKENS, Names, Request, prompt_rows
 from .sampling import Sampling
-from .sequence import Sequence, Step, check_request, prompt_rows
-from .speculative import check_speculative
+from .sequence import Step
 from .steps import compiled_decode_step, decode_step
 
 if TYPE_CHECKING:
     from ..model import SmolLM2
     from ..tools import Tools
 
-MAX_NEW_TOKENS = 128
-CHECKPOINT_EOS = object()  # "use the checkpoint's EOS ids", distinct from None ("never stop")
-
-
-def eos_ids(eos_token_id, config) -> set[int]:
-    if eos_token_id is CHECKPOINT_EOS:
-        return set(config.eos_token_ids)
-    if eos_token_id is None:
-        return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-
 
 @torch.inference_mode()
-def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id=CHECKPOINT_EOS,
+def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_id="checkpoint",
            stop: abc.Sequence[str | int] = (), tokenizer=None, compile: bool | None = None,
            prefix_cache: PrefixCache | None = None, logprobs: int | None = None, response_format=None,
            speculative: str | SmolLM2 | None = None, tools: Tools | None = None, hooks=None,
@@ -78,26 +66,29 @@ def stream(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, *, eos_token_
     Its return value (StopIteration.value, or `yield from`'s) is the engine's PassCounts: its decoding passes,
     the tokens they gave, and the tokens guessed and kept by speculation.
     """
-    config, params = model.config, Sampling(**sampling)
-    prompts = check_request(input_ids, max_new_tokens, stop, params, config.vocab_size, config.max_position_embeddings)
-    device = model.model.embed_tokens.weight.device
-    eos = eos_ids(eos_token_id, config)
+    rows = prompt_rows(input_ids)
     for name, given in (("response_format", response_format), ("tools", tools)):
         if given is not None and tokenizer is None:
             raise SmolError(f"{name} needs a tokenizer: pass tokenizer=")
     grammar = Grammar.for_answer(tokenizer, response_format, tools)
-    hooks = None if hooks is None else Hooks(config.num_hidden_layers, hooks)
-    sequences = [Sequence(prompt, max_new_tokens, params, eos, stop, tokenizer, device, check_top(logprobs), grammar)
-                 for prompt in prompts]
-    check_speculative(speculative, config.vocab_size)
+    hooks = None if hooks is None else Hooks(model.config.num_hidden_layers, hooks)
+    requests = [Request(prompt, max_new_tokens, Sampling(**sampling), stop, eos_token_id, logprobs,
+                        grammar=grammar, speculative=speculative, hooks=hooks,
+                        names=Names(prompt=f"prompt {b}") if len(rows) > 1 else Names())
+                for b, prompt in enumerate(rows)]
+    rows = [request.row(model, tokenizer=tokenizer) for request in requests]
+    device = model.model.embed_tokens.weight.device
     if compile is None:
         compile = device.type == "cuda" and speculative is None
-    if max_new_tokens == 0:
+    sequences = [row.sequence for row in rows]
+    if all(sequence.finish_reason for sequence in sequences):  # max_new_tokens 0
         return
-    engine = Engine(model, len(prompts), max(map(len, prompts)) + max_new_tokens, prefill_budget=None,
-                    prefix_cache=prefix_cache, step=compiled_decode_step(device.type) if compile else decode_step,
-                    whole_cache=compile, kv_cache_dtype=kv_cache_dtype)
-    rows = [engine.admit(sequence, speculative=speculative, hooks=hooks) for sequence in sequences]
+    engine = Engine(model, len(rows), max(len(s.prompt) + s.max_new_tokens for s in sequences),
+                    prefill_budget=None, prefix_cache=prefix_cache,
+                    step=compiled_decode_step(device.type) if compile else decode_step, whole_cache=compile,
+                    kv_cache_dtype=kv_cache_dtype)
+    for row in rows:
+        engine.queue(row)
     while not all(sequence.finish_reason for sequence in sequences):
         # Every prompt is prefilled at the first step, so each step gives each row going a Step at least, and a
         # speculating row maybe more: its i-th goes in the i-th list.
@@ -115,7 +106,7 @@ def generate(model, input_ids, max_new_tokens: int = MAX_NEW_TOKENS, **kwargs) -
     Prompts of different lengths are left-padded, and a row that finishes early is filled to the end, with
     the checkpoint's pad id (else its EOS id, else 0). Takes the keyword arguments of `stream`.
     """
-    rows = prompt_rows(input_ids, model.config.vocab_size)
+    rows = prompt_rows(input_ids)
     pad = model.config.pad_token_id
     if pad is None:
         pad = next(iter(model.config.eos_token_ids), 0)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import SmolError
-from .sequence import prompt_rows
+from .request import checked_rows
 
 
 def embed(model, rows) -> torch.Tensor:
@@ -16,10 +15,8 @@ def embed(model, rows) -> torch.Tensor:
     rows: token ids, as generate() takes them (a list of ids, a list of lists, a tensor). The rows run as one
     batch, padded at their ends: under the causal mask a row's tokens never see the padding after them, and each
     row's mean counts its own tokens alone, so a row's embedding is the one it gets alone (up to float rounding)."""
-    rows = prompt_rows(rows, model.config.vocab_size)
-    longest, context = max(map(len, rows)), model.config.max_position_embeddings
-    if longest > context:
-        raise SmolError(f"a text of {longest} tokens exceeds the context window of {context} tokens")
+    rows = checked_rows(rows, model.config)
+    longest = max(map(len, rows))
     device = model.model.embed_tokens.weight.device
     ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)
     mine = torch.zeros(len(rows), longest, 1, device=device)  # 1 at each row's own tokens, 0 at its padding

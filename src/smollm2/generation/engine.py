@@ -1,6 +1,7 @@
 """The engine: the rows of one KV cache, each a Sequence at its own positions, advanced a step at a time. Every
 driver runs on it: generate()/stream() (batch.py) admit a static batch and step until every row has finished;
-the server's scheduler admits requests as they come and steps for as long as any is in flight.
+the server's engine thread admits requests as they come and steps for as long as any is in flight. Both make
+their rows of Requests the one way (request.py: Request.row) and queue them (queue).
 
 A row is admitted into a queue. The rows decoding hold cache rows 0..n-1, so that a decoding step runs on those
 n rows alone (a lone row costs a batch of one, not of every cache row); the row whose prompt is being prefilled
@@ -14,12 +15,14 @@ holds row n, the next. Each step
      fed after it: such a row may gain several tokens a step;
   2. retires the rows that have finished: the last row decoding moves into each freed row, its filled slots
      copied, so the rows decoding stay 0..n-1 (and the prefilling one n);
-  3. prefills the queued prompts into the free rows, one after another, in chunks that end at multiples of
-     PREFILL_CHUNK (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on
-     between a long prompt's chunks; several short prompts fit in one step. Chunks already in the prefix cache
-     (same tokens, same place) are copied instead of computed, and those computed are kept. A row that scores
-     its prompt (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first
-     token (one sampling call), and decode from the next step on.
+  3. prefills the queued prompts into the free rows, in chunks that end at multiples of PREFILL_CHUNK
+     (steps.chunks), up to a budget of tokens a step: the server's lets the rows decoding go on between a long
+     prompt's chunks; several short prompts fit in one step. The chunks are those one prompt after another would
+     take, computed in waves (each row's first, then its second, ...), where several rows' chunks share one pass
+     (steps.prefill_rows), each row's bits those it gets alone. Chunks already in the prefix cache (same tokens,
+     same place) are copied instead of computed, and those computed are kept. A row that scores its prompt
+     (echo) computes every chunk, scoring each. The rows whose prompt is complete take their first token (one
+     sampling call), and decode from the next step on.
 A row with hooks (hooks.py: steering, or any function at a hook point) runs its own passes through them: its
 prompt's chunks, never taken from or kept in the prefix cache, and after each decoding pass, which it takes
 part in as any row, its positions again, alone, overwriting its keys and values and its logits. The other
@@ -31,11 +34,14 @@ from __future__ import annotations
 import collections
 from collections import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import SmolError
+from ..kernels.choosing import rows_bucket
 from . import steps
+from .adapters import Adapters, LoRA
 from .hooks import Hooks
 from .logprobs import TokenLogprob, chunk_logprobs
 from .prefix_cache import Block, PrefixCache
@@ -43,6 +49,9 @@ from .sampling import Sampling
 from .sequence import Sequence, Step, advance
 from .speculative import MAX_PASS_TOKENS, Guesser, check_speculative, new_guesser
 from .steps import cache_length, chunks, decode_step, prefill_chunk, release_slots, untouched_cache, verify_step
+
+if TYPE_CHECKING:
+    from ..model import SmolLM2
 
 
 @dataclass
@@ -64,11 +73,14 @@ class PassCounts:
 
 @dataclass(eq=False)
 class Row:
-    """A sequence in the engine, and how far its prompt is in its cache row."""
+    """A sequence in the engine, and how far its prompt is in its cache row. Made by admit() from a Sequence, or
+    by Request.row() (request.py) from a request, the way generate()/stream() and the server both make theirs."""
     sequence: Sequence
     prompt_logprobs: int | None = None  # None, or score the prompt with this many top tokens
-    guesser: Guesser | None = None  # speculates with it, or not
+    speculative: str | SmolLM2 | None = None  # None, or guess its next tokens by "ngram" or with a draft model
     hooks: Hooks | None = None  # its passes run through these, alone (see above)
+    adapter: LoRA | None = None  # its LoRA adapter (adapters.py), never taken from or kept in the prefix cache
+    guesser: Guesser | None = None  # how it speculates (from `speculative`), made as it is queued
     filled: int = 0  # slots of its cache row holding its keys and values
     scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # its prompt's, as prefilled
     blocks: list[Block] | None = field(default_factory=list)  # the prefix cache's, for its filled chunks; None:
@@ -85,15 +97,16 @@ class Engine:
 
     def __init__(self, model, rows: int, length: int, *, prefill_budget: int | None,
                  prefix_cache: PrefixCache | None = None, step: abc.Callable = decode_step, whole_cache: bool = False,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, adapters: Adapters | None = None):
         """rows: how many sequences may hold a cache row at once; length: the most slots one takes (its prompt
         and new tokens). prefill_budget: the most prompt tokens prefilled a step (a chunk is never split, so a
         step prefills one at least), or None: every queued prompt at once. prefix_cache: where prompts' chunks
         are looked up and kept, None for nowhere. step: the decoding step, decode_step or a compiled one;
         whole_cache: every decoding step runs over every row and slot of the cache, one shape, as a CUDA graph
         needs. kv_cache_dtype: what the cache stores, "fp32", "bf16" or "int8" (kv_cache.KVCache), None for the
-        model's dtype; a draft model's cache (speculative.Draft) stores the same."""
-        self.model, self.cache_rows, self.kv_cache_dtype = model, rows, kv_cache_dtype
+        model's dtype; a draft model's cache (speculative.Draft) stores the same. adapters: the LoRA adapters its
+        rows may have (Row.adapter): a pass with such rows runs on their adapted model (adapters.py)."""
+        self.model, self.cache_rows, self.kv_cache_dtype, self.adapters = model, rows, kv_cache_dtype, adapters
         self.device = model.model.embed_tokens.weight.device
         self.cache = untouched_cache(model, rows, cache_length(length, model.config.max_position_embeddings),
                                      kv_cache_dtype)
@@ -128,15 +141,24 @@ class Engine:
 
     def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative=None,
               hooks: Hooks | None = None) -> Row:
-        """Queue a sequence; it takes a cache row, and its prefill starts, once the rows before it have theirs.
-        speculative: None, or guess its next tokens by prompt lookup ("ngram") or with a draft model (a SmolLM2
-        of the same vocabulary; speculative.py); its tokens are the same. hooks: run its passes through these (see
-        above)."""
-        if speculative is not None and self.whole_cache:
-            raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
+        """Queue a sequence (see queue). speculative: None, or guess its next tokens by prompt lookup ("ngram") or
+        with a draft model (a SmolLM2 of the same vocabulary; speculative.py); its tokens are the same. hooks: run
+        its passes through these (see above)."""
         check_speculative(speculative, self.model.config.vocab_size)
-        guesser = new_guesser(speculative, len(sequence.prompt) + sequence.max_new_tokens, self.kv_cache_dtype)
-        row = Row(sequence, prompt_logprobs, guesser, hooks, blocks=None if hooks is not None else [])
+        return self.queue(Row(sequence, prompt_logprobs, speculative, hooks))
+
+    def queue(self, row: Row) -> Row:
+        """Queue a row (a request's: Request.row checked it); it takes a cache row, and its prefill starts, once
+        the rows before it have theirs."""
+        if row.speculative is not None and self.whole_cache:
+            raise SmolError("speculative decoding needs passes of varying length: not with a compiled step")
+        sequence = row.sequence
+        row.guesser = new_guesser(row.speculative, len(sequence.prompt) + sequence.max_new_tokens,
+                                  self.kv_cache_dtype)
+        if row.adapter is not None and self.adapters is None:
+            raise SmolError("a row with a LoRA adapter needs an engine given adapters")
+        if row.hooks is not None or row.adapter is not None:  # never taken from or kept in the prefix cache
+            row.blocks = None
         self.queued.append(row)
         return row
 
@@ -188,14 +210,17 @@ class Engine:
         else:  # the filled slots only
             cache = self.cache.view(slice(0, len(rows)), max(at[-1] for at in slots) + 1)
         ids, slots = torch.tensor(fed, device=self.device), torch.tensor(slots, device=self.device)
+        model = self._model([row.adapter for row in rows] + [None] * (len(ids) - len(rows)))
         if width == 1:
-            logits = self.step_fn(self.model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
+            step = self.step_fn if model is self.model else decode_step  # (a compiled step is the base's)
+            logits = step(model, ids, slots, cache, None)[:len(rows), None]  # (n, 1, V)
         else:
-            logits = verify_step(self.model, ids, slots, cache)  # (n, width, V)
+            logits = verify_step(model, ids, slots, cache)  # (n, width, V)
         for b, row in enumerate(rows):
             if row.hooks is not None:
-                logits[b] = self.model.logits(row.hooks.hidden_states(self.model, ids[b:b + 1], slots[b:b + 1],
-                                                                      cache.view(slice(b, b + 1))))[0]
+                alone = self._model([row.adapter])
+                logits[b] = alone.logits(row.hooks.hidden_states(alone, ids[b:b + 1], slots[b:b + 1],
+                                                                 cache.view(slice(b, b + 1))))[0]
         self.passes += 1
         before = [row.filled for row in rows]
         going = range(len(rows))  # the rows whose position i is taken
@@ -223,41 +248,103 @@ class Engine:
                 if row.guesser is not None else [] for row in rows]
 
     def _prefill(self, events: list) -> tuple[list[Row], list[torch.Tensor]]:
-        """Prefill the queued prompts, one chunk after another, until the step's budget is spent. Returns the
-        rows whose prompt is complete, which join the rows decoding, and their next-token logits, (1, V) each,
-        computed as each prompt completes (a row's logits do not depend on the rows beside it)."""
+        """Prefill the queued prompts until the step's budget is spent: the chunks one prompt after another would
+        take (_plan), computed in waves (_fill). Returns the rows whose prompt is complete, which join the rows
+        decoding, and their next-token logits, (1, V) each (a row's logits do not depend on the rows beside it)."""
         spent, ready, logits = 0, [], []
-        while len(self.decoding) < self.cache_rows and (self.prefill_budget is None or spent < self.prefill_budget) \
-                and (row := self.filling or self._start()) is not None:
-            prompt = row.sequence.prompt
-            if row.filled < len(prompt):
-                begin, end = next(chunks(row.filled, len(prompt)))
-                if spent and self.prefill_budget is not None and spent + end - begin > self.prefill_budget:
-                    break  # a chunk is never split: it is the next step's
-                h = self._prefill_chunk(row, begin, end)
-                spent += end - begin
-                if end < len(prompt):
+        while plan := self._plan(spent):
+            spent += sum(end - begin for _, _, chunks in plan for begin, end in chunks)
+            for (row, at, _), h in zip(plan, self._fill(plan)):
+                if row.filled < len(row.sequence.prompt):  # the budget is spent: the rest is the next step's
+                    self.filling, self.filling_at = row, at
                     continue
-            else:  # an equal prompt was prefilled before: its last hidden state is cached
-                h = row.blocks[-1].h
-            self.filling = None
-            if row.prompt_logprobs is not None:
-                events.append((row, PromptLogprobs(row.scored)))
-            if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
-                continue
-            self.decoding.append(row)
-            ready.append(row)
-            logits.append(self.model.logits(h[:, -1]))
+                if row.prompt_logprobs is not None:
+                    events.append((row, PromptLogprobs(row.scored)))
+                if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
+                    continue
+                self.decoding.append(row)
+                ready.append(row)
+                logits.append(self.model.logits(h[:, -1]))
+            if self.filling is not None:
+                break
         return ready, logits
 
-    def _start(self) -> Row | None:
-        """The next queued row to prefill, in cache row len(decoding), its cached prefix copied in; None if none.
-        A row that scores its prompt computes every chunk: it needs every position's hidden state."""
-        if not self.queued:
-            return None
-        row = self.filling = self.queued.popleft()
-        at = self.filling_at = len(self.decoding)
-        if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None:
+    def _plan(self, spent: int) -> list[tuple[Row, int, list[tuple[int, int]]]]:
+        """The rows to prefill next, each with its cache row and the chunks it computes, as one prompt after another
+        would take them: each chunk ends at a multiple of PREFILL_CHUNK (steps.chunks), and is never split, within
+        the budget; rows decoding stay 0..n-1 and these take n, n+1, .. (each complete but maybe the last). It ends
+        before a prompt that would find in the prefix cache a chunk one of these computes, and after a row that
+        will not decode (its cache row is the next one's)."""
+        plan, budget = [], self.prefill_budget
+        while len(self.decoding) + len(plan) < self.cache_rows and (budget is None or spent < budget):
+            if self.filling is not None:
+                row, at, self.filling = self.filling, self.filling_at, None
+            elif not self.queued or self._finds_planned(plan):
+                break
+            else:
+                row = self._start(at := len(self.decoding) + len(plan))
+            taken = []
+            for begin, end in chunks(row.filled, len(row.sequence.prompt)):
+                if spent and budget is not None and spent + end - begin > budget:
+                    break  # a chunk is never split: it is the next step's
+                taken.append((begin, end))
+                spent += end - begin
+            plan.append((row, at, taken))
+            if (taken[-1][1] if taken else row.filled) < len(row.sequence.prompt) or row.sequence.finish_reason:
+                break
+        return plan
+
+    def _finds_planned(self, plan: list) -> bool:
+        """Whether the next queued prompt would find in the prefix cache a chunk a planned row computes: it then
+        waits until they are kept, and copies it."""
+        row = self.queued[0]
+        if self.prefix_cache is None or row.prompt_logprobs is not None or row.hooks is not None \
+                or row.adapter is not None:
+            return False
+        prompt = row.sequence.prompt
+        first = min(steps.PREFILL_CHUNK, len(prompt))
+        return any(other.sequence.prompt[:first] == prompt[:first] for other, _, _ in plan)
+
+    def _fill(self, plan: list) -> list[torch.Tensor | None]:
+        """The planned chunks, in waves: each row's i-th in the i-th, where the rows' chunks of one kind share
+        passes (steps.prefill_rows: each row's bits are those it gets alone), and the others' run alone. Returns
+        each row's last hidden state, (1, 1, C), where its prompt is complete (its cached one where an equal
+        prompt was prefilled before and it computed nothing)."""
+        last = [row.blocks[-1].h if not taken and row.filled == len(row.sequence.prompt) else None
+                for row, _, taken in plan]
+        for wave in range(max(len(taken) for _, _, taken in plan)):
+            kinds: dict[int, list] = {}  # packed chunks by kind, in plan order
+            for i, (row, at, taken) in enumerate(plan):
+                if wave >= len(taken):
+                    continue
+                begin, end = taken[wave]
+                if row.hooks is None and row.prompt_logprobs is None and row.adapter is None \
+                        and steps.packs(self.model, end - begin):
+                    kinds.setdefault(rows_bucket(end - begin), []).append(i)
+                else:
+                    last[i] = self._prefill_chunk(row, at, begin, end)
+            for rows in kinds.values():
+                for group in (rows[j:j + steps.PACKED_ROWS] for j in range(0, len(rows), steps.PACKED_ROWS)):
+                    self._prefill_chunks([(plan[i][0], plan[i][1], *plan[i][2][wave]) for i in group], last, group)
+        return last
+
+    def _prefill_chunks(self, work: list[tuple[Row, int, int, int]], last: list, at: list[int]) -> None:
+        """Chunks of several rows, (row, cache row, begin, end), in one pass (one alone: prefill_chunk's); each
+        row's last hidden state into last[at[i]]."""
+        if len(work) == 1:
+            last[at[0]] = self._prefill_chunk(*work[0])
+            return
+        h = steps.prefill_rows(self.model, [steps.Chunk(cache_row, begin, row.sequence.prompt[begin:end])
+                                            for row, cache_row, begin, end in work], self.cache)
+        for i, (row, cache_row, begin, end) in enumerate(work):
+            last[at[i]] = self._keep(row, cache_row, begin, end, h[:, i:i + 1].clone())  # kept apart (prefix cache)
+
+    def _start(self, at: int) -> Row:
+        """The next queued row, to prefill in cache row `at`, its cached prefix copied in. A row that scores its
+        prompt computes every chunk: it needs every position's hidden state."""
+        row = self.queued.popleft()
+        if self.prefix_cache is not None and row.prompt_logprobs is None and row.hooks is None \
+                and row.adapter is None:
             row.blocks = self.prefix_cache.lookup(row.sequence.prompt)
             for block in row.blocks:
                 begin, end = row.filled, row.filled + block.length
@@ -266,18 +353,24 @@ class Engine:
                 row.filled = end
         return row
 
-    def _prefill_chunk(self, row: Row, begin: int, end: int) -> torch.Tensor:
-        """One chunk of the filling row's prompt into its cache row, kept in the prefix cache if it is whole or
-        ends the prompt; returns the last position's hidden state, (1, 1, C), as any prefill computes it."""
-        prompt, at = row.sequence.prompt, self.filling_at
+    def _prefill_chunk(self, row: Row, at: int, begin: int, end: int) -> torch.Tensor:
+        """One chunk of a row's prompt into its cache row `at`, alone; returns the last position's hidden state,
+        (1, 1, C), as any prefill computes it."""
+        prompt = row.sequence.prompt
         cache = self.cache.view(slice(at, at + 1))
-        ids = torch.tensor([prompt[begin:end]], device=self.device)
+        ids, model = torch.tensor([prompt[begin:end]], device=self.device), self._model([row.adapter])
         if row.prompt_logprobs is not None:  # echo: every position's state, each chunk scored
-            h = prefill_chunk(self.model, ids, cache, begin, last_only=False, hooks=row.hooks)
-            row.scored += chunk_logprobs(self.model, prompt, begin, h[0], row.prompt_logprobs)
+            h = prefill_chunk(model, ids, cache, begin, last_only=False, hooks=row.hooks)
+            row.scored += chunk_logprobs(model, prompt, begin, h[0], row.prompt_logprobs)
+        if row.prompt_logprobs is None or end == len(prompt):  # (echo: its keys and values written again, equal)
+            h = prefill_chunk(model, ids, cache, begin, hooks=row.hooks)
+        return self._keep(row, at, begin, end, h)
+
+    def _keep(self, row: Row, at: int, begin: int, end: int, h: torch.Tensor) -> torch.Tensor:
+        """A chunk computed into cache row `at`: counted, and kept in the prefix cache if it is whole or ends the
+        prompt; returns h, its last position's hidden state."""
+        prompt = row.sequence.prompt
         ends = end == len(prompt)
-        if row.prompt_logprobs is None or ends:  # (echo: its keys and values written again, equal)
-            h = prefill_chunk(self.model, ids, cache, begin, hooks=row.hooks)
         row.filled = end
         self.prefilled += end - begin
         if self.prefix_cache is not None and row.blocks is not None and (ends or end % steps.PREFILL_CHUNK == 0):
@@ -285,6 +378,11 @@ class Engine:
                                             [t[:, at, :, begin:end] for t in self.cache.parts], h if ends else None)
             row.blocks = None if block is None else [*row.blocks, block]
         return h
+
+    def _model(self, adapters: list[LoRA | None]):
+        """The model a pass of rows with these adapters (None: the base) runs on: the base itself where none has
+        one, else the adapted copy, this pass's rows' adapters selected (adapters.py)."""
+        return self.model if self.adapters is None else self.adapters.model_for(adapters)
 
     def _take(self, rows: list[Row], logits: torch.Tensor, events: list) -> None:
         """Every row's next token from its row of logits, in one sampling call; then the finished rows go."""

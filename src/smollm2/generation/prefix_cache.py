@@ -16,7 +16,7 @@ process: a later process, or another on a shared disk, reads a block it does not
 instead of computing it. A file's name is a hash of the model's identity and every token up to the block's end
 (each block's name hashes the one before it), under a folder of that identity; the identity hashes what
 decides a block's bits: the weights' content, the config, the KV cache's dtypes, the model's dtype and device,
-torch's version and CPU tier, the kernels' build and mode, the scheduler's thread count, the chunk size. A file
+torch's version and CPU tier, the kernels' build and mode, the engine thread's thread count, the chunk size. A file
 is trusted for nothing: its size, its metadata (format, identity, the block before it), its tensors' names,
 dtypes and shapes are checked before anything is allocated, then its tensors against their checksum and its
 tokens against the prompt's; a file that fails is refused (logged, counted) and its chunk computed again, which

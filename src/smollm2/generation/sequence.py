@@ -1,5 +1,5 @@
-"""One sequence being generated, whichever driver runs it: its request, checked; its sampling and random
-generator; its tokens and text; and when and why it ends.
+"""One sequence being generated, whichever driver runs it (its request checked before: request.py): its sampling
+and random generator; its tokens and text; and when and why it ends.
 
 Fed one token at a time, a sequence returns a Step: the token, the text that is now final, and the finish
 reason once it has one. It ends at an EOS token or a stop token id, or once its text holds a stop string ("stop"),
@@ -17,55 +17,8 @@ import torch
 
 from ..errors import SmolError
 from .grammar import Grammar
-from .logprobs import TokenLogprob, check_top, token_logprobs
-from .sampling import Sampling, sample, whole
-
-
-def prompt_rows(input_ids, vocab_size: int) -> list[list[int]]:
-    """A (T,) or (B, T) tensor, a list of ids, or a list of id lists -> one list of ids per row, checked."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() not in (1, 2) or input_ids.dtype.is_floating_point:
-            raise SmolError(f"input_ids must be a (T,) or (B, T) tensor of token ids, got {input_ids.dtype} "
-                            f"of shape {tuple(input_ids.shape)}")
-        input_ids = input_ids.tolist()
-    if not isinstance(input_ids, abc.Sequence) or isinstance(input_ids, (str, bytes)):
-        raise SmolError(f"input_ids must be token ids, not {type(input_ids).__name__}")
-    rows = [list(input_ids)] if not input_ids or not isinstance(input_ids[0], abc.Sequence) else \
-        [list(row) for row in input_ids]
-    for b, row in enumerate(rows):
-        where = f"prompt {b}" if len(rows) > 1 else "the prompt"
-        if not row:
-            raise SmolError(f"{where} is empty: give at least one token")
-        for t in row:
-            if not token_id(t, vocab_size):
-                raise SmolError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
-    return rows
-
-
-def check_request(input_ids, max_new_tokens: int, stop: abc.Sequence[str | int], sampling: Sampling,
-                  vocab_size: int, context: int) -> list[list[int]]:
-    """The prompts, one list of ids per row, once the request is known to be one that can run: valid ids, a
-    whole number of new tokens, at least the sampling's min_new_tokens, that fits in the context window after the
-    longest prompt, stops that are non-empty strings or token ids, logit biases on token ids."""
-    rows = prompt_rows(input_ids, vocab_size)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise SmolError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
-    longest = max(map(len, rows))
-    if longest + max_new_tokens > context:
-        raise SmolError(f"the prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                        f"context window of {context} tokens")
-    if sampling.min_new_tokens > max_new_tokens:
-        raise SmolError(f"min_new_tokens ({sampling.min_new_tokens}) exceeds max_new_tokens ({max_new_tokens})")
-    if isinstance(stop, str) or not all((isinstance(s, str) and s) or token_id(s, vocab_size) for s in stop):
-        raise SmolError(f"stop must be a list of non-empty strings and token ids in [0, {vocab_size})")
-    bad = [t for t in sampling.logit_bias or () if not token_id(t, vocab_size)]
-    if bad:
-        raise SmolError(f"logit_bias: {bad[0]!r} is not a token id in [0, {vocab_size})")
-    return rows
-
-
-def token_id(t, vocab_size: int) -> bool:
-    return whole(t) and t < vocab_size
+from .logprobs import TokenLogprob, token_logprobs
+from .sampling import Sampling, sample
 
 
 class StopStrings:
@@ -138,16 +91,13 @@ class Sequence:
         strings = [s for s in stop if isinstance(s, str)]
         if strings and tokenizer is None:
             raise SmolError("stop strings need a tokenizer: pass tokenizer=")
-        if grammar is not None and sampling.min_new_tokens:
-            raise SmolError("min_new_tokens cannot be combined with response_format: the grammar decides where "
-                            "the answer ends")
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         # A grammar's answer ends with its EOS, which ends the sequence even where the caller's EOS set lacks it.
         self.eos = frozenset(eos) | {s for s in stop if not isinstance(s, str)} | (
             {grammar.eos_token_id} if grammar else set())
         self.matcher = grammar.matcher() if grammar else None  # where the answer stands in the grammar
         self.sampling, self.generator = sampling, sampling.generator(device)
-        self.logprobs = check_top(logprobs)  # None: none; n: each token's logprob and its position's top n
+        self.logprobs = logprobs  # None: none; n: each token's logprob and its position's top n
         self.stops = StopStrings(strings)
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
         self.tokens: list[int] = []  # generated so far, EOS included

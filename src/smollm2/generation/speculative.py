@@ -169,3 +169,25 @@ def new_guesser(speculative, length: int, kv_cache_dtype: str | None = None) -> 
     if speculative is None:
         return None
     return Draft(speculative, length, kv_cache_dtype) if isinstance(speculative, SmolLM2) else PromptLookup()
+
+
+def speculation(text: str | None, tokenizer, **options) -> SmolLM2 | str | None:
+    """What `speculative=` takes, from the text the command line's --speculative gives: None or "off": None;
+    "ngram": prompt lookup; "draft:SRC": the draft model at SRC (any source smollm2.load takes; "draft" alone: the
+    embedded model), loaded as load() loads it with `options` (dtype, device, quantize, kernels). A draft's
+    tokenizer must be `tokenizer`, the model's, every token at the same id: its guesses are token ids, which the
+    model reads as its own; the vocabulary's size alone (check_speculative) would let another tokenizer through."""
+    # Imported here: generation itself needs neither the loader nor the tokenizer (jinja2, tokenizers).
+    from ..loading import load
+    from ..tokenizer import Tokenizer
+
+    if text in (None, "off", "ngram"):
+        return None if text == "off" else text
+    kind, _, src = text.partition(":")
+    if kind != "draft":
+        raise SmolError(f"speculative must be ngram, off, draft or draft:SRC, got {text!r}")
+    vocab = Tokenizer.from_pretrained(src or None).backend.get_vocab(with_added_tokens=True)
+    if vocab != tokenizer.backend.get_vocab(with_added_tokens=True):
+        raise SmolError(f"--speculative {text}: the draft's tokenizer is not the model's; a draft must share its "
+                        f"vocabulary")
+    return load(src or None, **options)

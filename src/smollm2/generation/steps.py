@@ -8,6 +8,7 @@ import functools
 import math
 import mmap
 from collections import abc
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,67 @@ def prefill_chunk(model, ids, cache, begin: int, last_only: bool = True, hooks=N
         h = hooks.hidden_states(model, ids, slots, cache)
         return h[:, -1:] if last_only else h
     return model.hidden_states(ids, slots, cache, last_only=last_only)
+
+
+PACKED_ROWS = 16  # the most rows a batched prefill packs: their last positions are then a decoding step's rows,
+# which the kernel gives each row's bits whatever rows share its call, as to one row alone
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A row's chunk in a batched prefill: its tokens, at slots begin.. of cache row `row`."""
+    row: int
+    begin: int
+    ids: list[int]
+
+
+def packs(model, n: int) -> bool:
+    """Whether a chunk of n tokens may share a pass with other rows' (prefill_rows) and keep the bits it gets alone
+    (prefill_chunk): on an accelerated model, whose kernels keep each row's bits and whose choices run torch's side
+    once per row (Choices.packed); past a decoding step's rows, which a chunk alone runs as one kernel call."""
+    accelerator = model.__dict__.get("accelerator")
+    return accelerator is not None and accelerator.mode != "off" and n > PACKED_ROWS
+
+
+def prefill_rows(model, chunks: list[Chunk], cache) -> torch.Tensor:
+    """Several rows' chunks (packs(), of one rows_bucket, at most PACKED_ROWS) in one pass, packed one after
+    another: the products, norms and RoPE over all their tokens at once, attention and cache writes row by row,
+    as prefill_chunk runs them for each alone, with the same bits. Returns each chunk's last position's final
+    hidden state, (1, len(chunks), C): model.py's blocks (Block.forward, Attention.forward) on packed rows."""
+    lengths = [len(chunk.ids) for chunk in chunks]
+    device = model.model.embed_tokens.weight.device
+    slots = [torch.arange(c.begin, c.begin + n, device=device) for c, n in zip(chunks, lengths)]
+    ends = torch.tensor(lengths, device=device).cumsum(0) - 1  # each chunk's last position in the pass
+    model.extend_rope(max(c.begin + n for c, n in zip(chunks, lengths)))
+    positions = torch.cat(slots)[None]  # (1, N)
+    x = model.model.embed_tokens(torch.tensor([[t for c in chunks for t in c.ids]], device=device))  # (1, N, C)
+    rope = model.rope_cos[positions][:, :, None].to(x.dtype), model.rope_sin[positions][:, :, None].to(x.dtype)
+    layers = model.model.layers
+    with model.accelerator.choices.packed(lengths):
+        for i, block in enumerate(layers):
+            last, attn = i == len(layers) - 1, block.self_attn
+            h = block.input_layernorm(x)
+            q, k, v = (proj(h).view(1, h.shape[1], -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj,
+                                                                                   attn.v_proj))
+            q, k = attn.rotate(q, *rope), attn.rotate(k, *rope)
+            ys, begin = [], 0
+            for chunk, at in zip(chunks, slots):
+                end = begin + len(at)
+                ks, vs = cache.view(slice(chunk.row, chunk.row + 1), chunk.begin + len(at)).update(
+                    attn.layer, at, k[:, begin:end], v[:, begin:end])
+                # As hidden_states: plain causal for a first chunk (its slots are all the view holds), else a mask;
+                # the last block's query is the last position's alone.
+                keys = torch.arange(ks.shape[2], device=device)
+                mask = None if chunk.begin == 0 else (keys <= at[:, None])[None, None]
+                qs = q[:, begin:end]
+                if last:
+                    qs, mask = qs[:, -1:], None if mask is None else mask[:, :, -1:]
+                ys.append(attn.attend(qs.clone(), ks, vs, mask, mask is None and not last))  # (1, n, H, D)
+                begin = end
+            y = attn.o_proj(torch.cat(ys, dim=1).reshape(1, -1, attn.n_heads * attn.head_dim))
+            x = (x[:, ends] if last else x) + y
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return model.model.norm(x)
 
 
 def untouched_cache(model, rows: int, length: int, kv_dtype: str | None = None):

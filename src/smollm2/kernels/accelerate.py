@@ -40,7 +40,7 @@ from . import ops
 from .build import choices_file, compiled
 from .choosing import MODES, Choices
 from .held import HeldWeight, held_weights, parameter, release_freed_memory
-from .packed import UNPACKED, Packed, packed_layout, streams, unpacked
+from .packed import Packed, packed_layout, streams, unpacked
 
 if TYPE_CHECKING:
     from ..checkpoints import GGUFBlocks
@@ -92,7 +92,7 @@ def held(blocks: GGUFBlocks) -> nn.Parameter:
     once into their layout (packed.py: ~1.1x the file's bytes, ~0.5 s for the 135M model's 98 MB); else its
     float32 values."""
     packed = packed_layout(blocks.type, blocks.read())
-    weight = None if packed is None or packed.type not in UNPACKED else parameter(packed, blocks.shape)
+    weight = None if packed is None else parameter(packed, blocks.shape)
     return weight if weight is not None and streams(weight, packed) else nn.Parameter(blocks.dequantize())
 
 
@@ -173,13 +173,12 @@ class FastInt8Linear(Watched, Int8Linear):
 
 class FastRMSNorm(Watched, RMSNorm):
     def forward(self, x):  # a prompt: one pass, not six
-        return ops.rms_norm(self.accelerator.choices, x, self.weight, self.eps,
-                            lambda: super(FastRMSNorm, self).forward(x))
+        return ops.rms_norm(self.accelerator.choices, x, self.weight, self.eps, super().forward)
 
 
 class FastAttention(Watched, Attention):
     def rotate(self, x, cos, sin):  # a prompt: one pass, not five
-        return ops.rope(self.accelerator.choices, x, cos, sin, lambda: Attention.rotate(x, cos, sin))
+        return ops.rope(self.accelerator.choices, x, cos, sin, Attention.rotate)
 
     def attend(self, q, k, v, mask, is_causal: bool):  # a prompt: the causal half of the scores, not all
         plain = lambda: super(FastAttention, self).attend(q, k, v, mask, is_causal)  # noqa: E731
@@ -189,8 +188,11 @@ class FastAttention(Watched, Attention):
 class FastMLP(Watched, MLP):
     def forward(self, x):  # gate and up in one pass, then SiLU*up in one
         choices = self.accelerator.choices
-        gate, up = products(choices, x, self.gate_proj, self.up_proj)
-        return self.down_proj(ops.silu_mul(choices, gate, up, lambda: F.silu(gate) * up))
+        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in (self.gate_proj, self.up_proj)):
+            gate, up = products(choices, x, self.gate_proj, self.up_proj)
+        else:  # layers swapped in since (a served adapter's): each its own forward
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu_mul(choices, gate, up, lambda gate, up: F.silu(gate) * up))
 
 
 class WatchedBlock(Watched, Block):
@@ -219,7 +221,7 @@ class DecodePlan:
     place."""
 
     def __init__(self, model: FastSmolLM2, dtype: torch.dtype):
-        found = [block_weights(block, dtype) for block in model.model.layers]
+        found = [block_weights(block, dtype, model.updates is not None) for block in model.model.layers]
         self.weights = None if None in found else (ops.BlockWeights * len(found))(*(f[0] for f in found))
         self.kept = [f[1] for f in found if f is not None]  # the float32 scales that weights point into
         self.tensors = tensors_of(model)
@@ -229,17 +231,21 @@ class DecodePlan:
         return accelerator.changes == self.changes and versions(self.tensors) == self.versions
 
 
-def block_linears(block) -> list[nn.Module]:
+def block_linears(block, wrapped: bool = False) -> list[nn.Module]:
+    """A block's linear layers, in struct block's order; wrapped: they are wrappers adding low-rank updates to
+    their `base` layers (FastSmolLM2.updates), whose bases these are."""
     attn, mlp = block.self_attn, block.mlp
-    return [getattr(attn, name) for name in ops.LINEARS[:4]] + [getattr(mlp, name) for name in ops.LINEARS[4:]]
+    found = [getattr(attn, name) for name in ops.LINEARS[:4]] + [getattr(mlp, name) for name in ops.LINEARS[4:]]
+    return [m.base for m in found] if wrapped else found
 
 
 def tensors_of(model: SmolLM2) -> list[torch.Tensor]:
     """Every parameter and buffer of the blocks' norms and linear layers that can change in place: what a decoding
     step's plan points at, or at a copy of (float32 scales). Held weights change only by assignment (and reading
     a version through their __torch_function__ would take ~10 us each, a step's 10%)."""
+    wrapped = getattr(model, "updates", None) is not None
     modules = [m for block in model.model.layers for m in (block.input_layernorm, block.post_attention_layernorm,
-                                                           *block_linears(block))]
+                                                           *block_linears(block, wrapped))]
     return [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
             if not isinstance(t, HeldWeight)]
 
@@ -252,12 +258,15 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
         return [version(t) for t in tensors]
 
 
-def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | None:
+def block_weights(block, dtype: torch.dtype, wrapped: bool = False) -> tuple[ops.BlockWeights, list] | None:
     """The C view of a block's weights (and the float32 scales it points into), or None where the kernel
-    cannot run the block: biases, mixed weight types, sizes off its multiples of 16."""
-    norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block)
+    cannot run the block: biases, mixed weight types, sizes off its multiples of 16, layers of its own forward.
+    wrapped: as block_linears."""
+    norms, linears = [block.input_layernorm, block.post_attention_layernorm], block_linears(block, wrapped)
+    if not all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):  # swapped in since (a served adapter's)
+        return None
     attn = block.self_attn
-    C, D, I = attn.o_proj.weight.shape[0], attn.head_dim, block.mlp.down_proj.weight.shape[1]
+    C, D, I = linears[3].weight.shape[0], attn.head_dim, linears[6].weight.shape[1]
     w_type = linears[0].weight.dtype
     if not (C % 16 == 0 and I % 16 == 0 and D % 16 == 0 and D <= ops.MAX_HEAD_DIM and w_type in (dtype, torch.int8)
             and all(m.bias is None and m.weight.dtype == w_type and m.weight.is_contiguous()
@@ -273,6 +282,11 @@ def block_weights(block, dtype: torch.dtype) -> tuple[ops.BlockWeights, list] | 
 
 
 class FastSmolLM2(Watched, SmolLM2):
+    # Where set (generation/adapters.py's adapted copy of a served model): every block's linear layer is a wrapper
+    # adding rows' LoRA updates to its `base`'s product, and this gives a decoding step those updates (a LowRank
+    # per block, each row's adapter among them): the step streams the bases and adds the updates itself.
+    updates: Callable[[], tuple[ctypes.Array, torch.Tensor]] | None = None
+
     def blocks(self, x, rope, mask, cache, slots, last_only: bool = False):
         """A decoding step of up to MAX_ROWS rows: every block in one kernel call, where it is the faster."""
         B, T, _ = x.shape
@@ -282,7 +296,8 @@ class FastSmolLM2(Watched, SmolLM2):
             plan = self.decode_plan(x.dtype)
             if plan.weights is not None:
                 y = ops.blocks(choices, plan.weights, x, rope, mask, cache, slots,
-                               lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots))
+                               lambda: super(FastSmolLM2, self).blocks(x, rope, mask, cache, slots),
+                               None if self.updates is None else self.updates())
                 if y is not None:
                     return y[:, -1:] if last_only else y
         return super().blocks(x, rope, mask, cache, slots, last_only)

@@ -132,6 +132,36 @@ class Choices:
         return self.mode != "off" and not getattr(self.local, "torch_only", False)
 
     @contextlib.contextmanager
+    def packed(self, lengths: list[int]):
+        """Inside, in this thread alone: a prompt's activations, (1, rows, ...), hold several prompts' rows one
+        after another, `lengths` each (a batched prefill, every prompt of one rows_bucket), or one row each (their
+        last positions). Each kind is then decided as for one of them alone (bucket), and torch's side runs once
+        per prompt (split): the kernel gives a row the same bits whatever rows share its call, torch does not."""
+        if len({rows_bucket(n) for n in lengths}) > 1:
+            raise ValueError(f"packed prompts of several kinds: {lengths}")
+        outer = getattr(self.local, "packed", None)
+        self.local.packed = lengths
+        try:
+            yield
+        finally:
+            self.local.packed = outer
+
+    def split(self, rows: int) -> list[int] | None:
+        """Inside packed(): the rows of each prompt among `rows` rows (all of their rows, or their last ones);
+        None outside, or for rows that are not those (one prompt's attention)."""
+        lengths = getattr(self.local, "packed", None)
+        if lengths is None:
+            return None
+        if rows == sum(lengths):
+            return lengths
+        return [1] * rows if rows == len(lengths) else None
+
+    def bucket(self, rows: int) -> int:
+        """rows_bucket(rows), or inside packed() that of one prompt's rows: the kind it has alone."""
+        split = self.split(rows)
+        return rows_bucket(rows if split is None else split[0])
+
+    @contextlib.contextmanager
     def torch_only(self):
         """Inside, in this thread alone: torch everywhere, as a decoding step's torch side runs when it is timed
         against the kernel's or has won. Other threads, and other accelerators, go on as they were."""

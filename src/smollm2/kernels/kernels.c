@@ -48,36 +48,45 @@ typedef uint16_t vu16u __attribute__((vector_size(2 * LANES), aligned(2)));
 typedef int8_t vi8u __attribute__((vector_size(LANES), aligned(1)));
 typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 
-/* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights in blocks of 32,
- * in a layout of ours (packed.py) with every scale a float32 whose value is the one gguf's decoding computes
- * (GGUF's float16 ones converted exactly; a K-quant's sub-block scale times its super-block's, an exact product):
- *   Q4_1, Q4_K: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
+/* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights. The K-quants
+ * (Q4_K, Q5_K, Q6_K) are read as the file holds them, super-blocks of 256 weights (8 sub-blocks of 32; float16
+ * scales, 6- or 8-bit sub-block scales), their scales unpacked once a super-block (unpack()). The others are blocks
+ * of 32 in a layout of ours (packed.py), every scale a float32 of the float16's value:
+ *   Q4_1: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
  *   Q8_0: scale a, 32 int8 q; a * q
  *   Q4_0: scale a, 16 bytes as Q4_1's; a * (q - 8)
- *   Q5_K: as Q4_K, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
- *   Q6_K: scales a0 (weights 0-15) and a1 (16-31), 16 bytes as Q4_1's, then two words of bits: q's fifth and
- *         sixth; a0 or a1 times (q - 32)
+ *   Q5_1: as Q4_1, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
+ *   Q5_0: scale a, 16 bytes as Q4_1's, 32 bits as Q5_1's; a * (q - 16)
+ * and a K-quant's sub-block: Q4_K, Q5_K (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32), sc of 16 weights.
  * A weight is computed exactly as the float32 value the loader decoded (gguf.quants.dequantize): the products
- * a * q of Q4_0, Q4_1, Q4_K, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact; adding b rounds
- * once, as there (Q4_K's b is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds
- * once, its one float32 product there too. So streaming the blocks gives a float32 model's results from 5-8 bits a
- * weight instead of 32. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
-enum { WIDE = 9 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+ * a * q of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact, and so
+ * is d * sc; adding b rounds once, as there (a fused multiply-add rounds a * q + b once too, the same value; Q4_K's b
+ * is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds once, its one float32
+ * product there too. So streaming the blocks gives a float32 model's results from 5-9 bits a weight instead of 32. */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
+enum { WIDE = 11 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
-enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q4_K_BYTES = 24, Q5_K_BYTES = 28, Q6_K_BYTES = 32 };
+#define SUPER 256  /* and a K-quant's super-block */
+enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q5_0_BYTES = 24, Q5_1_BYTES = 28,
+       Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };  /* a block's, a super-block's */
 
-static inline long block_bytes(int type) {  /* bytes a block of `type`; 0 for types of one value an element */
+static inline int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+static inline long group_bytes(int type) {  /* bytes a block (super-block) of `type`; 0 for one value an element */
     switch (type) {
     case Q4_1: return Q4_1_BYTES;
     case Q8_0: return Q8_0_BYTES;
     case Q4_0: return Q4_0_BYTES;
+    case Q5_0: return Q5_0_BYTES;
+    case Q5_1: return Q5_1_BYTES;
     case Q4_K: return Q4_K_BYTES;
     case Q5_K: return Q5_K_BYTES;
     case Q6_K: return Q6_K_BYTES;
     default: return 0;
     }
 }
+
+static inline long group_size(int type) { return is_super(type) ? SUPER : BLOCK; }  /* weights a group */
 
 #define ROWS 4  /* weight rows per inner step, times */
 #define COLS (REGISTERS / 8)  /* activation rows: ROWS * COLS accumulators, ROWS weights, an input in registers */
@@ -215,20 +224,85 @@ static inline vi lane_bits(int first) {
     return bits;
 }
 
-/* Block i's 32 weights as BLOCK / LANES vectors (the layouts above). Bytes of 4-bit q hold weights j (low 4 bits)
- * and j + 16 (high): a vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take
- * only 16 values, so with AVX-512 each weight is a lane permutation of those values by its q. Q5_K's and Q6_K's
- * further bits are tested lane by lane against the word of bits (a mask, then the bit's value: no variable
- * shifts, which SSE2 lacks). */
-static inline __attribute__((always_inline)) void load_block(const void *p, long i, int type, vf *out) {
-    const uint8_t *block = (const uint8_t *)p + i * block_bytes(type);
+/* float16 bits as the float32 of the same value (every float16 is one), as numpy's astype(np.float32): with
+ * F16C's or AArch64's conversion, else bit by bit. */
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = h >> 10 & 31, m = h & 1023;
+    uint32_t bits = sign | (e == 31 ? 0x7f800000 | m << 13 : (e + 112) << 23 | m << 13);
+    float f;
+    if (e == 0) {  /* zero and the subnormals: m * 2^-24, exact */
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* A K-quant super-block's scales, unpacked once: a of each sub-block of 32, then b of each (Q6_K: a of each 16
+ * weights), as gguf computes them in float32 (d * sc, -(dmin * m)), a vector at a time. */
+enum { SUBS = SUPER / BLOCK };
+struct scales { float a[2 * SUBS]; };  /* b of sub-block i: a[SUBS + i] */
+
+static inline __attribute__((always_inline)) void unpack(const uint8_t *group, int type, struct scales *s) {
+    if (!is_super(type)) return;  /* a block's float32 scales are read as they are */
+    if (type == Q6_K) {  /* 16 int8 scales from byte 192, times the float16 d at 208 */
+        const vf d = splat(half_to_float(group + 208));
+        for (int i = 0; i < SUPER / 16; i += LANES) *(vfu *)(s->a + i) = d * load_i8((const int8_t *)group + 192 + i);
+        return;
+    }
+    /* Q4_K, Q5_K: float16 d and dmin, then 12 bytes of 6-bit scales sc and mins m (gguf's Q4_K.get_scale_min):
+     * bytes 0-3 hold sc 0-3 (their high 2 bits: sc 4-7's), 4-7 m 0-3 (m 4-7's), 8-11 the low 4 bits of sc 4-7 and
+     * (high) m 4-7. As 8 bytes of sc, then 8 of m, four a word. */
+    uint32_t word[3], sc_m[4];
+    memcpy(word, group + 4, 12);
+    sc_m[0] = word[0] & 0x3f3f3f3f;
+    sc_m[1] = (word[2] & 0x0f0f0f0f) | (word[0] >> 6 & 0x03030303) << 4;
+    sc_m[2] = word[1] & 0x3f3f3f3f;
+    sc_m[3] = (word[2] >> 4 & 0x0f0f0f0f) | (word[1] >> 6 & 0x03030303) << 4;
+    const float d = half_to_float(group), minus_dmin = -half_to_float(group + 2);
+    for (int i = 0; i < 2 * SUBS; i += LANES) {  /* -(dmin * m) = -dmin * m, exactly */
+        const vi scales = iota() + (float)i < (float)SUBS;  /* lanes of a: d; of b: -dmin */
+        const vf factor = (vf)(((vi)splat(d) & scales) | ((vi)splat(minus_dmin) & ~scales));
+        *(vfu *)(s->a + i) = factor * __builtin_convertvector(load_u8((const uint8_t *)sc_m + i), vf);
+    }
+}
+
+/* `width` bits of bytes (widened: 0-255) from bit `first` at bit `to`, the others 0: a shift, and a mask unless
+ * the shift leaves none but them (the byte's top bits, brought down to bit 0). */
+static inline vi bits_of(vi bytes, int first, int width, int to) {
+    const vi moved = first >= to ? bytes >> (first - to) : bytes << (to - first);
+    return first + width == 8 && to == 0 ? moved : moved & (((1 << width) - 1) << to);
+}
+
+/* Sub-block `base + part` of a group (a block: 0 + 0) as BLOCK / LANES vectors of its 32 weights, its scales s
+ * unpacked (the layouts above). Our blocks' bytes of 4-bit q hold weights j (low 4 bits) and j + 16 (high): a
+ * vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take only 16 values, so with
+ * AVX-512 each weight is a lane permutation of those values by its q. Q5_0's and Q5_1's fifth bits are tested lane
+ * by lane against the word of bits (a mask, then the bit's value: no variable shifts, which SSE2 lacks). A
+ * K-quant's bits of a sub-block are at one shift in every byte (GGUF's order): vectors of bytes, each shifted
+ * alike. */
+static inline __attribute__((always_inline)) void load_block(const uint8_t *block, int base, const int part,
+                                                             int type, const struct scales *s, vf *out) {
+    const int sub = base + part;  /* base a multiple of 4: part, a constant, gives the shifts */
     float a, b;
-    memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
+    if (is_super(type)) a = s->a[type == Q6_K ? 0 : sub], b = s->a[SUBS + (type == Q6_K ? 0 : sub)];
+    else memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
     if (type == Q8_0) {
         for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(a) * load_i8((const int8_t *)block + 4 + v * LANES);
         return;
     }
-    if (type == Q4_0 || type == Q4_1 || type == Q4_K) {
+    if (type == Q4_0 || type == Q4_1) {
         const uint8_t *q = block + (type == Q4_0 ? 4 : 8);
 #if LANES == 16
         __m512 values = (__m512)(type == Q4_0 ? splat(a) * (iota() - 8.0f) : splat(a) * iota() + b);
@@ -242,28 +316,54 @@ static inline __attribute__((always_inline)) void load_block(const void *p, long
                 out[v] = splat(a) * __builtin_convertvector((bytes & 15) - 8, vf);
                 out[v + 16 / LANES] = splat(a) * __builtin_convertvector((bytes >> 4) - 8, vf);
             } else {
-                out[v] = splat(a) * __builtin_convertvector(bytes & 15, vf) + b;
-                out[v + 16 / LANES] = splat(a) * __builtin_convertvector(bytes >> 4, vf) + b;
+                out[v] = fmadd(splat(a), __builtin_convertvector(bytes & 15, vf), splat(b));
+                out[v + 16 / LANES] = fmadd(splat(a), __builtin_convertvector(bytes >> 4, vf), splat(b));
             }
         }
 #endif
         return;
     }
-    const uint8_t *q = block + 8;
-    uint32_t fifth, sixth = 0;
-    memcpy(&fifth, block + 24, 4);
-    if (type == Q6_K) memcpy(&sixth, block + 28, 4);
+    if (type == Q4_K || type == Q5_K) {  /* q's low 4 bits: sub-blocks 2p and 2p + 1 share 32 bytes, low and high */
+        const uint8_t *q = block + (type == Q4_K ? 16 : 48) + sub / 2 * 32, *fifth = block + 16;
+        const int shift = part % 2 * 4;
+#if LANES == 16
+        if (type == Q4_K) {
+            const __m512 values = (__m512)(splat(a) * iota() + b);  /* an exact product: as one multiply-add */
+            for (int v = 0; v < 2; v++)  /* the permutation reads each lane's low 4 bits */
+                out[v] = (vf)_mm512_permutexvar_ps((__m512i)(load_u8(q + v * LANES) >> shift), values);
+            return;
+        }
+#endif
+        for (int v = 0; v < BLOCK / LANES; v++) {
+            vi qv = bits_of(load_u8(q + v * LANES), shift, 4, 0);
+            if (type == Q5_K) qv |= bits_of(load_u8(fifth + v * LANES) >> base, part, 1, 4);  /* bit sub of byte j */
+            out[v] = fmadd(splat(a), __builtin_convertvector(qv, vf), splat(b));
+        }
+        return;
+    }
+    if (type == Q6_K) {  /* 128 bytes of q's low 4 bits, then 64 of its high 2 */
+        const uint8_t *low = block + sub / 4 * 64 + sub % 2 * 32, *high = block + 128 + sub / 4 * 32;
+        const int low_shift = part / 2 * 4, high_shift = part * 2;
+        for (int v = 0; v < BLOCK / LANES; v++) {
+            vi qv = bits_of(load_u8(low + v * LANES), low_shift, 4, 0) |
+                    bits_of(load_u8(high + v * LANES), high_shift, 2, 4);
+            out[v] = splat(s->a[2 * sub + v * LANES / 16]) * __builtin_convertvector(qv - 32, vf);
+        }
+        return;
+    }
+    const uint8_t *q = block + (type == Q5_0 ? 4 : 8);  /* Q5_0, Q5_1 */
+    uint32_t fifth;
+    memcpy(&fifth, q + 16, 4);
     for (int v = 0; v < 16 / LANES; v++) {
         vi bytes = load_u8(q + v * LANES), low = bytes & 15, high = bytes >> 4;
         const vi low_bits = lane_bits(v * LANES), high_bits = lane_bits(16 + v * LANES);
         low |= ((low_bits & (int32_t)fifth) != 0) & 16, high |= ((high_bits & (int32_t)fifth) != 0) & 16;
-        if (type == Q5_K) {
-            out[v] = splat(a) * __builtin_convertvector(low, vf) + b;
-            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high, vf) + b;
+        if (type == Q5_0) {
+            out[v] = splat(a) * __builtin_convertvector(low - 16, vf);
+            out[v + 16 / LANES] = splat(a) * __builtin_convertvector(high - 16, vf);
         } else {
-            low |= ((low_bits & (int32_t)sixth) != 0) & 32, high |= ((high_bits & (int32_t)sixth) != 0) & 32;
-            out[v] = splat(a) * __builtin_convertvector(low - 32, vf);
-            out[v + 16 / LANES] = splat(b) * __builtin_convertvector(high - 32, vf);
+            out[v] = fmadd(splat(a), __builtin_convertvector(low, vf), splat(b));
+            out[v + 16 / LANES] = fmadd(splat(a), __builtin_convertvector(high, vf), splat(b));
         }
     }
 }
@@ -385,8 +485,8 @@ static inline long padded(long n) { return (n + LANES - 1) / LANES * LANES; }
 
 static inline long size_of(int type) { return type == I8 ? 1 : type == BF16 ? 2 : 4; }
 
-static inline long offset_of(long i, int type) {  /* where element i's bytes are */
-    return block_bytes(type) ? i / BLOCK * block_bytes(type) : i * size_of(type);
+static inline long offset_of(long i, int type) {  /* where element i's bytes (its group's) are */
+    return group_bytes(type) ? i / group_size(type) * group_bytes(type) : i * size_of(type);
 }
 
 static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahead of element i, into L2 */
@@ -400,23 +500,39 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                                                             const int w_type, const int c, long K, float *sums,
                                                             float *keep) {
     vf acc[COLS][ROWS] = {{{0}}};
-    if (block_bytes(w_type)) {  /* a block at a time: each lane's sums in the float32 weights' order */
-        for (long k = 0; k < K; k += BLOCK)
-            for (int j0 = 0; j0 < ROWS; j0 += HELD) {
-                vf wv[HELD][BLOCK / LANES];
-                for (int j = 0; j < HELD; j++) {
-                    prefetch_weights(w, (j0 + j) * K + k, w_type);
-                    load_block(w, ((j0 + j) * K + k) / BLOCK, w_type, wv[j]);
-                    if (keep)
-                        for (int v = 0; v < BLOCK / LANES; v++) *(vf *)(keep + (j0 + j) * K + k + v * LANES) = wv[j][v];
-                }
-                for (int i = 0; i < c; i++)
-                    for (int v = 0; v < BLOCK / LANES; v++) {
-                        vf xv = load(x, i * K + k + v * LANES, x_type);
-                        IN_REGISTER(xv);
-                        for (int j = 0; j < HELD; j++) acc[i][j0 + j] = fmadd(xv, wv[j][v], acc[i][j0 + j]);
-                    }
+    if (group_bytes(w_type)) {  /* a block at a time: each lane's sums in the float32 weights' order */
+        const long G = group_size(w_type);
+        for (long k = 0; k < K; k += G) {  /* a group's scales unpacked once for its blocks */
+            const uint8_t *group[ROWS];
+            struct scales s[ROWS];
+            for (int j = 0; j < ROWS; j++) {
+                group[j] = (const uint8_t *)w + offset_of(j * K + k, w_type);
+                for (long at = 0; at < group_bytes(w_type); at += 64)  /* each cache line of it, ahead */
+                    __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);  /* prefetcht2 */
+                unpack(group[j], w_type, &s[j]);
             }
+            const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
+            for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+                for (int part = 0; part < parts; part++)  /* unrolled: constant shifts */
+                    for (int j0 = 0; j0 < ROWS; j0 += HELD) {
+                        const long at = k + (base + part) * BLOCK;
+                        vf wv[HELD][BLOCK / LANES];
+                        for (int j = 0; j < HELD; j++) {
+                            load_block(group[j0 + j], base, part, w_type, &s[j0 + j], wv[j]);
+                            if (keep)
+                                for (int v = 0; v < BLOCK / LANES; v++)
+                                    *(vf *)(keep + (j0 + j) * K + at + v * LANES) = wv[j][v];
+                        }
+                        for (int i = 0; i < c; i++)
+                            for (int v = 0; v < BLOCK / LANES; v++) {
+                                vf xv = load(x, i * K + at + v * LANES, x_type);
+                                IN_REGISTER(xv);
+                                for (int j = 0; j < HELD; j++)
+                                    acc[i][j0 + j] = fmadd(xv, wv[j][v], acc[i][j0 + j]);
+                            }
+                    }
+        }
 #if BF16_PAIRS
     } else if (as_pairs(x_type, w_type)) {  /* no widening: the CPU multiplies bf16 pairs itself */
         for (long k = 0; k < K; k += 2 * LANES) {
@@ -493,7 +609,8 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
             dot_rows_of(x, X, (const char *)w + offset_of((n + j) * K, W), W, B, K, sums + j);                 \
     }
 #define DOT_ROWS_OF_ALL(X) DOT_ROWS_AS(X, F32) DOT_ROWS_AS(X, BF16) DOT_ROWS_AS(X, I8) DOT_ROWS_AS(X, Q4_1)       \
-    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)
+    DOT_ROWS_AS(X, Q8_0) DOT_ROWS_AS(X, Q4_0) DOT_ROWS_AS(X, Q4_K) DOT_ROWS_AS(X, Q5_K) DOT_ROWS_AS(X, Q6_K)      \
+    DOT_ROWS_AS(X, Q5_0) DOT_ROWS_AS(X, Q5_1)
 DOT_ROWS_OF_ALL(F32)
 DOT_ROWS_OF_ALL(BF16)
 
@@ -510,17 +627,73 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
     case Q4_K: dot_rows_##X##_Q4_K(x, w, B, n, K, sums); break;                    \
     case Q5_K: dot_rows_##X##_Q5_K(x, w, B, n, K, sums); break;                    \
     case Q6_K: dot_rows_##X##_Q6_K(x, w, B, n, K, sums); break;                    \
+    case Q5_0: dot_rows_##X##_Q5_0(x, w, B, n, K, sums); break;                    \
+    case Q5_1: dot_rows_##X##_Q5_1(x, w, B, n, K, sums); break;                    \
     }
     if (x_type == BF16) DOT_ROWS(BF16) else DOT_ROWS(F32)
 #undef DOT_ROWS
 }
 
+/* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
+ * layer and linear layer (struct block's order), the step's adapters' A stacked, a (n, r, in), and their scaled B
+ * transposed, b (n, r, out), float32, every rank zero-padded to r; a NULL: no row's adapter adapts it. */
+struct lowrank {
+    const float *a[7], *b[7];
+    long r[7];
+};
+
+/* The updates of `count` matrices of one products() call (those of u from `first` on): row i (of T a sequence)
+ * of adapter adapter[i / T] >= 0 adds b_adapter^T t_i, its t_i = a_adapter x_i (lowrank_inputs()) at t + (m * R
+ * + i) * rmax. */
+struct updates {
+    const struct lowrank *u;
+    int first;
+    const int32_t *adapter;
+    long T, R, rmax;
+    const float *t;
+};
+
+/* Row i's adapter for matrix m of d's products, or -1: none (a base row, or a layer no adapter adapts). */
+static inline int adapter_of(const struct updates *d, int m, long i) {
+    return d && d->u->a[d->first + m] ? d->adapter[i / d->T] : -1;
+}
+
+/* LANES outputs n.. of row i's update for matrix m: b_a^T t_i, its r products added in order (fmadd). */
+static inline vf update(const struct updates *d, int m, int a, long i, long n, long N) {
+    const long r = d->u->r[d->first + m];
+    const float *b = d->u->b[d->first + m] + a * r * N + n, *t = d->t + (m * d->R + i) * d->rmax;
+    vf acc = {0};
+    for (long j = 0; j < r; j++) acc = fmadd(splat(t[j]), load_f32(b + j * N), acc);
+    return acc;
+}
+
+/* Inside a parallel region: t for each adapted row of `count` matrices of one input x (R, K) of x_type, every
+ * a_adapter's r dot products with the row (fmadd in LANES partial sums, as the base products), rounded to the
+ * step's `type` as torch's x @ A^T would be. */
+static void lowrank_inputs(const struct updates *d, int count, const void *x, int x_type, int type, long K) {
+    int adapted = 0;  /* the same for every thread: none of them meets the loop's barrier, or all do */
+    for (int m = 0; m < count; m++) adapted |= d->u->a[d->first + m] != NULL;
+    if (!adapted) return;
+#pragma omp for schedule(static)
+    for (long k = 0; k < count * d->R * d->rmax; k++) {
+        const int m = k / (d->R * d->rmax);
+        const long i = k / d->rmax % d->R, j = k % d->rmax, a = adapter_of(d, m, i), r = d->u->r[d->first + m];
+        if (a < 0 || j >= r) continue;
+        const float *row = d->u->a[d->first + m] + (a * r + j) * K;
+        vf acc = {0};
+        for (long c = 0; c < K; c += LANES) acc = fmadd(load(x, i * K + c, x_type), load_f32(row + c), acc);
+        ((float *)d->t)[(m * d->R + i) * d->rmax + j] = round_to(type, sum_lanes(acc));
+    }
+}
+
 /* Inside a parallel region, each thread its share of output rows: y[m] (B, N[m]) = x (B, K) @ w[m] (N[m], K)^T,
  * w[m] of w_type[m], times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices
  * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
- * torch's y + product would be. */
+ * torch's y + product would be. With d (else NULL), an adapted row's product, rounded, then gets its update added
+ * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. */
 static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
-                     const float *const *scale, void *const *y, int add, long B, const long *N, long K) {
+                     const float *const *scale, void *const *y, int add, long B, const long *N, long K,
+                     const struct updates *d) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
 #pragma omp for schedule(static)
@@ -533,6 +706,9 @@ static void products(const void *x, int x_type, int type, int count, const void 
         for (long b = 0; b < B; b++) {
             vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
+            const int a = adapter_of(d, m, b);
+            if (a >= 0)
+                value = round_lanes(type, round_lanes(type, value) + round_lanes(type, update(d, m, a, b, n, N[m])));
             if (add) value = load(y[m], b * N[m] + n, type) + round_lanes(type, value);
             store_lanes(y[m], b * N[m] + n, type, value);
         }
@@ -541,8 +717,8 @@ static void products(const void *x, int x_type, int type, int count, const void 
 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
  * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales) or a block type; K is a multiple of 16 (of
- * BLOCK for block types), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a time: a block's
- * activations stay in L2 while every weight row streams past them. */
+ * BLOCK for block types, of SUPER for the K-quants), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a
+ * time: a block's activations stay in L2 while every weight row streams past them. */
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 64
 #endif
@@ -562,7 +738,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
         for (int m = 0, before = 0; m < count; before += N[m++])
             ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
         products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
-                 ys, 0, rows, N, K);
+                 ys, 0, rows, N, K, NULL);
     }
     free(wide);
 }
@@ -752,11 +928,17 @@ struct step {
     long slot_stride;
     const struct cache *cache;
     const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
+    const struct lowrank *lowrank;  /* each layer's, or NULL: no adapter rows */
+    const int32_t *adapter;  /* (B,): row b's adapter in lowrank's stacks, or -1: the base's */
 };
 
 /* Scratch for a layer's intermediate activations: queries, keys and values of the step's type; the products'
  * inputs (room for float32), read many times. */
-struct scratch { char *q, *k, *v, *h, *att, *a; };
+struct scratch {
+    char *q, *k, *v, *h, *att, *a;
+    float *t;  /* the low-rank updates' t, (7, R, rmax) */
+    long rmax;
+};
 
 /* One transformer block, inside a parallel region (every thread calls it):
  *     x += o(attention(rope(q(norm x)), the cache with rope(k(norm x)) and v(norm x) written in));
@@ -773,10 +955,17 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     /* The products' inputs: bf16 where the CPU multiplies bf16 weights by them as they are, else float32
      * holding values of the step's type, widened once. */
     const int in = as_pairs(type, w->w_type[0]) ? BF16 : F32;  /* bf16 models' matrices are all bf16 */
+    /* Adapter rows' updates, of the linear layers from q_proj (0), o_proj (3), gate_proj (4), down_proj (6) on */
+    const struct updates *d[7] = {NULL};
+    struct updates all[7];
+    for (int j = 0; s->lowrank && j < 7; j++)
+        all[j] = (struct updates){s->lowrank + l, j, s->adapter, T, R, m->rmax, m->t + j * R * m->rmax},
+        d[j] = all + j;
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
+    if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C);
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0]);
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -816,9 +1005,11 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
                    s->mask ? s->mask + r * S : NULL, p, p + MAX_GROUP * padded(S));
     }
 
+    if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D);
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3]);
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
+    if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
@@ -830,22 +1021,29 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
             if (w->up_proj_scale) uv *= load_f32(w->up_proj_scale + n);
+            const int ga = adapter_of(d[4], 0, r), ua = adapter_of(d[4], 1, r);  /* as products() adds them */
+            if (ga >= 0)
+                gv = round_lanes(type, round_lanes(type, gv) + round_lanes(type, update(d[4], 0, ga, r, n, I)));
+            if (ua >= 0)
+                uv = round_lanes(type, round_lanes(type, uv) + round_lanes(type, update(d[4], 1, ua, r, n, I)));
             store_lanes(m->a, r * I + n, in, silu_times(type, round_lanes(type, gv), round_lanes(type, uv)));
         }
     }
 
+    if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I);
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6]);
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
  * `type` updated in place; one parallel region for all of them, so the threads never go back to sleep
  * between layers. cache: every layer's keys and values (struct cache), of any cache type; the rest as struct
- * step. D is a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of
- * memory. */
+ * step; lowrank (each layer's, or NULL) and adapter (B,) the LoRA adapters' updates of the adapter rows. D is
+ * a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of memory. */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
-           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask) {
-    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask};
+           const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
+           const struct lowrank *lowrank, const int32_t *adapter) {
+    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask, lowrank, adapter};
     const long S = cache->S;
     const long R = B * T, size = size_of(type);
     long C = 0, QD = 0, KVD = 0, I = 0, D = 0;  /* the largest of any layer */
@@ -853,11 +1051,15 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
         C = w[l].C > C ? w[l].C : C, I = w[l].I > I ? w[l].I : I, D = w[l].D > D ? w[l].D : D;
         QD = w[l].H * w[l].D > QD ? w[l].H * w[l].D : QD, KVD = w[l].KVH * w[l].D > KVD ? w[l].KVH * w[l].D : KVD;
     }
-    char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I));
+    long rmax = 0;  /* the largest rank */
+    for (int l = 0; lowrank && l < layers; l++)
+        for (int j = 0; j < 7; j++) rmax = lowrank[l].a[j] && lowrank[l].r[j] > rmax ? lowrank[l].r[j] : rmax;
+    char *buffer = malloc(size * R * (QD + 2 * KVD) + sizeof(float) * R * (C + QD + I + 7 * rmax));
     if (!buffer) return -1;
     struct scratch m;
     m.h = buffer, m.att = m.h + sizeof(float) * R * C, m.a = m.att + sizeof(float) * R * QD;
-    m.q = m.a + sizeof(float) * R * I, m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
+    m.t = (float *)(m.a + sizeof(float) * R * I), m.rmax = rmax;
+    m.q = (char *)(m.t + 7 * R * rmax), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
     int failed = 0;
 #pragma omp parallel
     {

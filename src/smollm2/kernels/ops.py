@@ -27,7 +27,7 @@ MAX_HEAD_DIM = 256  # as kernels.c
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as struct block
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed", "Q4_0 packed", "Q4_K packed",
-                  "Q5_K packed", "Q6_K packed")  # by kernels.c's type
+                  "Q5_K packed", "Q6_K packed", "Q5_0 packed", "Q5_1 packed")  # by kernels.c's type
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
 # bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
@@ -63,6 +63,18 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     return y if scale is None else y * scale.to(y.dtype)
 
 
+def each_prompt(choices: Choices, plain: Callable, *rows: torch.Tensor):
+    """plain(*rows), torch's code for activations (1, rows, ...); in a batched prefill (Choices.packed) once per
+    prompt's rows, so that each gets the bits it gets alone."""
+    split = choices.split(rows[0].shape[1]) if rows[0].dim() > 2 and rows[0].shape[0] == 1 else None
+    if split is None or len(split) == 1:
+        return plain(*rows)
+    parts = [plain(*part) for part in zip(*(t.split(split, dim=1) for t in rows))]
+    if isinstance(parts[0], list):  # the products of one input (gate and up)
+        return [torch.cat(outputs, dim=1) for outputs in zip(*parts)]
+    return torch.cat(parts, dim=1)
+
+
 def pointers(tensors, kind=ctypes.c_void_p):
     return (kind * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
@@ -92,7 +104,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
 
     def plain():
-        return [torch_linear(x, w, s) for w, s in zip(weights, scales)]
+        return each_prompt(choices, lambda x: [torch_linear(x, w, s) for w, s in zip(weights, scales)], x)
 
     # Weights held as blocks alone (held.py) go to the kernel at any size, unmeasured: torch would decode them
     # first, every time.
@@ -113,7 +125,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
                           N=(ctypes.c_long * len(sizes))(*sizes), K=K)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
-    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], rows_bucket(rows),
+    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
                             torch.get_num_threads(), (K, *sizes)), kernel, plain, measured=not held)
 
 
@@ -124,6 +136,14 @@ class BlockWeights(ctypes.Structure):
                 + [("w_type", ctypes.c_int * len(LINEARS))]  # each matrix's: GGUF files mix them
                 + [(name, ctypes.c_long) for name in ("C", "H", "KVH", "D", "I")]
                 + [("eps", ctypes.c_float)])
+
+
+class LowRank(ctypes.Structure):
+    """kernels.c's struct lowrank: a layer's LoRA updates for a decoding step, per linear layer (LINEARS' order) the
+    step's adapters' A stacked, (n, r, in), and their (s B)^T stacked, (n, r, out), float32 and contiguous, ranks
+    zero-padded to r; None: no adapter of the step adapts it."""
+    _fields_ = [("a", ctypes.c_void_p * len(LINEARS)), ("b", ctypes.c_void_p * len(LINEARS)),
+                ("r", ctypes.c_long * len(LINEARS))]
 
 
 class CacheLayers(ctypes.Structure):
@@ -143,7 +163,8 @@ def layer_pointers(t: torch.Tensor | None):
 
 
 def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache,
-           slots: torch.Tensor, plain: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+           slots: torch.Tensor, plain: Callable[[], torch.Tensor],
+           updates: tuple[ctypes.Array, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The model's blocks, one after another, for a few rows decoding against a KV cache: one call, one
     parallel region for all of them (norms, products, RoPE, cache writes, attention). None where the
     kernel cannot run them. weights: a BlockWeights per block. plain() is the model's own loop over the
@@ -152,16 +173,19 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
 
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     cache: a KVCache (or a view of one), (L, B, KVH, S, D) of any of its dtypes; slots: (T,) or (B, T) cache slots
-    of the rows."""
+    of the rows; updates: LoRA adapters' (a LowRank per block, and each row's adapter among them, (B,) int32, -1
+    for none), each adapter row's update added after its base product, the other rows' bits unchanged."""
     B, T, C = x.shape
     k, v, k_scale, v_scale = cache.k, cache.v, cache.k_scale, cache.v_scale  # in place: a view's rows and slots
     L, S, w = len(weights), cache.max_len, weights[0]
     cos, sin = rope
+    lowrank, adapter = updates or (None, None)
     if B * T > MAX_ROWS or not usable(choices, x) or not (
             k.dtype in TYPES and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and k.stride() == v.stride()
             and (k_scale is None or (k_scale.stride(-2) == 1 and k_scale.stride() == v_scale.stride()))
             and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()
-            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C):
+            and k.shape[:3] == (L, B, w.KVH) and k.shape[4] == w.D and C == w.C
+            and (adapter is None or (adapter.dtype == torch.int32 and adapter.shape == (B,)))):
         return None
     slots = slots.to(torch.int64).contiguous()
     if slots.numel() and not 0 <= slots.min() <= slots.max() < S:  # torch raises the IndexError
@@ -176,7 +200,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
         if compiled().blocks(w=weights, layers=L, x=y.data_ptr(), type=TYPES[x.dtype], B=B, T=T, cos=cos.data_ptr(),
                              sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
                              cache=ctypes.byref(cache_layers),
-                             mask=None if full_mask is None else full_mask.data_ptr()):
+                             mask=None if full_mask is None else full_mask.data_ptr(), lowrank=lowrank,
+                             adapter=None if adapter is None else adapter.data_ptr()):
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
@@ -220,8 +245,9 @@ def prompt_attention(choices: Choices, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
-             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """silu(gate) * up in one pass; plain(), torch's, where the kernel does not run it or is the slower."""
+             torch_silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu(gate) * up in one pass; torch_silu_mul(gate, up) where the kernel does not run it or is the slower."""
+    plain = lambda: each_prompt(choices, torch_silu_mul, gate, up)  # noqa: E731
     if not (prompt_rows(choices, gate, up) and gate.shape == up.shape and gate.shape[-1] % 16 == 0):
         return plain()
 
@@ -231,15 +257,16 @@ def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
                             n=gate.numel())
         return out
 
-    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, rows_bucket(gate.numel() // gate.shape[-1]),
+    return choices.pick(Key("silu_mul", DTYPES[gate.dtype], None, choices.bucket(gate.numel() // gate.shape[-1]),
                             torch.get_num_threads(), (gate.shape[-1],)), kernel, plain)
 
 
 def rope(choices: Choices, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); plain(), torch's,
-    where the kernel does not run it or is the slower."""
+         torch_rope: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in one pass, x (B, T, heads, D), cos and sin (B, T, 1, D); torch_rope(x, cos,
+    sin) where the kernel does not run it or is the slower."""
     B, T, heads, D = x.shape
+    plain = lambda: each_prompt(choices, torch_rope, x, cos, sin)  # noqa: E731
     if not (prompt_rows(choices, x, cos, sin) and cos.shape == sin.shape == (B, T, 1, D) and D % 32 == 0):
         return plain()
 
@@ -249,15 +276,16 @@ def rope(choices: Choices, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                              type=TYPES[x.dtype], R=B * T, heads=heads, D=D)
         return out
 
-    return choices.pick(Key("rope", DTYPES[x.dtype], None, rows_bucket(B * T), torch.get_num_threads(), (heads, D)),
+    return choices.pick(Key("rope", DTYPES[x.dtype], None, choices.bucket(B * T), torch.get_num_threads(), (heads, D)),
                         kernel, plain)
 
 
 def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float,
-             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """weight * x / rms(x) over the last dimension in one pass; plain(), torch's, where the kernel does not run
-    it or is the slower."""
+             torch_norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension in one pass; torch_norm(x) where the kernel does not run it or
+    is the slower."""
     C = x.shape[-1]
+    plain = lambda: each_prompt(choices, torch_norm, x)  # noqa: E731
     if not (prompt_rows(choices, x, weight) and C % 16 == 0 and weight.shape == (C,)):
         return plain()
 
@@ -267,5 +295,5 @@ def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float
                              R=x.numel() // C, C=C, eps=eps)
         return out
 
-    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, rows_bucket(x.numel() // C), torch.get_num_threads(),
+    return choices.pick(Key("rms_norm", DTYPES[x.dtype], None, choices.bucket(x.numel() // C), torch.get_num_threads(),
                             (C,)), kernel, plain)

@@ -69,8 +69,8 @@ class DrainingServer(uvicorn.Server):
         if self.deadline is not None and not self.should_exit:
             if self.served.admitted and time.monotonic() >= self.deadline:
                 log.warning("drain timeout: ending %d request(s) still in flight", self.served.admitted)
-                for scheduler in self.served.schedulers.values():  # each request ends with an error event
-                    await asyncio.to_thread(scheduler.stop)
+                for engine in self.served.engines.values():  # each request ends with an error event
+                    await asyncio.to_thread(engine.stop)
             self.should_exit = self.should_exit or not self.served.admitted or time.monotonic() >= self.deadline
         return await super().on_tick(counter)
 

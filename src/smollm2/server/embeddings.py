@@ -1,8 +1,8 @@
-"""OpenAI's embeddings: POST /v1/embeddings, smollm2.generation.embed on the scheduler's thread.
+"""OpenAI's embeddings: POST /v1/embeddings, smollm2.generation.embed on the model's engine thread.
 
 `input` is a string, token ids, or a list of either (at most MAX_INPUTS, each within the context window, at most
 MAX_TOKENS in all); `encoding_format` float (a list of numbers) or base64 (little-endian float32, as OpenAI's).
-The rows run in batches of at most BATCH_TOKENS padded tokens, each a call between two of the scheduler's steps,
+The rows run in batches of at most BATCH_TOKENS padded tokens, each a call between two of the engine's steps,
 so the streams running meanwhile wait for no more than a prompt's prefill chunk at a time.
 """
 
@@ -17,7 +17,9 @@ from fastapi import Request as Connection
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from ..generation import steps
+from ..generation.adapters import Adapters, LoRA
 from ..generation.embeddings import embed
+from ..generation.request import checked_rows
 from .serving import APIError, AppState, Text, text_or_ids
 
 MAX_INPUTS = 2048  # as OpenAI
@@ -48,29 +50,23 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingsBody, connection: Connection, served: AppState):
-    scheduler = served.scheduler(body.model)
-    vocab_size = scheduler.model.config.vocab_size
+    thread = served.engine(body.model)
     rows = []
     for i, item in enumerate(body.input):
         where = "input" if len(body.input) == 1 else f"input.{i}"
         ids = served.tokenizer.encode(item) if isinstance(item, str) else item
         if not ids:
             raise APIError(400, f"{where}: is empty: an embedding needs a token at least", param=where)
-        if len(ids) > scheduler.max_seq_len:
-            raise APIError(400, f"{where}: {len(ids)} tokens exceed this server's context window of "
-                           f"{scheduler.max_seq_len}", param=where)
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"{where}: {bad} is not a token id in [0, {vocab_size})", param=where)
-        rows.append(ids)
+        rows += checked_rows([ids], thread.model.config, thread.max_seq_len, where)
     tokens = sum(map(len, rows))
     if tokens > MAX_TOKENS:
         raise APIError(400, f"input: {tokens} tokens in all; at most {MAX_TOKENS}", param="input")
+    lora = thread.adapters.loaded.get(body.model)  # a LoRA adapter's embeddings are its own
     vectors = []
     for batch in batches(rows):
         if await connection.is_disconnected():  # nobody is waiting for the rest
             raise APIError(499, "the client went away")
-        vectors += await scheduler.call(functools.partial(embed, scheduler.model, batch))
+        vectors += await thread.call(functools.partial(adapted_embed, thread.adapters, lora, batch))
     data = [dict(object="embedding", index=i, embedding=encode(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return dict(object="list", data=data, model=body.model, usage=dict(prompt_tokens=tokens, total_tokens=tokens))
@@ -80,3 +76,8 @@ def encode(vector, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
     return vector.tolist()
+
+
+def adapted_embed(adapters: Adapters, lora: LoRA | None, rows: list[list[int]]):
+    """embed() on the model with `lora` (None: the base), chosen on the engine thread, where passes select theirs."""
+    return embed(adapters.model_for([lora] * len(rows)), rows)

@@ -1,5 +1,5 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, on the machinery chat completions run
-on (messages -> chat template -> prompt ids -> scheduler), in Anthropic's shapes.
+on (messages -> chat template -> prompt ids -> a Request on the model's engine thread), in Anthropic's shapes.
 
 `system` is a string or text blocks; each message's content a string or blocks: text, an assistant's tool_use
 blocks (its calls) and a user's tool_result blocks (a tool's answer to one). A last assistant message of text is
@@ -25,11 +25,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import FieldError
+from ..generation.grammar import Grammar
+from ..generation.request import Names, Request
 from ..generation.sampling import Sampling
-from ..tools import CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
-from .scheduler import Delta, Done, Request, Scheduler
-from .serving import (APIError, AppState, Ask, EventStream, Served, Stops, Text, answers, as_api_error,
-                      check_room, content_text, grammar, sse, submit)
+from ..tools import CallPiece, ToolCall, Tools, check_call, renamed
+from .scheduler import Done, EngineThread
+from .serving import (APIError, AppState, EventStream, Served, Stops, Text, Writer, answers, as_api_error,
+                      content_text, grammar, sse, stream, submit)
 
 # An Anthropic tool keeps at its top what chat completions' keep under "function", its parameters' schema as
 # input_schema; a tool_use block its arguments as input.
@@ -84,6 +86,14 @@ class MessagesBody(CountBody):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
+
+    def to_request(self, prompt: list[int], thread: EngineThread, grammar: Grammar | None) -> Request:
+        """The Request of this body, its conversation already through the chat template as `prompt`."""
+        return Request(prompt, self.max_tokens, Sampling(temperature=self.temperature, top_p=self.top_p,
+                                                         top_k=self.top_k),
+                       stop=tuple(self.stop_sequences or ()), grammar=grammar, speculative=thread.speculation(None),
+                       adapter=self.model, names=Names(prompt="messages", max_new_tokens="max_tokens",
+                                                       stop="stop_sequences", entries=True))
 
 
 def function_tools(body: CountBody) -> Tools | None:
@@ -183,43 +193,37 @@ router = APIRouter(route_class=AnthropicErrors)
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountBody, served: AppState):
-    served.scheduler(body.model)
+    served.engine(body.model)
     return {"input_tokens": len(prompt_ids(served, body, function_tools(body)))}
 
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesBody, connection: Connection, served: AppState):
-    scheduler = served.scheduler(body.model)
+    thread = served.engine(body.model)
     tools = function_tools(body)
     prompt = prompt_ids(served, body, tools)
-    check_room(prompt, body.max_tokens, scheduler.max_seq_len, "messages", "max_tokens")
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    ask = Ask([prompt], body.max_tokens, sampling, stop=body.stop_sequences or [],
-              grammar=await grammar(None, served.tokenizer, "tools", tools))
-    (request,) = submit(scheduler, ask)
-    answer = Answer(body.model, len(prompt), tools)
+    request = body.to_request(prompt, thread, await grammar(None, served.tokenizer, "tools", tools))
+    generations = submit(served, [request])
+    answer = Answer(body.model, len(prompt))
     if body.stream:
-        return EventStream(answer.stream(scheduler, request))
-    texts, dones, _ = await answers(scheduler, [request], connection)
-    text, calls = parse_tool_calls(texts[0]) if answer.parser is not None else (texts[0], [])
-    return answer.message(answer.content(text, calls), dones[0], calls)
+        return EventStream(stream(thread, generations, answer, tools))
+    (whole,) = await answers(thread, generations, connection, tools)
+    return answer.message(answer.content(whole.text, whole.calls), whole.done, whole.calls)
 
 
-class Answer:
+class Answer(Writer):
     """One answer of /v1/messages in Anthropic's shapes: the message (its text block, then its tool_use blocks),
     or the events of its stream."""
 
-    def __init__(self, model: str, prompt_tokens: int, tools: Tools | None):
+    def __init__(self, model: str, prompt_tokens: int):
         self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
-        # Reads the answer's calls as it streams, where the model may make them.
-        self.parser = ToolCallParser() if tools is not None and tools.offered else None
         self.ids = collections.defaultdict(lambda: f"toolu_{secrets.token_hex(12)}")  # each call's, by its call id
         self.blocks = 0  # streamed: the content blocks begun, the last one open
 
     def message(self, content: list[dict], done: Done | None = None, calls: list[ToolCall] = ()) -> dict:
         """The message object; done None: as it starts, before its end is known."""
         return dict(id=self.id, type="message", role="assistant", model=self.model, content=content,
-                    **self.end(done, calls), usage=dict(input_tokens=self.prompt_tokens,
+                    **self.stop_reason(done, calls), usage=dict(input_tokens=self.prompt_tokens,
                                                         output_tokens=0 if done is None else done.completion_tokens))
 
     def content(self, text: str | None, calls: list[ToolCall]) -> list[dict]:
@@ -232,7 +236,7 @@ class Answer:
         return {"type": "tool_use", "id": self.ids[call.id], "name": call.name, "input": arguments}
 
     @staticmethod
-    def end(done: Done | None, calls: list[ToolCall] = ()) -> dict:
+    def stop_reason(done: Done | None, calls: list[ToolCall] = ()) -> dict:
         """stop_reason and stop_sequence: EOS is the end of the model's turn, or of its calls."""
         if done is None:
             return dict(stop_reason=None, stop_sequence=None)
@@ -252,42 +256,38 @@ class Answer:
         its calls: no text comes after them."""
         if text:
             if not self.blocks:
-                yield from self.begin({"type": "text", "text": ""})
+                yield from self.open({"type": "text", "text": ""})
             yield self.event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
         for piece in pieces:
             if piece.first:
-                yield from self.begin(self.tool_use(piece.call, {}))
+                yield from self.open(self.tool_use(piece.call, {}))
             if piece.arguments:
                 yield self.event("content_block_delta", index=self.blocks - 1,
                                  delta={"type": "input_json_delta", "partial_json": piece.arguments})
 
-    def begin(self, block: dict):
+    def open(self, block: dict):
         """The events that close the open block, if any, and begin this one."""
         if self.blocks:
             yield self.event("content_block_stop", index=self.blocks - 1)
         self.blocks += 1
         yield self.event("content_block_start", index=self.blocks - 1, content_block=block)
 
-    async def stream(self, scheduler: Scheduler, request: Request):
-        try:
-            yield self.event("message_start", message=self.message([]))
-            async for event in request.events():
-                if isinstance(event, Delta):
-                    if event.text:
-                        text, pieces = self.parser.feed(event.text) if self.parser else (event.text, [])
-                        for sent in self.pieces(text, pieces):
-                            yield sent
-                elif event.error:  # the status is already sent: the error can only travel in the stream
-                    yield sse(error_body(APIError(503, event.error)), event="error")
-                else:
-                    for sent in self.pieces(self.parser.finish() if self.parser else "", []):
-                        yield sent
-                    if not self.blocks:  # no text and no call: the text, empty
-                        for sent in self.begin({"type": "text", "text": ""}):
-                            yield sent
-                    yield self.event("content_block_stop", index=self.blocks - 1)
-                    yield self.event("message_delta", delta=self.end(event, self.parser.calls if self.parser else []),
-                                     usage=dict(output_tokens=event.completion_tokens))
-                    yield self.event("message_stop")
-        finally:  # no-op once done; frees the slot when the client went away mid-answer
-            scheduler.cancel(request)
+    # Streamed: the events of serving.stream's path.
+
+    def begin(self):
+        yield self.event("message_start", message=self.message([]))
+
+    def piece(self, index, text, pieces, logprobs):
+        return self.pieces(text, pieces)
+
+    def finished(self, index, done, text, calls):
+        yield from self.pieces(text, [])
+        if not self.blocks:  # no text and no call: the text, empty
+            yield from self.open({"type": "text", "text": ""})
+        yield self.event("content_block_stop", index=self.blocks - 1)
+        yield self.event("message_delta", delta=self.stop_reason(done, calls),
+                         usage=dict(output_tokens=done.completion_tokens))
+        yield self.event("message_stop")
+
+    def failed(self, error):
+        yield sse(error_body(APIError(503, error)), event="error")

@@ -8,8 +8,8 @@ them, model_name and engine, one series per model served: what KEDA, KServe and 
 extension's endpoint picker read, unmodified.
 
 The metrics live in a registry of the app's own, so two apps in one process (tests) count apart. Token times are
-taken by the scheduler's thread as each token is sampled (Request.token_times) and observed once a request ends,
-finished or cancelled, so the scheduler's step does no more than append a number.
+taken by the engine thread as each token is sampled (Generation.token_times) and observed once a request ends,
+finished or cancelled, so the engine thread's step does no more than append a number.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ VLLM_LABELS = ("model_name", "engine")  # engine: vLLM's index of an engine core
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, schedulers: dict):
-        """schedulers: the scheduler of each model served, by name."""
+    def __init__(self, engines: dict):
+        """engines: the engine thread of each model served, by name."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("smollm2_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=registry)
@@ -41,13 +41,13 @@ class Metrics:
         self.generated_tokens = Counter("smollm2_generated_tokens", "Tokens generated for the requests ended",
                                         registry=registry)
         Gauge("smollm2_requests_waiting", "Requests queued for a free row", registry=registry).set_function(
-            lambda: sum(scheduler.load()["waiting"] for scheduler in schedulers.values()))
+            lambda: sum(thread.load()["waiting"] for thread in engines.values()))
         Gauge("smollm2_requests_running", "Requests in flight, a row of the batch each", registry=registry
-              ).set_function(lambda: sum(scheduler.load()["active"] for scheduler in schedulers.values()))
-        registry.register(PrefixCacheCounts([scheduler.prefix_cache for scheduler in schedulers.values()
-                                             if scheduler.prefix_cache is not None]))
-        registry.register(DecodingCounts([s.engine for s in schedulers.values()]))
-        registry.register(VllmLoad(schedulers))
+              ).set_function(lambda: sum(thread.load()["active"] for thread in engines.values()))
+        registry.register(PrefixCacheCounts([thread.prefix_cache for thread in engines.values()
+                                             if thread.prefix_cache is not None]))
+        registry.register(DecodingCounts([s.engine for s in engines.values()]))
+        registry.register(VllmLoad(engines))
         self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests ended", VLLM_LABELS,
                                           registry=registry)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated for the requests ended",
@@ -58,7 +58,7 @@ class Metrics:
         self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds",
                                           "Between two tokens of one request", VLLM_LABELS,
                                           buckets=VLLM_INTER_TOKEN_BUCKETS, registry=registry)
-        for name in schedulers:  # every series from the start, at 0: a rate() needs the value before the first
+        for name in engines:  # every series from the start, at 0: a rate() needs the value before the first
             for metric in (self.vllm_prompt_tokens, self.vllm_generation_tokens, self.vllm_time_to_first_token,
                            self.vllm_inter_token):
                 metric.labels(name, "0")
@@ -68,17 +68,17 @@ class Metrics:
         self.inter_token = Histogram("smollm2_inter_token_seconds", "Between two tokens of one request",
                                      buckets=TOKEN_BUCKETS, registry=registry)
 
-    def ended(self, request, model_name: str) -> None:
+    def ended(self, generation, model_name: str) -> None:
         """Count a request of model `model_name` that ended (finished, cancelled or failed): its tokens and their
         times."""
-        times, labels = request.token_times, (model_name, "0")
-        for ours, vllm, tokens in ((self.prompt_tokens, self.vllm_prompt_tokens, request.sequence.prompt),
-                                   (self.generated_tokens, self.vllm_generation_tokens, request.sequence.tokens)):
+        times, labels = generation.token_times, (model_name, "0")
+        for ours, vllm, tokens in ((self.prompt_tokens, self.vllm_prompt_tokens, generation.sequence.prompt),
+                                   (self.generated_tokens, self.vllm_generation_tokens, generation.sequence.tokens)):
             ours.inc(len(tokens))
             vllm.labels(*labels).inc(len(tokens))
         if times:
             for histogram in (self.time_to_first_token, self.vllm_time_to_first_token.labels(*labels)):
-                histogram.observe(times[0] - request.submitted)
+                histogram.observe(times[0] - generation.submitted)
         for before, after in zip(times, times[1:]):
             for histogram in (self.inter_token, self.vllm_inter_token.labels(*labels)):
                 histogram.observe(after - before)
@@ -113,8 +113,8 @@ class VllmLoad(Collector):
     """Each model's load under vLLM's gauges, read as Prometheus scrapes: its requests running (holding a cache
     row) and waiting, and the share of its KV cache's slots that rows hold, from 0 to 1."""
 
-    def __init__(self, schedulers: dict):
-        self.schedulers = schedulers
+    def __init__(self, engines: dict):
+        self.engines = engines
 
     def collect(self):
         families = (GaugeMetricFamily("vllm:num_requests_running", "Requests in flight, a row of the batch each",
@@ -123,9 +123,9 @@ class VllmLoad(Collector):
                                       labels=VLLM_LABELS),
                     GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache's slots rows hold, 0 to 1",
                                       labels=VLLM_LABELS))
-        for name, scheduler in self.schedulers.items():
-            load = scheduler.load()
-            for family, value in zip(families, (load["active"], load["waiting"], scheduler.engine.kv_cache_usage)):
+        for name, thread in self.engines.items():
+            load = thread.load()
+            for family, value in zip(families, (load["active"], load["waiting"], thread.engine.kv_cache_usage)):
                 family.add_metric([name, "0"], value)
         yield from families
 

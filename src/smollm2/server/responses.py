@@ -1,5 +1,5 @@
 """OpenAI's Responses API: POST /v1/responses, on the machinery chat completions run on (messages -> chat
-template -> prompt ids -> scheduler), in its own shapes.
+template -> prompt ids -> a Request on the model's engine thread), in its own shapes.
 
 `input` is text or a list of items: messages (roles user, assistant, system, developer; content text or
 input_text / output_text parts), an answer's function_call items and the function_call_output items that answer
@@ -23,11 +23,13 @@ from fastapi import Request as Connection
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import FieldError
+from ..generation.grammar import Grammar
+from ..generation.request import Names, Request
 from ..generation.sampling import Sampling
-from ..tools import MAX_TOOLS, CallPiece, ToolCall, ToolCallParser, Tools, check_call, parse_tool_calls, renamed
-from .scheduler import Delta, Done, Request, Scheduler
-from .serving import (APIError, AppState, Ask, EventStream, Served, Text, answers, check_room, content_text,
-                      grammar, sse, submit)
+from ..tools import MAX_TOOLS, CallPiece, ToolCall, Tools, check_call, renamed
+from .scheduler import Done, EngineThread
+from .serving import (APIError, AppState, EventStream, Served, Text, Writer, answers, content_text, grammar, sse,
+                      stream, submit)
 
 MAX_STORED = 256  # conversations kept for previous_response_id
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}  # as the template
@@ -59,6 +61,12 @@ class ResponsesBody(BaseModel):
     tool_choice: str | dict | None = None  # "auto" (the default with tools), "none", "required", or a function
     parallel_tool_calls: bool = True
     metadata: dict[str, Text] = {}
+
+    def to_request(self, prompt: list[int], thread: EngineThread, grammar: Grammar | None) -> Request:
+        """The Request of this body, its conversation already through the chat template as `prompt`."""
+        return Request(prompt, self.max_output_tokens, Sampling(temperature=self.temperature, top_p=self.top_p),
+                       grammar=grammar, speculative=thread.speculation(None), adapter=self.model,
+                       names=Names(prompt="input", max_new_tokens="max_output_tokens", entries=True))
 
 
 def function_tools(body: ResponsesBody) -> Tools | None:
@@ -151,7 +159,7 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesBody, connection: Connection, served: AppState):
-    scheduler = served.scheduler(body.model)
+    thread = served.engine(body.model)
     tools = function_tools(body)
     chat = conversation(served, body)
     system = [] if body.instructions is None else [dict(role="system", content=body.instructions)]
@@ -159,27 +167,22 @@ async def create_response(body: ResponsesBody, connection: Connection, served: A
     response_format = body.text.format
     if response_format.get("type") == "json_schema":  # the Responses API's shape -> chat completions'
         response_format = {"type": "json_schema", "json_schema": response_format}
-    check_room(prompt, body.max_output_tokens, scheduler.max_seq_len, "input", "max_output_tokens")
-    ask = Ask([prompt], body.max_output_tokens, Sampling(temperature=body.temperature, top_p=body.top_p),
-              grammar=await grammar(response_format, served.tokenizer, "text.format", tools))
-    (request,) = submit(scheduler, ask)
-    answer = Answer(body, served, chat, tools)
+    request = body.to_request(prompt, thread, await grammar(response_format, served.tokenizer, "text.format", tools))
+    generations = submit(served, [request])
+    answer = Answer(body, served, chat)
     if body.stream:
-        return EventStream(answer.stream(scheduler, request))
-    texts, dones, _ = await answers(scheduler, [request], connection)
-    content, calls = parse_tool_calls(texts[0]) if answer.parser is not None else (texts[0], [])
-    return answer.finished(content, calls, dones[0])
+        return EventStream(stream(thread, generations, answer, tools))
+    (whole,) = await answers(thread, generations, connection, tools)
+    return answer.finished_response(whole.text, whole.calls, whole.done)
 
 
-class Answer:
+class Answer(Writer):
     """One answer of /v1/responses in OpenAI's shapes: the response object, its output items (its message, then
     its function calls), the events of its stream. Once finished, its conversation is stored if the request
     asked."""
 
-    def __init__(self, body: ResponsesBody, served: Served, chat: list[dict], tools: Tools | None):
+    def __init__(self, body: ResponsesBody, served: Served, chat: list[dict]):
         self.body, self.served, self.chat = body, served, chat
-        # Reads the answer's calls as it streams, where the model may make them.
-        self.parser = ToolCallParser() if tools is not None and tools.offered else None
         self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.item_ids = collections.defaultdict(lambda: f"fc_{uuid.uuid4().hex}")  # each call's item's, by call id
         self.created = time.time()
@@ -225,7 +228,7 @@ class Answer:
             tool_choice="auto" if body.tool_choice is None else body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls, truncation="disabled", usage=usage)
 
-    def finished(self, content: str | None, calls: list[ToolCall], done: Done) -> dict:
+    def finished_response(self, content: str | None, calls: list[ToolCall], done: Done) -> dict:
         """The whole response, of the answer's text outside its calls and its calls; its conversation kept for a
         later previous_response_id if the request asked."""
         status = "incomplete" if done.finish_reason == "length" else "completed"
@@ -245,7 +248,7 @@ class Answer:
         calls: no text comes after them."""
         if content:
             if not self.begun:
-                yield from self.begin(None, self.message(None, "in_progress"))
+                yield from self.open(None, self.message(None, "in_progress"))
             self.text.append(content)
             yield self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
                              delta=content, logprobs=[])
@@ -253,21 +256,21 @@ class Answer:
             if piece.first:
                 if self.begun:
                     last = self.begun[-1]
-                    yield from self.end(self.message("".join(self.text), "completed") if last is None
-                                        else self.call_item(last, "completed"))
-                yield from self.begin(piece.call, self.call_item(piece.call, "in_progress", arguments=""))
+                    yield from self.close(self.message("".join(self.text), "completed") if last is None
+                                          else self.call_item(last, "completed"))
+                yield from self.open(piece.call, self.call_item(piece.call, "in_progress", arguments=""))
             if piece.arguments:
                 yield self.event("response.function_call_arguments.delta", item_id=self.item_ids[piece.call.id],
                                  output_index=len(self.begun) - 1, delta=piece.arguments)
 
-    def begin(self, call: ToolCall | None, item: dict):
+    def open(self, call: ToolCall | None, item: dict):
         self.begun.append(call)
         yield self.event("response.output_item.added", output_index=len(self.begun) - 1, item=item)
         if call is None:
             yield self.event("response.content_part.added", item_id=self.message_id, output_index=0,
                              content_index=0, part=self.part(""))
 
-    def end(self, item: dict):
+    def close(self, item: dict):
         """The events that close the last item begun, as it ends."""
         index = len(self.begun) - 1
         if item["type"] == "message":
@@ -279,28 +282,22 @@ class Answer:
                              arguments=item["arguments"])
         yield self.event("response.output_item.done", output_index=index, item=item)
 
-    async def stream(self, scheduler: Scheduler, request: Request):
-        try:
-            yield self.event("response.created", response=self.response("in_progress", []))
-            yield self.event("response.in_progress", response=self.response("in_progress", []))
-            async for event in request.events():
-                if isinstance(event, Delta):
-                    if event.text:
-                        content, pieces = self.parser.feed(event.text) if self.parser else (event.text, [])
-                        for sent in self.pieces(content, pieces):
-                            yield sent
-                elif event.error:  # the status is already sent: the error can only travel in the stream
-                    yield self.event("response.failed", response=self.response("failed", [], error=event.error))
-                else:
-                    for sent in self.pieces(self.parser.finish() if self.parser else "", []):
-                        yield sent
-                    response = self.finished("".join(self.text) or None, self.parser.calls if self.parser else [],
-                                             event)
-                    if not self.begun:  # no text and no call: the message, empty
-                        for sent in self.begin(None, self.message(None, "in_progress")):
-                            yield sent
-                    for sent in self.end(response["output"][-1]):
-                        yield sent
-                    yield self.event(f"response.{response['status']}", response=response)
-        finally:  # no-op once done; frees the slot when the client went away mid-answer
-            scheduler.cancel(request)
+    # Streamed: the events of serving.stream's path.
+
+    def begin(self):
+        yield self.event("response.created", response=self.response("in_progress", []))
+        yield self.event("response.in_progress", response=self.response("in_progress", []))
+
+    def piece(self, index, text, pieces, logprobs):
+        return self.pieces(text, pieces)
+
+    def finished(self, index, done, text, calls):
+        yield from self.pieces(text, [])
+        response = self.finished_response("".join(self.text) or None, calls, done)
+        if not self.begun:  # no text and no call: the message, empty
+            yield from self.open(None, self.message(None, "in_progress"))
+        yield from self.close(response["output"][-1])
+        yield self.event(f"response.{response['status']}", response=response)
+
+    def failed(self, error):
+        yield self.event("response.failed", response=self.response("failed", [], error=error))

@@ -1,5 +1,5 @@
-"""Continuous batching: one thread owns the model and its engine (generation.engine), and steps it for as long as
-a request is in flight; requests join and leave the engine's rows between steps.
+"""The engine's thread: one thread owns the model and its engine (generation.engine, where the scheduling is), and
+steps it for as long as a request is in flight; requests join and leave the engine's rows between steps.
 
 The engine's KV cache has `max_batch_size` rows; a request in flight holds one. Each step the thread
   1. drops the requests cancelled since (their client went away) from the engine;
@@ -10,8 +10,9 @@ The engine's KV cache has `max_batch_size` rows; a request in flight holds one. 
 A finished request frees its row at once, so a waiting one joins at the next step instead of waiting for
 the whole batch to end, as it would with static batching.
 
-The HTTP side runs an asyncio loop in another thread: requests are handed over through a locked deque,
-and each request's events come back through its own asyncio.Queue, fed with loop.call_soon_threadsafe. Other
+The HTTP side runs an asyncio loop in another thread: requests (generation.request.Request, made into engine rows
+there, where an error is the client's 400) are handed over through a locked deque, and each one's events come back
+through its own asyncio.Queue, fed with loop.call_soon_threadsafe. Other
 work on the model (embeddings) is handed over the same way, as a function the thread calls between two steps,
 its result coming back in an asyncio future.
 """
@@ -32,19 +33,24 @@ import torch
 
 from ..errors import FieldError, SmolError
 from ..generation import steps
+from ..generation.adapters import Adapters
 from ..generation.engine import Engine, PromptLogprobs, Row
-from ..generation.grammar import Grammar
-from ..generation.hooks import Hooks
-from ..generation.logprobs import TokenLogprob, check_top
+from ..generation.logprobs import TokenLogprob
 from ..generation.prefix_cache import DiskCache, PrefixCache
-from ..generation.sampling import Sampling
-from ..generation.sequence import Sequence, Step, check_request
+from ..generation.request import Request
+from ..generation.sequence import Step
 from ..generation.speculative import check_speculative
 from ..generation.steps import decode_step, prefill_chunk, untouched_cache
 
 log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT = 8  # tokens of the warm-up's prompt (ids 0..7)
+# A server's defaults, stated once: an engine thread's and create_app's (`smollm2 serve`'s flags are held to them by
+# tests/test_server.py). A request's own are generation.request.Request's, or its API's.
+MAX_BATCH_SIZE = 8  # rows of the KV cache: requests decoding at once
+MAX_WAITING = 64  # requests queued beyond those; more get 429
+PREFIX_CACHE_BYTES = 256 << 20  # a 135M model's whole window in bf16 (188 MiB), where a server's memory is its weights
+SPECULATIVE = "ngram"  # prompt lookup: the same answers, faster where they repeat their input
 
 
 @dataclass
@@ -67,20 +73,18 @@ class Done:
 
 
 class QueueFull(Exception):
-    """More requests are already waiting than the scheduler accepts."""
+    """More requests are already waiting than the engine thread accepts."""
 
 
-class Request:
-    """One generation: its Sequence (prompt, sampling, tokens, text, finish), and the queue its events go to."""
+class Generation:
+    """One request being answered: its engine row (its Sequence: prompt, sampling, tokens, text, finish), and the
+    queue its events go to."""
 
-    def __init__(self, sequence: Sequence, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None,
-                 on_end: abc.Callable[[Request], None] | None = None, speculative=None, hooks: Hooks | None = None):
-        self.sequence, self.on_end = sequence, on_end  # on_end(request): told as it ends, however it ends
+    def __init__(self, row: Row, loop: asyncio.AbstractEventLoop,
+                 on_end: abc.Callable[[Generation], None] | None = None):
+        self.row, self.sequence, self.on_end = row, row.sequence, on_end  # on_end(generation): told as it ends
         self.submitted, self.token_times = time.perf_counter(), []  # when it came, and when each token did
-        self.prompt_logprobs = prompt_logprobs  # None, or score the prompt with this many top tokens
-        self.speculative = speculative  # None, or guess tokens by "ngram" or a draft model (generation.speculative)
-        self.hooks = hooks  # its passes run through these, alone (generation.hooks: steering)
-        self.cancelled = False  # set from the HTTP side; the scheduler drops the request at its next step
+        self.cancelled = False  # set from the HTTP side; the thread drops the request at its next step
         self.done = False  # its last event is sent
         self._loop, self._events = loop, asyncio.Queue()
 
@@ -91,13 +95,13 @@ class Request:
             if isinstance(event, Done):
                 return
 
-    def _emit(self, event: PromptLogprobs | Delta | Done) -> None:  # scheduler thread
+    def _emit(self, event: PromptLogprobs | Delta | Done) -> None:  # engine thread
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def send(self, event: Step | PromptLogprobs) -> None:  # scheduler thread
+    def send(self, event: Step | PromptLogprobs) -> None:  # engine thread
         """Send what a step did: the prompt's log-probabilities, or the text its sequence's new token made final;
         and the end once the sequence has finished."""
         if isinstance(event, PromptLogprobs):
@@ -125,25 +129,27 @@ class Request:
         self._emit(done)
 
 
-class Scheduler:
-    def __init__(self, model, tokenizer, max_batch_size: int = 8, max_waiting: int = 64,
-                 max_seq_len: int | None = None, on_end: abc.Callable[[Request], None] | None = None,
-                 prefix_cache_bytes: int = 0, threads: int | None = None, speculative=None,
+class EngineThread:
+    """A thread that owns a model and its engine, and the queue of requests and calls handed to it."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = MAX_BATCH_SIZE, max_waiting: int = MAX_WAITING,
+                 max_seq_len: int | None = None, on_end: abc.Callable[[Generation], None] | None = None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads: int | None = None, speculative=SPECULATIVE,
                  kv_cache_dtype: str | None = None, prefix_cache_dir: str | Path | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
         prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
         request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
         SmolLM2 of the same vocabulary, run on this thread too; generation.speculative). kv_cache_dtype: what
         the KV cache stores (Engine), None for the model's dtype. threads: the
-        CPU threads the scheduler's thread runs the model with (default: as many as the calling thread's).
+        CPU threads this thread runs the model with (default: as many as the calling thread's).
         prefix_cache_dir: a folder where the prefix cache's blocks are also kept, for later processes, and looked
         for (generation.prefix_cache.DiskCache); it needs a prefix cache.
 
         Each thread that runs torch on the CPU has an OpenMP pool of its own (libgomp), and once the process's
         pools hold more threads than there are CPUs, their workers sleep between parallel regions instead of
         spinning: every small operation then waits for a wake-up. A server whose main thread ran the model (to
-        load it) before the scheduler's thread did was 2.6x slower at batch 1 on 2 CPUs; `smollm2 serve` loads
-        with one thread, which makes no pool, and gives the scheduler its --threads."""
+        load it) before the engine thread did was 2.6x slower at batch 1 on 2 CPUs; `smollm2 serve` loads
+        with one thread, which makes no pool, and gives the engine thread its --threads."""
         context = model.config.max_position_embeddings
         if max_batch_size < 1 or max_waiting < 0 or (max_seq_len is not None and max_seq_len < 2) \
                 or prefix_cache_bytes < 0:
@@ -167,10 +173,12 @@ class Scheduler:
             except OSError as e:
                 raise SmolError(f"the prefix cache folder {prefix_cache_dir}: cannot create it: {e.strerror}") from None
         self.prefix_cache_dir = prefix_cache_dir
+        self.adapters = Adapters(model)  # LoRA adapters, loaded and unloaded while serving (server/adapters.py)
         self.engine = Engine(model, max_batch_size, self.max_seq_len, prefill_budget=steps.PREFILL_CHUNK,
-                             prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype)
-        self.requests: dict[Row, Request] = {}  # in flight: each holds (or is queued for) a row of the engine
-        self.waiting: collections.deque[Request] = collections.deque()
+                             prefix_cache=self.prefix_cache, step=decode_step, kv_cache_dtype=kv_cache_dtype,
+                             adapters=self.adapters)
+        self.requests: dict[Row, Generation] = {}  # in flight: each holds (or is queued for) a row of the engine
+        self.waiting: collections.deque[Generation] = collections.deque()
         self.calls: collections.deque[tuple[abc.Callable, asyncio.Future]] = collections.deque()  # see call()
         self._wake = threading.Condition()  # guards waiting, calls and _stopping
         self._stopping = False
@@ -189,34 +197,23 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
-    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling,
-               stop: abc.Sequence[str | int] = (), logprobs: int | None = None,
-               prompt_logprobs: int | None = None, grammar: Grammar | None = None,
-               speculative: str | None = None, hooks: Hooks | None = None) -> Request:
-        """Queue a request; raises SmolError if it cannot fit, QueueFull if too many are waiting.
-        stop: strings and token ids that end the answer (see Sequence);
-        logprobs: None, or each generated token's log-probability and its position's top `logprobs`;
-        prompt_logprobs: None, or the same for the prompt's tokens, sent first (a PromptLogprobs event);
-        grammar: None, or what the answer must fit (response_format); speculative: None for the scheduler's
-        default, or "off", "ngram" (prompt lookup) or "draft" (the scheduler's draft model; the same tokens either
-        way); hooks: None, or the hooks its passes run through (steering), alone: the other requests' tokens are what
-        they would be."""
-        config = self.model.config
-        (prompt,) = check_request([prompt], max_tokens, stop, sampling, config.vocab_size, self.max_seq_len)
-        sequence = Sequence(prompt, max_tokens, sampling, config.eos_token_ids, stop, self.tokenizer, self.device,
-                            logprobs, grammar)
-        request = Request(sequence, asyncio.get_running_loop(), check_top(prompt_logprobs, "prompt_logprobs"),
-                          self.on_end, self.speculation(speculative), hooks)
-        if sequence.finish_reason and prompt_logprobs is None:  # max_tokens 0: nothing to generate
-            request.finish()
-            return request
+    def submit(self, request: Request) -> Generation:
+        """Queue a request, made into a row of this thread's engine (Request.row: checked against the model and
+        max_seq_len), with its LoRA adapter where it names a loaded one; raises SmolError if it cannot run,
+        QueueFull if too many are waiting."""
+        row = request.row(self.model, self.max_seq_len, self.tokenizer)
+        row.adapter = self.adapters.loaded.get(request.adapter)
+        generation = Generation(row, asyncio.get_running_loop(), self.on_end)
+        if row.sequence.finish_reason and row.prompt_logprobs is None:  # max_tokens 0: nothing to generate
+            generation.finish()
+            return generation
         with self._wake:
             if self._stopping:
                 raise SmolError("the server is shutting down")
             self._check_room()
-            self.waiting.append(request)
+            self.waiting.append(generation)
             self._wake.notify()
-        return request
+        return generation
 
     @property
     def draft(self):
@@ -224,7 +221,8 @@ class Scheduler:
         return None if self.speculative in (None, "ngram") else self.speculative
 
     def speculation(self, asked: str | None):
-        """What a request that asks `asked` (see submit) speculates with: None, "ngram" or the draft model."""
+        """What a request that asks `asked` over HTTP speculates with, as a Request says it: None for the thread's
+        default; "off", "ngram" (prompt lookup) or "draft" (the thread's draft model): None, "ngram" or the draft."""
         if asked is None:
             return self.speculative
         if asked == "draft":
@@ -237,9 +235,9 @@ class Scheduler:
         return None if asked == "off" else asked
 
     def call(self, function: abc.Callable[[], Any]) -> asyncio.Future:
-        """Run function() on the scheduler's thread between two steps; returns a future of its result (or of
+        """Run function() on this thread between two steps; returns a future of its result (or of
         the exception it raised). For torch work beside generation (embeddings): a thread of the event loop's
-        would run it on an OpenMP pool of its own, which slows the scheduler's steps (see __init__). Raises
+        would run it on an OpenMP pool of its own, which slows the engine's steps (see __init__). Raises
         QueueFull as submit does; the requests in flight go on a step after it returns."""
         future = asyncio.get_running_loop().create_future()
         with self._wake:
@@ -254,7 +252,7 @@ class Scheduler:
         if len(self.waiting) + len(self.calls) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting) + len(self.calls)} requests are already waiting; try again later")
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Generation) -> None:
         """Stop generating for this request (no-op once it is done); its slot frees at the next step."""
         request.cancelled = True
         with self._wake:
@@ -263,14 +261,14 @@ class Scheduler:
     def load(self) -> dict:
         """Requests holding a cache row (decoding, or their prompt being prefilled), and those waiting for one:
         here or in the engine's queue."""
-        engine = self.engine  # copies: the scheduler thread changes these meanwhile
+        engine = self.engine  # copies: the engine thread changes these meanwhile
         holding = [*engine.decoding, engine.filling]
         queued = len(engine.queued)
         active = [self.requests.get(row) for row in holding if row is not None]
         return dict(active=sum(r is not None and not r.done for r in active),
                     waiting=len(self.waiting) + len(self.calls) + queued, slots=self.max_batch_size)
 
-    # The scheduler thread.
+    # The engine thread.
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -291,7 +289,7 @@ class Scheduler:
                 self._call()
                 self._step()
             except Exception as e:  # a bug or out of memory: fail the requests in flight, keep serving
-                log.exception("scheduler step failed")
+                log.exception("engine step failed")
                 self.engine.reset()
                 self._end(self._take_in_flight(), f"internal error: {e}")
         with self._wake:
@@ -337,8 +335,7 @@ class Scheduler:
                 del self.requests[row]
                 self._cancelled(request)
         while self.engine.free and (request := self._next_waiting()) is not None:
-            row = self.engine.admit(request.sequence, request.prompt_logprobs, request.speculative, request.hooks)
-            self.requests[row] = request
+            self.requests[self.engine.queue(request.row)] = request
         events = self.engine.step()
         now = time.perf_counter()
         for row, event in events:
@@ -349,7 +346,7 @@ class Scheduler:
             if request.done:
                 del self.requests[row]
 
-    def _next_waiting(self) -> Request | None:
+    def _next_waiting(self) -> Generation | None:
         with self._wake:
             while self.waiting:
                 request = self.waiting.popleft()
@@ -358,22 +355,22 @@ class Scheduler:
                 self._cancelled(request)
         return None
 
-    def _take_in_flight(self) -> list[Request]:
+    def _take_in_flight(self) -> list[Generation]:
         """Every request in flight, which then holds no row."""
         requests, self.requests = [r for r in self.requests.values() if not r.done], {}
         return requests
 
-    def _end(self, requests: list[Request], error: str) -> None:
+    def _end(self, requests: list[Generation], error: str) -> None:
         for request in requests:
             request.fail(error)
 
     @staticmethod
-    def _cancelled(request: Request) -> None:
+    def _cancelled(request: Generation) -> None:
         # Its last event, which nobody may hear: whoever still waits on it (an answer not streamed) stops waiting.
         request.fail("cancelled: the client went away")
 
 
-def settle(future: asyncio.Future, setter: abc.Callable, value) -> None:  # scheduler thread
+def settle(future: asyncio.Future, setter: abc.Callable, value) -> None:  # engine thread
     """Hand a result or exception to a future of the event loop's, unless it was cancelled meanwhile."""
     def set_it():
         if not future.done():

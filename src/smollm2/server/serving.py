@@ -1,6 +1,6 @@
 """What every route of the server shares, whichever API it speaks: errors (any exception as the APIError its client
-gets), the app's state (Served), request bodies' text and stop strings, running requests on a scheduler (submit,
-answers) and server-sent events.
+gets), the app's state (Served), request bodies' text and stop strings, running requests on an engine thread (submit,
+answers) and server-sent events, streamed along one path for every API (stream, each API's Writer).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FieldError, SmolError
 from ..generation.grammar import Grammar
-from ..generation.hooks import Hooks
 from ..generation.logprobs import TokenLogprob
-from ..generation.sampling import MAX_SEED, Sampling
-from ..tools import Tools
+from ..generation.request import Request
+from ..generation.sampling import MAX_SEED
+from ..tools import CallPiece, ToolCall, ToolCallParser, Tools, parse_tool_calls
 from .metrics import Metrics
-from .scheduler import Delta, Done, PromptLogprobs, QueueFull, Request, Scheduler
+from .scheduler import Delta, Done, EngineThread, Generation, PromptLogprobs, QueueFull
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_LENGTH = 1000  # characters: far beyond any marker an answer ends at
@@ -145,13 +145,13 @@ def text_or_ids(value, most: int) -> list[str | list[int]]:
 
 
 class Served:
-    """What one app serves, kept in its app.state.served: a scheduler per model name (the base model's and its
+    """What one app serves, kept in its app.state.served: an engine thread per model name (the base model's and its
     adapters'), the tokenizer they share, the metrics, the API key (None: no key asked), the conversations of
     the /v1/responses answers stored for a later previous_response_id (responses.py bounds them), and whether it
     drains."""
 
-    def __init__(self, schedulers: dict[str, Scheduler], tokenizer, metrics: Metrics, api_key: str | None):
-        self.schedulers, self.tokenizer, self.metrics, self.api_key = schedulers, tokenizer, metrics, api_key
+    def __init__(self, engines: dict[str, EngineThread], tokenizer, metrics: Metrics, api_key: str | None):
+        self.engines, self.tokenizer, self.metrics, self.api_key = engines, tokenizer, metrics, api_key
         self.responses: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
         self.draining = False  # set on SIGTERM: new requests get 503 (draining.py)
         self.admitted = 0  # HTTP requests being answered, the probes aside
@@ -159,14 +159,21 @@ class Served:
     @property
     def ready(self) -> bool:
         """Whether to send this server requests: every model's warm-up step has run, and it is not draining."""
-        return not self.draining and all(scheduler.ready.is_set() for scheduler in self.schedulers.values())
+        return not self.draining and all(engine.ready.is_set() for engine in self.engines.values())
 
-    def scheduler(self, name: str) -> Scheduler:
-        """The scheduler of the model a request names."""
-        if name not in self.schedulers:
-            raise APIError(404, f"the model {name!r} does not exist; this server has "
-                           f"{', '.join(map(repr, self.schedulers))}", param="model", code="model_not_found")
-        return self.schedulers[name]
+    def engine(self, name: str) -> EngineThread:
+        """The engine thread of the model a request names (Request.adapter): the base model's, or the one that
+        holds the LoRA adapter of that name (its rows then have the adapter: EngineThread.submit)."""
+        for base, thread in self.engines.items():
+            if name == base or name in thread.adapters.loaded:
+                return thread
+        raise APIError(404, f"the model {name!r} does not exist; this server has {', '.join(map(repr, self.models))}",
+                       param="model", code="model_not_found")
+
+    @property
+    def models(self) -> list[str]:
+        """The names requests may give as their model: each base model's, then its adapters'."""
+        return [name for base, thread in self.engines.items() for name in (base, *thread.adapters.loaded)]
 
 
 async def app_state(connection: Connection) -> Served:  # async: FastAPI would run a plain def in a thread
@@ -177,22 +184,6 @@ AppState = Annotated[Served, Depends(app_state)]  # what a route serves: its own
 
 
 # Running requests.
-
-@dataclasses.dataclass
-class Ask:
-    """What one HTTP request asks the model for, whichever API it came by: each prompt answered n times, choice i
-    sampled with the sampling's seed + i (without a seed, each draws a random one)."""
-    prompts: list[list[int]]
-    max_tokens: int | None  # None: up to the context window
-    sampling: Sampling
-    stop: abc.Sequence[str | int] = ()  # strings and token ids
-    n: int = 1
-    grammar: Grammar | None = None  # what the answer must fit (structured output)
-    logprobs: int | None = None  # each generated token's log-probability, with this many top tokens
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
-    speculative: str | None = None  # "off", "ngram" or "draft" (the server's draft model); None: as the server does
-    hooks: Hooks | None = None  # what its passes run through (steering), each choice's alone
-
 
 async def grammar(response_format: dict | None, tokenizer, param: str, tools: Tools | None = None) \
         -> Grammar | None:
@@ -207,47 +198,43 @@ async def grammar(response_format: dict | None, tokenizer, param: str, tools: To
         raise APIError(400, str(e), param="tools" if calls and response_format is None else param) from None
 
 
-def check_room(prompt: list[int], max_tokens: int | None, window: int, where: str, limit: str) -> None:
-    """A 400 unless the prompt leaves room for an answer in the context window, max_tokens of them where given.
-    where: the field the prompt came from; limit: the field max_tokens came in (each API names it its own way)."""
-    if not prompt:
-        raise APIError(400, f"{where}: the prompt is empty", param=where)
-    if len(prompt) + min(1 if max_tokens is None else max_tokens, 1) > window:  # no room for an answer
-        raise APIError(400, f"{where}: the prompt ({len(prompt)} tokens) leaves no room in the context window "
-                       f"of {window} tokens", param=where)
-    if max_tokens is not None and len(prompt) + max_tokens > window:
-        raise APIError(400, f"{limit}: the prompt ({len(prompt)} tokens) plus {limit} ({max_tokens}) exceeds the "
-                       f"context window of {window} tokens", param=limit)
-
-
-def submit(scheduler: Scheduler, ask: Ask) -> list[Request]:
-    """The requests of every choice of every prompt, in that order, queued on the scheduler; none if one fails."""
-    requests = []
+def submit(served: Served, requests: list[Request], n: int = 1) -> list[Generation]:
+    """Each request's n choices, in that order, queued on the engine thread of its model (its adapter), choice i
+    sampled with the sampling's seed + i (without a seed, each draws a random one); none queued if one fails."""
+    generations = []
     try:
-        for prompt in ask.prompts:
-            # No max_tokens: up to the context window; too long a prompt still fails as such.
-            limit = max(scheduler.max_seq_len - len(prompt), 1) if ask.max_tokens is None else ask.max_tokens
-            for i in range(ask.n):
-                seed = None if ask.sampling.seed is None else (ask.sampling.seed + i) % (MAX_SEED + 1)
-                requests.append(scheduler.submit(prompt, limit, dataclasses.replace(ask.sampling, seed=seed),
-                                                 ask.stop, ask.logprobs, ask.prompt_logprobs, ask.grammar,
-                                                 ask.speculative, ask.hooks))
-    except BaseException:
         for request in requests:
-            scheduler.cancel(request)
+            thread, seed = served.engine(request.adapter), request.sampling.seed
+            for i in range(n):
+                sampling = dataclasses.replace(request.sampling,
+                                               seed=None if seed is None else (seed + i) % (MAX_SEED + 1))
+                generations.append((thread, thread.submit(dataclasses.replace(request, sampling=sampling))))
+    except BaseException:
+        for thread, generation in generations:
+            thread.cancel(generation)
         raise
-    return requests
+    return [generation for _, generation in generations]
 
 
-async def answers(scheduler: Scheduler, requests: list[Request], connection: Connection) \
-        -> tuple[list[str], list[Done], list[list[TokenLogprob | None]]]:
-    """Each request's whole answer: its text, its end (Done) and its tokens' log-probabilities, the prompt's first
-    when asked. A request the server ended (shutting down, a failed step) is a 503."""
+@dataclasses.dataclass
+class Whole:
+    """One choice's whole answer: its text outside its tool calls, the calls it made (where its request offered
+    tools), its end, and its tokens' log-probabilities, the prompt's first when asked."""
+    text: str
+    calls: list[ToolCall]
+    done: Done
+    logprobs: list[TokenLogprob | None]
+
+
+async def answers(thread: EngineThread, generations: list[Generation], connection: Connection,
+                  tools: Tools | None = None) -> list[Whole]:
+    """Each choice's whole answer, its calls read where `tools` offered them. A request the server ended
+    (shutting down, a failed step) is a 503."""
     # Nothing is sent before the whole answer, so only listening tells that the client went away.
-    watcher = asyncio.create_task(cancel_on_disconnect(connection, scheduler, requests))
-    texts, logprobs, dones = [[] for _ in requests], [[] for _ in requests], [None] * len(requests)
+    watcher = asyncio.create_task(cancel_on_disconnect(connection, thread, generations))
+    texts, logprobs, dones = [[] for _ in generations], [[] for _ in generations], [None] * len(generations)
     try:
-        async with contextlib.aclosing(merged(requests)) as events:
+        async with contextlib.aclosing(merged(generations)) as events:
             async for i, event in events:
                 if isinstance(event, PromptLogprobs):
                     logprobs[i] = event.logprobs
@@ -258,37 +245,39 @@ async def answers(scheduler: Scheduler, requests: list[Request], connection: Con
                     raise APIError(503, event.error, "server_error")
                 else:
                     dones[i] = event
-        return ["".join(text) for text in texts], dones, logprobs
     finally:
         watcher.cancel()
-        for request in requests:  # no-op once done; a shutdown mid-answer must not leave them running
-            scheduler.cancel(request)
+        for generation in generations:  # no-op once done; a shutdown mid-answer must not leave them running
+            thread.cancel(generation)
+    offered = tools is not None and tools.offered
+    split = [parse_tool_calls("".join(text)) if offered else ("".join(text), []) for text in texts]
+    return [Whole(text, calls, done, items) for (text, calls), done, items in zip(split, dones, logprobs)]
 
 
-async def cancel_on_disconnect(connection: Connection, scheduler: Scheduler, requests: list[Request]):
+async def cancel_on_disconnect(connection: Connection, thread: EngineThread, generations: list[Generation]):
     # The body is already read: what comes next is the client's disconnect (or the server's, once it answered).
     while (await connection.receive())["type"] != "http.disconnect":
         pass
-    for request in requests:
-        scheduler.cancel(request)
+    for generation in generations:
+        thread.cancel(generation)
 
 
-async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
-    """The events of several requests (a request's choices) as they come, each with its request's index, until
-    every request has ended."""
-    if len(requests) == 1:
-        async for event in requests[0].events():
+async def merged(generations: list[Generation]) -> abc.AsyncIterator[tuple[int, PromptLogprobs | Delta | Done]]:
+    """The events of several generations (a request's choices) as they come, each with its choice's index, until
+    every one has ended."""
+    if len(generations) == 1:
+        async for event in generations[0].events():
             yield 0, event
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, request: Request):
-        async for event in request.events():
+    async def pump(i: int, generation: Generation):
+        async for event in generation.events():
             queue.put_nowait((i, event))
 
-    pumps = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
+    pumps = [asyncio.create_task(pump(i, generation)) for i, generation in enumerate(generations)]
     try:
-        left = len(requests)
+        left = len(generations)
         while left:
             i, event = await queue.get()
             left -= isinstance(event, Done)
@@ -299,6 +288,73 @@ async def merged(requests: list[Request]) -> abc.AsyncIterator[tuple[int, Prompt
 
 
 # Server-sent events.
+
+class Writer:
+    """How an API writes a streamed answer: the server-sent events for each thing the one streaming path
+    (stream()) meets, each method returning them (an iterable of strings, maybe empty)."""
+
+    def begin(self) -> abc.Iterable[str]:
+        """Before any event of the engine's."""
+        return ()
+
+    def scored(self, index: int, logprobs: list[TokenLogprob | None]) -> abc.Iterable[str]:
+        """Choice `index`'s prompt's log-probabilities (echo), before its first piece."""
+        return ()
+
+    def piece(self, index: int, text: str, pieces: list[CallPiece], logprobs: list[TokenLogprob]) \
+            -> abc.Iterable[str]:
+        """A piece of choice `index`: its new text outside its tool calls, what it added to its calls, and its new
+        tokens' log-probabilities where asked."""
+        raise NotImplementedError
+
+    def finished(self, index: int, done: Done, text: str, calls: list[ToolCall]) -> abc.Iterable[str]:
+        """Choice `index` has ended: the last of its text (what the call parser held back) and all its calls."""
+        raise NotImplementedError
+
+    def failed(self, error: str) -> abc.Iterable[str]:
+        """The server ended the answer (shutting down, a failed step): the status is already sent, so the error
+        can only travel in the stream. Nothing else is written after it, but end()."""
+        raise NotImplementedError
+
+    def end(self, dones: list[Done], failed: bool) -> abc.Iterable[str]:
+        """After every choice has ended (or one failed)."""
+        return ()
+
+
+async def stream(thread: EngineThread, generations: list[Generation], writer: Writer, tools: Tools | None = None):
+    """The one streaming path of every API: each choice's events as they come, its text through a tool-call
+    parser of its own where `tools` offered calls, written by the API's writer. However the stream ends (its
+    client gone too), the generations are cancelled (a no-op once done), which frees their rows at once."""
+    offered = tools is not None and tools.offered
+    parsers = [ToolCallParser() if offered else None for _ in generations]
+    dones, failed = [], False
+    try:
+        for sent in writer.begin():
+            yield sent
+        async with contextlib.aclosing(merged(generations)) as events:
+            async for i, event in events:
+                parser = parsers[i]
+                if isinstance(event, PromptLogprobs):
+                    written = writer.scored(i, event.logprobs)
+                elif isinstance(event, Delta):
+                    text, pieces = parser.feed(event.text) if parser is not None else (event.text, [])
+                    written = writer.piece(i, text, pieces, event.logprobs)
+                elif event.error:
+                    failed, written = True, writer.failed(event.error)
+                else:
+                    dones.append(event)
+                    written = writer.finished(i, event, parser.finish() if parser is not None else "",
+                                              parser.calls if parser is not None else [])
+                for sent in written:
+                    yield sent
+                if failed:
+                    break
+        for sent in writer.end(dones, failed):
+            yield sent
+    finally:
+        for generation in generations:
+            thread.cancel(generation)
+
 
 class EventStream(StreamingResponse):
     """Server-sent events. The generator is closed however the response ends, so a client that leaves

@@ -1,7 +1,9 @@
 """Training: token shards, chat examples and preference pairs (data), one loop for pretraining, fine-tuning and
-DPO (loop, with loss and dpo), and checkpoints that survive a crash (state)."""
+DPO (loop, with loss and dpo), checkpoints that survive a crash (state), and the runs the command line starts,
+each a function (runs: pretrain, finetune, train_dpo)."""
 
 from .loop import TrainConfig, train
+from .runs import finetune, pretrain, train_dpo
 from .tuning import LoRASettings, model_to_tune
 
-__all__ = ["LoRASettings", "TrainConfig", "model_to_tune", "train"]
+__all__ = ["LoRASettings", "TrainConfig", "finetune", "model_to_tune", "pretrain", "train", "train_dpo"]

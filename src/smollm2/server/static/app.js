@@ -1,5 +1,6 @@
 // The page: a chat over POST /v1/chat/completions (streamed, with log-probabilities), and a view inside the model
-// over POST /inspect. It uses nothing but the server's documented HTTP API.
+// over POST /inspect, and with dictionaries served (smollm2 serve --sae), their features (/inspect/features,
+// /inspect/feature) and attribution graphs (/inspect/graph). It uses nothing but the server's documented HTTP API.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -15,7 +16,8 @@ const state = {
   models: [],     // /v1/models' data
   messages: [],   // {role, content, tokens: [{text, logprob, top}], element}
   controller: null,  // aborts the answer streaming now
-  inspection: null,  // {request, label, data, attention: {layer: heads}, profile}
+  inspection: null,  // {request, label, data, attention: {layer: heads}, profile, features: {sae: data}, graph}
+  dictionaries: {data: [], graphs: false},  // /inspect/dictionaries
 };
 
 // The HTTP API.
@@ -68,6 +70,10 @@ async function loadModels() {
   state.models = models.data;
   $("model").replaceChildren(...state.models.map((m) => new Option(m.id, m.id)));
   showModel();
+  state.dictionaries = await (await api("/inspect/dictionaries")).json();
+  $("features-sae").replaceChildren(...state.dictionaries.data.map((d) => new Option(d.name, d.name)));
+  document.querySelector("#tabs [data-tab=features]").hidden = !state.dictionaries.data.length;
+  document.querySelector("#tabs [data-tab=graph]").hidden = !state.dictionaries.graphs;
 }
 
 function showModel() {
@@ -87,7 +93,7 @@ function percent(p) {
 function el(tag, attributes = {}, ...children) {
   const node = document.createElement(tag);
   for (const [name, value] of Object.entries(attributes)) {
-    if (name === "style") Object.assign(node.style, value);
+    if (name === "style" || name === "dataset") Object.assign(node[name], value);
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
     else node[name] = value;
   }
@@ -231,11 +237,12 @@ function setBusy(busy) {
 // The view inside the model.
 
 async function inspect(request, label) {
-  state.inspection = {request, label, data: null, attention: {}, profile: null};
+  state.inspection = {request, label, data: null, attention: {}, profile: null, features: {}, graph: null};
   $("inspector").hidden = false;
   $("inspect-what").textContent = label;
   $("inspect-error").hidden = true;
-  for (const id of ["token-strip", "token-detail", "lens-grid", "attention-strip", "time-view"]) {
+  for (const id of ["token-strip", "token-detail", "lens-grid", "attention-strip", "time-view", "features-view",
+    "feature-detail", "graph-view"]) {
     $(id).replaceChildren();
   }
   $("token-strip").append(el("div", {className: "loading", textContent: "Running the model, layer by layer…"}));
@@ -264,11 +271,16 @@ function showTab(name) {
   for (const button of document.querySelectorAll("#tabs button")) {
     button.classList.toggle("active", button.dataset.tab === name);
   }
-  for (const tab of ["tokens", "lens", "attention", "time"]) $(`tab-${tab}`).hidden = tab !== name;
+  for (const tab of ["tokens", "lens", "attention", "time", "features", "graph"]) $(`tab-${tab}`).hidden = tab !== name;
   const inspection = state.inspection;
   if (!inspection || !inspection.data) return;
   if (name === "attention") loadAttention();
   if (name === "time" && !inspection.profile) loadProfile();
+  if (name === "features") loadFeatures();
+  if (name === "graph" && !inspection.graph && !$("graph-view").children.length) {
+    $("graph-view").replaceChildren(el("p", {className: "hint",
+      textContent: "Trace the graph of this prompt: seconds to a minute, a backward pass per batch of features."}));
+  }
 }
 
 function renderTokens() {
@@ -491,6 +503,235 @@ function renderProfile(profile) {
   $("time-view").replaceChildren(...view);
 }
 
+// Features: each token's strongest features in a dictionary, and one feature across the prompt.
+
+function loading(text) { return el("div", {className: "loading", textContent: text}); }
+
+async function loadFeatures() {
+  const inspection = state.inspection;
+  const sae = $("features-sae").value;
+  if (!inspection.features[sae]) {
+    $("features-view").replaceChildren(loading(`Encoding the activations with ${sae}…`));
+    $("feature-detail").replaceChildren();
+    try {
+      inspection.features[sae] = await (await api("/inspect/features",
+        {model: model(), ...inspection.request, sae, k: 5})).json();
+    } catch (error) {
+      showInspectError(error);
+      return;
+    }
+    if (state.inspection !== inspection) return;
+  }
+  renderFeatures(inspection.features[sae]);
+}
+
+// The first position is the attention sink, its stream many times the others' norm: shades are scaled to the rest.
+function sinkless(values) { return values.length > 1 ? values.slice(1) : values; }
+
+function renderFeatures(data) {
+  $("features-where").textContent = `read at ${data.hook_name}`;
+  const strongest = Math.max(1e-9, ...sinkless(data.top).flat().map((f) => f.activation));
+  const rows = data.tokens.map((token, position) => el("tr", {},
+    el("th", {textContent: shown(token.text), title: `position ${position}`}),
+    el("td", {}, ...(data.top[position].length ? data.top[position].map((f) => el("span", {
+      className: "feature", dataset: {index: f.index},
+      style: {background: heatShade(Math.min(1, f.activation / strongest)),
+        color: f.activation / strongest > 0.55 ? "#fff" : ""},
+      onclick: () => loadFeature(data.sae, f.index),
+      onmousemove: (event) => tip(event, el("div", {}, el("div", {className: "title"}, `feature ${f.index}`),
+        `${f.activation.toFixed(3)} at ${shown(token.text)}`)),
+      onmouseleave: untip,
+    }, el("b", {textContent: `#${f.index}`}), ` ${f.activation.toFixed(2)}`)) : [el("span", {className: "hint",
+      textContent: "none active"})]))));
+  $("features-view").replaceChildren(el("table", {className: "features"}, el("tbody", {}, ...rows)));
+}
+
+async function loadFeature(sae, index) {
+  const inspection = state.inspection;
+  untip();  // the view below grows: the pointer is no longer where the tip says
+  for (const chip of document.querySelectorAll("#features-view .feature")) {
+    chip.classList.toggle("selected", Number(chip.dataset.index) === index);
+  }
+  $("feature-detail").replaceChildren(loading(`Reading feature ${index}…`));
+  let data;
+  try {
+    data = await (await api("/inspect/feature", {model: model(), ...inspection.request, sae, index, k: 8})).json();
+  } catch (error) {
+    showInspectError(error);
+    return;
+  }
+  if (state.inspection !== inspection) return;
+  const strongest = Math.max(1e-9, ...sinkless(data.activations));
+  const peak = data.activations.indexOf(Math.max(...sinkless(data.activations)));
+  const strip = el("div", {className: "strip"}, ...data.tokens.map((token, i) => el("span", {
+    className: "tok", textContent: token.text,
+    style: {background: heatShade(Math.min(1, data.activations[i] / strongest))},
+    onmousemove: (event) => tip(event, el("div", {}, `${shown(token.text)}: ${data.activations[i].toFixed(3)}`)),
+    onmouseleave: untip,
+  })));
+  const effect = (title, tokens) => {
+    const largest = Math.max(1e-9, ...tokens.map((t) => Math.abs(t.logit)));
+    return el("div", {}, el("h3", {textContent: title}), el("table", {className: "alts"}, ...tokens.map((t) =>
+      el("tr", {}, el("td", {className: "text", textContent: shown(t.text)}),
+        el("td", {style: {width: "55%"}}, el("div", {className: `bar${t.logit < 0 ? " down" : ""}`,
+          style: {width: `${100 * Math.abs(t.logit) / largest}%`}})),
+        el("td", {textContent: `${t.logit > 0 ? "+" : ""}${t.logit.toFixed(2)}`})))));
+  };
+  $("feature-detail").replaceChildren(
+    el("h2", {textContent: `Feature ${index} of ${sae}`}),
+    el("p", {className: "hint", textContent: Math.max(...sinkless(data.activations)) > 0
+      ? `Its activation at each token: strongest at ${shown(data.tokens[peak].text)} (position ${peak}), `
+        + `${data.activations[peak].toFixed(3)}` + (data.tokens.length > 1 ? `; at the first token, the attention `
+        + `sink, ${data.activations[0].toFixed(3)}.` : ".") : "Not active past the first token."}),
+    strip,
+    data.promoted ? el("div", {className: "effects"}, effect("Promotes", data.promoted),
+      effect("Suppresses", data.suppressed))
+      : el("p", {className: "hint",
+        textContent: "Its decoder direction is not in the residual stream: no logit effect."}));
+}
+
+// Graph: an attribution graph from the served transcoders, drawn by layer and position.
+
+async function loadGraph() {
+  const inspection = state.inspection;
+  $("graph-view").replaceChildren(loading("Tracing: a backward pass per batch of features…"));
+  $("graph-download").hidden = true;
+  try {
+    const body = {model: model(), ...inspection.request, max_features: Number($("graph-features").value) || 64};
+    const target = $("graph-target").value;
+    if (target) {
+      const ids = (await (await api("/tokenize", {content: target})).json()).tokens;
+      if (ids.length !== 1) throw new Error(`“${target}” is ${ids.length} tokens: a target is one token`);
+      body.target = ids[0];
+    }
+    inspection.graph = await (await api("/inspect/graph", body)).json();
+  } catch (error) {
+    $("graph-view").replaceChildren();
+    showInspectError(error);
+    return;
+  }
+  if (state.inspection !== inspection) return;
+  const link = $("graph-download");
+  if (link.href) URL.revokeObjectURL(link.href);
+  link.href = URL.createObjectURL(new Blob([JSON.stringify(inspection.graph)], {type: "application/json"}));
+  link.hidden = false;
+  drawGraph(inspection.graph);
+}
+
+// SVG's namespace, as the HTML parser gives an <svg>: the page's files name no address (tests/test_inspect.py)
+const SVG = (() => {
+  const box = document.createElement("div");
+  box.innerHTML = "<svg></svg>";
+  return box.firstChild.namespaceURI;
+})();
+function svg(tag, attributes = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  node.append(...children);
+  return node;
+}
+
+function nodeLabel(node) {
+  const [layer, index] = node.node_id.split("_");
+  const tokens = state.inspection.graph.metadata.prompt_tokens;
+  if (node.feature_type === "embedding") return `token ${shown(tokens[node.ctx_idx])}`;
+  if (node.feature_type === "logit") return node.clerp;
+  if (node.feature_type === "mlp reconstruction error") return `error, block ${layer}`;
+  return `feature ${index}, block ${layer}`;
+}
+
+function drawGraph(graph) {
+  const tokens = graph.metadata.prompt_tokens;
+  const layers = Math.max(...graph.nodes.filter((n) => n.feature_type === "logit").map((n) => Number(n.layer))) - 1;
+  const rowOf = (node) => node.layer === "E" ? 0 : node.feature_type === "logit" ? layers + 1 : Number(node.layer) + 1;
+  const column = Math.max(48, Math.floor(($("graph-view").clientWidth - 84) / tokens.length));  // to fit, or scroll
+  const row = Math.max(10, Math.min(26, Math.floor(440 / (layers + 2))));
+  const left = 44, top = 56, width = left + column * tokens.length + 40, height = top + row * (layers + 1) + 44;
+  // where each node sits: its position's column, its block's row, side by side within the cell
+  const cells = new Map();
+  for (const node of graph.nodes) {
+    const key = `${rowOf(node)},${node.ctx_idx}`;
+    cells.set(key, [...(cells.get(key) || []), node]);
+  }
+  const at = new Map();
+  // the target logits (all at the last position) side by side along the top, each with its token
+  const logits = graph.nodes.filter((n) => n.feature_type === "logit");
+  logits.forEach((node, j) => at.set(node.node_id, {x: left + (width - left - 40) * (j + 0.5) / logits.length,
+    y: top, label: top - 10 - (j % 2) * 13}));  // labels staggered: neighbours' may be wider than their gap
+  for (const [key, nodes] of cells) {
+    if (nodes[0].feature_type === "logit") continue;
+    const [r, position] = key.split(",").map(Number);
+    const spacing = Math.min(13, (column - 8) / nodes.length);
+    nodes.sort((a, b) => (b.influence || 0) - (a.influence || 0));
+    nodes.forEach((node, j) => at.set(node.node_id, {
+      x: left + column * (position + 0.5) + (j - (nodes.length - 1) / 2) * spacing,
+      y: top + row * (layers + 1 - r)}));
+  }
+  const largest = Math.max(1e-9, ...graph.links.map((link) => Math.abs(link.weight)));
+  const inputs = new Map();
+  const edges = svg("g", {class: "edges"});
+  for (const link of [...graph.links].sort((a, b) => Math.abs(a.weight) - Math.abs(b.weight))) {
+    const a = at.get(link.source), b = at.get(link.target);
+    const share = Math.abs(link.weight) / largest;
+    const line = svg("line", {x1: a.x, y1: a.y, x2: b.x, y2: b.y, class: link.weight > 0 ? "up" : "down",
+      "stroke-width": (0.4 + 3.2 * share).toFixed(2), "stroke-opacity": (0.15 + 0.7 * share).toFixed(2)});
+    line.dataset.source = link.source;
+    line.dataset.target = link.target;
+    edges.append(line);
+    inputs.set(link.target, [...(inputs.get(link.target) || []), link]);
+  }
+  const names = new Map(graph.nodes.map((node) => [node.node_id, node]));
+  const grid = svg("g", {class: "grid"});
+  for (let r = 0; r <= layers + 1; r++) {
+    const y = top + row * (layers + 1 - r);
+    if (r === 0 || r === layers + 1 || r % 5 === 1) {
+      grid.append(svg("text", {x: left - 8, y: y + 4, "text-anchor": "end"},
+        r === 0 ? "emb" : r === layers + 1 ? "out" : `${r - 1}`));
+    }
+    grid.append(svg("line", {x1: left, x2: width - 40, y1: y, y2: y}));
+  }
+  tokens.forEach((text, position) => grid.append(svg("text", {x: left + column * (position + 0.5), y: height - 16,
+    "text-anchor": "middle", class: "token"}, shown(text).slice(0, 12))));
+  const nodes = svg("g", {class: "nodes"});
+  for (const node of graph.nodes) {
+    const {x, y} = at.get(node.node_id);
+    const kind = {"cross layer transcoder": "feature", "mlp reconstruction error": "error", embedding: "embedding",
+      logit: "logit"}[node.feature_type];
+    const shape = kind === "error" ? svg("rect", {x: x - 4, y: y - 4, width: 8, height: 8})
+      : kind === "embedding" ? svg("rect", {x: x - 6, y: y - 3, width: 12, height: 6, rx: 2})
+        : svg("circle", {cx: x, cy: y, r: kind === "logit" ? 6 : 4.5});
+    shape.setAttribute("class", kind);
+    shape.addEventListener("mousemove", (event) => {
+      for (const line of edges.children) {
+        line.classList.toggle("faded", line.dataset.source !== node.node_id && line.dataset.target !== node.node_id);
+      }
+      const strongest = [...(inputs.get(node.node_id) || [])].sort((a, b) => Math.abs(b.weight) - Math.abs(a.weight));
+      tip(event, el("div", {}, el("div", {className: "title"}, nodeLabel(node)),
+        el("div", {}, `position ${node.ctx_idx}`
+          + (node.activation !== null ? ` · activation ${node.activation.toFixed(3)}` : "")
+          + (node.influence !== null ? ` · influence ${percent(node.influence)}` : "")),
+        ...(strongest.length ? [el("div", {className: "title"}, "strongest inputs"), el("table", {},
+          ...strongest.slice(0, 6).map((link) => el("tr", {}, el("td", {}, nodeLabel(names.get(link.source))),
+            el("td", {className: "p"}, `${link.weight > 0 ? "+" : ""}${link.weight.toFixed(3)}`))))] : [])));
+    });
+    shape.addEventListener("mouseleave", () => {
+      untip();
+      for (const line of edges.children) line.classList.remove("faded");
+    });
+    nodes.append(shape);
+    if (kind === "logit") {
+      nodes.append(svg("text", {x, y: at.get(node.node_id).label, "text-anchor": "middle", class: "logit-label"},
+        node.clerp.replace(/^Output "(.*)" \(p=(.*)\)$/, (_, text, p) => `${shown(text)} ${percent(Number(p))}`)));
+    }
+  }
+  const features = graph.nodes.filter((n) => n.feature_type === "cross layer transcoder").length;
+  const errors = graph.nodes.filter((n) => n.feature_type === "mlp reconstruction error").length;
+  $("graph-view").replaceChildren(
+    el("p", {className: "hint", textContent: `${features} features, ${errors} error nodes and ${graph.links.length}`
+      + ` edges kept (nodes until ${percent(graph.metadata.node_threshold)} of the influence).`}),
+    svg("svg", {width, height, viewBox: `0 0 ${width} ${height}`, class: "graph"}, grid, edges, nodes));
+}
+
 // Wiring.
 
 function saveSettings() {
@@ -544,6 +785,8 @@ function wire() {
   }
   $("attention-layer").addEventListener("change", loadAttention);
   $("attention-head").addEventListener("change", drawAttention);
+  $("features-sae").addEventListener("change", loadFeatures);
+  $("graph-build").addEventListener("click", () => state.inspection && state.inspection.data && loadGraph());
   $("model").addEventListener("change", showModel);
   $("key-button").addEventListener("click", () => $("key-dialog").showModal());
   $("key-dialog").addEventListener("close", () => {
