@@ -4,7 +4,9 @@
 
 Loads the embedded model, then generates until prompt + new tokens = --tokens (greedy, no EOS stop), and
 prints the process's resident memory: before loading (the Python and torch runtime), after loading, and at
-its peak during generation; then (peak - runtime) / (weights + KV cache). Linux only (/proc).
+its peak during generation; then (peak - runtime) / (weights + KV cache), and what loading added against the
+file's size (an fp32 model holds its quantized matrices as the file's blocks alone: ~1.2x the file; tests/
+test_weights.py bounds it, with a runtime measured on a tiny model). Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 from smollm2 import load
 from smollm2.bench import peak_memory_mb, reset_peak_memory
+from smollm2.checkpoints import default_model_path
 from smollm2.generation import stream
+from smollm2.kernels.held import HeldWeight
 from smollm2.quantize import quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -41,7 +45,8 @@ def main() -> None:
         quantize_int8(model)
     loaded = resident_mb()
     c = model.config
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    weights = sum(t.packed.data.nbytes if isinstance(t, HeldWeight) else t.numel() * t.element_size()
+                  for t in model.state_dict().values()) / 2**20
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * args.tokens * DTYPES[args.dtype].itemsize
     kv /= 2**20
 
@@ -56,6 +61,9 @@ def main() -> None:
     print(f"resident MiB: runtime {runtime:.0f}, loaded {loaded:.0f}, peak {peak:.0f}")
     print(f"weights {weights:.0f} + KV cache {kv:.0f} = {weights + kv:.0f} MiB; "
           f"(peak - runtime) / (weights + KV) = {(peak - runtime) / (weights + kv):.2f}")
+    file = default_model_path().stat().st_size / 2**20
+    print(f"the file {file:.0f} MiB: loading added {loaded - runtime:.0f} MiB = {(loaded - runtime) / file:.2f}x it "
+          "(its blocks, and its tokenizer's metadata as Python values)")
 
 
 if __name__ == "__main__":

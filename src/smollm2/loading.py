@@ -15,6 +15,7 @@ from .checkpoints import load_checkpoint, parameter_shapes, save_gguf, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
+from .kernels.held import HeldWeight
 from .model import SmolLM2
 from .quantize import quantize_int8
 
@@ -47,15 +48,16 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
     accelerated = kernels and torch.device(device).type == "cpu"
     # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
     with torch.inference_mode(False):
-        # A GGUF file's blocks hold its float32 weights' exact values, for the kernels to stream; a bf16 weight is
-        # rounded from them.
-        ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32)
+        # A GGUF file's blocks hold its float32 weights' exact values: the kernels stream them, and a float32 model
+        # holds them alone (kernels/held.py). A bf16 or int8 weight is rounded from their float32 values.
+        ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32 and quantize is None)
         ckpt.check(parameter_shapes(ckpt.config))
         if adapter is not None:
             merge_adapter(ckpt, adapter)
         with WithoutRandomInit():  # every weight is replaced below
             model = SmolLM2(ckpt.config)
-        model.load_state_dict(ckpt.tensors, strict=True, assign=True)  # already in dtype
+        # already in dtype; ckpt.quantized's matrices, checked above, become parameters in accelerate()
+        model.load_state_dict(ckpt.tensors, strict=not ckpt.quantized, assign=True)
         model.to(device).eval()
         if quantize == "int8":
             quantize_int8(model)
@@ -63,8 +65,14 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
 
 
 def save(model: SmolLM2, path: str | os.PathLike) -> None:
-    """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads."""
-    save_hf(model.config, model.state_dict(), path)
+    """config.json + model.safetensors at path, a directory that load (and transformers' from_pretrained) reads.
+    Weights held as GGUF blocks are written as the float32 values they hold."""
+    save_hf(model.config, decoded_state(model), path)
+
+
+def decoded_state(model: SmolLM2) -> dict:
+    """model's state_dict with weights held as GGUF blocks (held.py) decoded to their float32 values."""
+    return {name: t.decoded() if isinstance(t, HeldWeight) else t for name, t in model.state_dict().items()}
 
 
 def export(model: SmolLM2, tokenizer, path: str | os.PathLike, gguf_type: str | None = None) -> None:
@@ -72,7 +80,7 @@ def export(model: SmolLM2, tokenizer, path: str | os.PathLike, gguf_type: str | 
     with gguf_type ("f32", "f16", "q8_0", "q4_1": checkpoints.gguf.SAVE_TYPES) one GGUF file for llama.cpp and
     Ollama, the tokenizer in its metadata."""
     if gguf_type is not None:
-        save_gguf(model.config, model.state_dict(), tokenizer.gguf_metadata(), path, gguf_type)
+        save_gguf(model.config, decoded_state(model), tokenizer.gguf_metadata(), path, gguf_type)
     else:
         save(model, path)
         tokenizer.save_pretrained(path)

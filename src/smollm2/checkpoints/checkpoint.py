@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,9 +24,19 @@ def stored_type_error(file, name: str, found: str, allowed) -> SmolError:
 
 
 class GGUFBlocks(NamedTuple):
-    """A matrix as a GGUF file stores it in a quantized type: its exact values, in a few bits each."""
+    """A matrix as a GGUF file stores it in a quantized type: its exact values, in a few bits each. Read from the
+    mapped file when asked, a new tensor each time, so that whoever builds a model from the blocks holds one
+    matrix's bytes of the file at a time beside what it makes of them."""
     type: int  # a GGMLQuantizationType
-    data: torch.Tensor  # uint8 (rows, bytes a row): the file's blocks, rows in the tensor's order (q, k un-permuted)
+    shape: torch.Size  # the matrix's (rows, columns)
+    read: Callable[[], torch.Tensor]  # its blocks, uint8 (rows, bytes a row), rows in the tensor's order (q, k
+    # un-permuted)
+    # its float32 values, gguf.quants.dequantize's, rows as read's; given a slice, those of the file's rows
+    # (in the file's order), for checking a part at a time
+    dequantize: Callable[..., torch.Tensor]
+
+
+CHECKED_ROWS = 2048  # a part of a matrix the file quantized, decoded to be checked (4.5 MB of the 135M's embeddings)
 
 
 @dataclass
@@ -34,27 +45,36 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> where it came from, for errors
     source: str = ""
-    # matrices a GGUF file stores in a quantized type -> its blocks of them, where asked for (load_checkpoint)
+    # matrices a GGUF file stores in a quantized type -> its blocks of them, where asked for (load_checkpoint):
+    # these are not in `tensors`
     quantized: dict[str, GGUFBlocks] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:
-        """Every tensor the model needs is here with the right shape and finite values, and nothing else is."""
-        for name in sorted(expected.keys() - self.tensors.keys()):
+        """Every tensor the model needs is here with the right shape and finite values, and nothing else is. The
+        blocks' values are decoded to be checked, CHECKED_ROWS rows at a time."""
+        for name in sorted(expected.keys() - self.tensors.keys() - self.quantized.keys()):
             raise SmolError(f"{self.source}: missing tensor {name}")
-        for name in sorted(self.tensors.keys() - expected.keys()):
+        for name in sorted((self.tensors.keys() | self.quantized.keys()) - expected.keys()):
             raise SmolError(f"{self.files.get(name, self.source)}: unexpected tensor {name}")
         for name, tensor in self.tensors.items():  # each reader refuses these before reading; this is the floor
             if not tensor.is_floating_point():
                 raise stored_type_error(self.files.get(name, self.source), name,
                                         str(tensor.dtype).removeprefix("torch."), ("float32", "float16", "bfloat16"))
         for name, shape in expected.items():
-            got = self.tensors[name].shape
+            got = (self.tensors[name] if name in self.tensors else self.quantized[name]).shape
             if got != shape:
                 raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} has shape {tuple(got)} "
                                 f"but the config needs {tuple(shape)}")
-        for name, tensor in self.tensors.items():
-            if tensor.is_floating_point() and not all_finite(tensor):
+        for name in expected:
+            blocks = self.quantized.get(name)
+            parts = ([self.tensors[name]] if blocks is None else
+                     (blocks.dequantize(slice(i, i + CHECKED_ROWS)) for i in range(0, blocks.shape[0], CHECKED_ROWS)))
+            if not all(not part.is_floating_point() or all_finite(part) for part in parts):
                 raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} holds NaN or infinite values")
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The tensor `name` as float values, its blocks decoded where the file quantized it."""
+        return self.tensors[name] if name in self.tensors else self.quantized[name].dequantize()
 
 
 def parameter_shapes(config: SmolConfig) -> dict[str, torch.Size]:

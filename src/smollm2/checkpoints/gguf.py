@@ -49,6 +49,7 @@ class GGUFTensor(NamedTuple):
     tensor_type: int  # a GGMLQuantizationType
     shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
     data: np.ndarray  # a view of the file, mapped in memory
+    offset: int  # where data starts in the file
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class GGUFFile:
     mapping: mmap.mmap | None  # that mapping
 
     def release_pages(self) -> None:
-        """Drop the file's pages read so far from this process's resident memory (the OS keeps them in its
-        page cache): once the weights are decoded into tensors of their own, they would double its size."""
+        """Drop the file's pages read so far from this process's resident memory (the OS keeps them in its page
+        cache, and maps them again if they are read again): once a tensor is decoded or copied into one of its
+        own, they would count its bytes twice. Safe at any time, from any thread: the mapping is read-only."""
         if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
             self.mapping.madvise(mmap.MADV_DONTNEED)
 
@@ -77,9 +79,11 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
         reader = MetadataReader(memoryview(data.base))
         metadata, tensors = reader.metadata(), reader.tensor_infos()
         start = reader.tensors_at(metadata)
-        tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape))
-                   for name, kind, shape, offset in tensors]
-        return GGUFFile(metadata, tensors, data.base)
+        tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape),
+                              start + offset) for name, kind, shape, offset in tensors]
+        file = GGUFFile(metadata, tensors, data.base)
+        file.release_pages()  # the metadata, now Python values (~5 MB of the embedded file)
+        return file
     except (ValueError, OSError, KeyError, struct.error) as e:  # UnicodeDecodeError is a ValueError
         raise SmolError(f"{path}: truncated or corrupt GGUF file ({e})") from None
 
@@ -301,37 +305,72 @@ def check_weight_types(reader: GGUFFile, path: Path) -> None:
 
 
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> Checkpoint:
-    """quantized: also keep the file's blocks of every matrix it stores in a quantized type (Checkpoint.quantized)."""
+    """quantized: every matrix the file stores in a quantized type stays its blocks (Checkpoint.quantized, read
+    from the mapped file when asked), not a float32 tensor."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     check_weight_types(reader, path)
     tensors, files, blocks = {}, {}, {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None):
         name = hf_name(t.name, path)
-        try:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-            if not t.shape or t.shape[0] % block or t.data.nbytes != math.prod(t.shape) // block * block_bytes:
-                raise ValueError(f"its shape {t.shape} and {t.data.nbytes} bytes do not fit type {qtype.name}, "
-                                 f"whose rows are blocks of {block} values in {block_bytes} bytes")
-            shape = t.shape[::-1]
-            w = dequantized(t.data, qtype).reshape(shape)
-            kept = (GGUFBlocks(qtype, torch.from_numpy(np.array(t.data)).reshape(shape[0], -1))
-                    if quantized and block > 1 and len(shape) == 2 else None)  # copied: the file's pages go below
-        except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
-            raise SmolError(f"{path}: cannot read tensor {t.name} ({e})") from None
+        qtype = GGMLQuantizationType(t.tensor_type)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        if not t.shape or t.shape[0] % block or t.data.nbytes != math.prod(t.shape) // block * block_bytes:
+            raise SmolError(f"{path}: cannot read tensor {t.name} (its shape {t.shape} and {t.data.nbytes} bytes "
+                            f"do not fit type {qtype.name}, whose rows are blocks of {block} values in "
+                            f"{block_bytes} bytes)")
+        shape = torch.Size(t.shape[::-1])
         heads = rotary_heads(name, config)
-        if heads and w.shape[0] == heads * config.head_dim:  # any other shape: check() names the mismatch
-            w = unpermute(w, heads)
-            kept = kept and kept._replace(data=unpermute(kept.data, heads))
-        tensors[name], files[name] = w.to(dtype), f"{path} ({t.name})"
-        if kept:
-            blocks[name] = kept
-    reader.release_pages()  # every tensor above is a copy
+        # any other shape: check() names the mismatch
+        rows = GGUFRows(reader, t, path, heads if heads and shape[0] == heads * config.head_dim else None)
+        if quantized and block > 1 and len(shape) == 2:
+            blocks[name] = GGUFBlocks(qtype, shape, rows.blocks, rows.values)
+        else:
+            tensors[name] = rows.values().to(dtype)
+        files[name] = f"{path} ({t.name})"
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
         blocks.pop("lm_head.weight", None)
     return Checkpoint(config, tensors, files, str(path), blocks)
+
+
+@dataclass(frozen=True)
+class GGUFRows:
+    """A tensor of the mapped file, read when asked: its rows in the model's order (llama.cpp's q/k permutation
+    undone, where `heads` is given). Each read copies what it needs off the file and drops the file's pages from
+    this process's resident memory."""
+    reader: GGUFFile
+    tensor: GGUFTensor
+    path: Path
+    heads: int | None
+
+    def blocks(self) -> torch.Tensor:
+        """Its bytes, uint8 (rows, bytes a row)."""
+        t = self.tensor
+        data = torch.from_numpy(np.array(t.data))  # a copy: (rows, bytes a row), as tensor_data shapes blocks
+        self.reader.release_pages()
+        return data if self.heads is None else unpermute(data, self.heads)
+
+    def values(self, rows: slice | None = None) -> torch.Tensor:
+        """Its values, float32, in its shape (outermost first); or those of the file's `rows` (outermost),
+        in the file's order, to be checked a part at a time. A float32 matrix whose rows the model takes in the
+        file's order is the file's own pages, mapped copy-on-write: shared with every process that maps the
+        file, dropped by the OS under pressure (it reads them again), nothing copied; a change in place copies
+        the page it writes, never the file."""
+        t = self.tensor
+        if rows is None and self.heads is None and t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 2:
+            return torch.from_numpy(np.memmap(self.path, np.float32, "c", t.offset, t.shape[::-1]))
+        data = t.data if rows is None else t.data[rows]
+        try:
+            w = dequantized(data, GGMLQuantizationType(t.tensor_type)).reshape(-1, *t.shape[-2::-1])
+        except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+            raise SmolError(f"{self.path}: cannot read tensor {t.name} ({e})") from None
+        finally:
+            self.reader.release_pages()
+        if rows is not None:
+            return w
+        w = w.reshape(t.shape[::-1])
+        return w if self.heads is None else unpermute(w, self.heads)
 
 
 def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:

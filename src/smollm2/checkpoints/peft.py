@@ -167,6 +167,6 @@ def merge_adapter(ckpt: Checkpoint, path: str | Path) -> None:
     for name, tensor in adapter.tensors.items():
         if name.endswith(".lora_A.weight"):
             module = name.removesuffix(".lora_A.weight")
-            ckpt.tensors[f"{module}.weight"] = merged(ckpt.tensors[f"{module}.weight"], tensor,
+            ckpt.tensors[f"{module}.weight"] = merged(ckpt.weight(f"{module}.weight"), tensor,
                                                       adapter.tensors[f"{module}.lora_B.weight"], adapter.scaling)
             ckpt.quantized.pop(f"{module}.weight", None)  # GGUF's blocks hold the weight before the merge

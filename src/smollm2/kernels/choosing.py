@@ -172,13 +172,13 @@ class Choices:
         finally:
             self.local.torch_only = outer
 
-    def pick(self, key: Key, kernel: Callable, plain: Callable):
+    def pick(self, key: Key, kernel: Callable, plain: Callable, measured: bool = True):
         """kernel()'s result or plain()'s (torch's code for the same values), whichever computes this kind of
-        operation faster; a decoding step's kinds, kernel()'s (see the module's docstring). kernel() returns None
-        where it cannot run; then plain() does, and nothing is decided."""
+        operation faster; a decoding step's kinds, or any with measured=False, kernel()'s (see the module's
+        docstring). kernel() returns None where it cannot run; then plain() does, and nothing is decided."""
         if not self.allow_kernels():
             return plain()
-        if self.mode == "auto" and key.rows > DECODING_ROWS:
+        if self.mode == "auto" and measured and key.rows > DECODING_ROWS:
             choice = self.made.get(key)
             if choice is None:
                 choice = self.recall(key)

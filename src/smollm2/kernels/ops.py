@@ -106,7 +106,10 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     def plain():
         return each_prompt(choices, lambda x: [torch_linear(x, w, s) for w, s in zip(weights, scales)], x)
 
-    if not (multiplies(choices, x, rows) and K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
+    # Weights held as blocks alone (held.py) go to the kernel at any size, unmeasured: torch would decode them
+    # first, every time.
+    held = all(p is not None for p in packed) and usable(choices, x)
+    if not ((held or multiplies(choices, x, rows)) and K % 16 == 0 and w_type in (x.dtype, torch.int8) and all(
             w.dtype == w_type and w.shape[1] == K and w.shape[0] % 16 == 0 and w.is_contiguous() for w in weights)):
         return plain()
     sizes = [w.shape[0] for w in weights]
@@ -123,7 +126,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
     return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
-                            torch.get_num_threads(), (K, *sizes)), kernel, plain)
+                            torch.get_num_threads(), (K, *sizes)), kernel, plain, measured=not held)
 
 
 class BlockWeights(ctypes.Structure):

@@ -242,6 +242,8 @@ def serve_dictionaries(app, sources: list[str]) -> None:
     sae.load_saes; `smollm2 serve --sae`) on the app's page and routes, by their folders' names; each checked
     against the app's first model (the base; adapters share its shape): its hook points the model's, as wide as the
     activations there. Before the app starts: the schedulers' threads own the model once it runs."""
+    if not sources:  # none to check: the check's pass, on torch alone, would decode every held matrix once
+        return
     model = next(iter(app.state.served.engines.values())).model
     dictionaries = {}
     for source in sources:

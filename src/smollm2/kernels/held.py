@@ -1,0 +1,116 @@
+"""A float32 matrix held as the GGUF blocks it was read from (packed.py's layout), and nothing else.
+
+A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks: 5-9 bits a
+weight where a float32 copy would take 32. The matrix stays a float32 parameter to everything else (its shape,
+dtype and device are the float32 matrix's, and torch code computes with it as with any tensor) because each
+torch operation given it decodes the blocks into a new float32 tensor first, used once and not kept: the
+reference path and the inspection hooks (a layer's product at a time), state_dict and saving, LoRA merging,
+int8 quantizing. That costs a decode each time (~1-14 ns a weight on one core, packed.unpacked), where the
+kernels read the blocks as they are. An embedding lookup decodes just the rows it looks up.
+
+torch routes operations on such a tensor through its Python dispatch, whose first use in a process imports
+torch.distributed.tensor (~45 MB and ~1.5 s, once). Inference on the kernels never takes that route: the held
+parameters are made without it (parameter()), state_dict detaches them without it (__torch_function__), the
+kernels read their blocks, and the accelerated embedding (accelerate.py) decodes its rows itself; only the torch
+code above does. Reading a held weight's shape, dtype or version goes through __torch_function__, ~5-10 us
+each: the decoding step reads none of them (accelerate.py's plan).
+
+What cannot work on blocks is a change in place (an optimizer's step, load_state_dict into it, a .data
+write): it raises, naming dequantize(model), which gives every held matrix its float32 copy (for training).
+Converting the model (.to(), .half()) decodes its held matrices as well: a copy of another dtype or device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn as nn
+
+from ..errors import SmolError
+from .packed import Packed, unpacked
+
+aten = torch.ops.aten
+
+
+class HeldWeight(torch.Tensor):
+    """A float32 (N, K) matrix whose values are `packed`'s (packed.unpacked), decoded by every operation that
+    reads them. parameter() makes one a parameter."""
+
+    packed: Packed
+
+    @staticmethod
+    def __new__(cls, packed: Packed, shape: tuple[int, int], requires_grad: bool = False):
+        held = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=packed.data.device,
+                                                   requires_grad=requires_grad)
+        held.packed = packed
+        return held
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.detach:  # state_dict's, the same blocks, without torch's Python dispatch (the top)
+            with torch.inference_mode(False):  # a tensor of the usual kind, as torch's own detach gives
+                return HeldWeight(args[0].packed, args[0].shape)
+        with torch._C.DisableTorchFunctionSubclass():  # the rest reaches __torch_dispatch__, results as they are
+            return func(*args, **(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return f"HeldWeight({tuple(self.shape)}, kernels.c type {self.packed.type})"
+
+    def decoded(self) -> torch.Tensor:
+        """The float32 matrix, a new tensor."""
+        return unpacked(self.packed)
+
+    def numpy(self, *, force: bool = False):  # torch refuses it for a subclass: the decoded values'
+        return self.decoded().numpy(force=force)
+
+    def __deepcopy__(self, memo):  # the blocks never change, so a copy shares them
+        if isinstance(self, nn.Parameter):
+            return parameter(self.packed, self.shape, self.requires_grad)
+        return HeldWeight(self.packed, self.shape, self.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):  # nn.Parameter, state_dict: the same blocks
+            with torch.inference_mode(False):  # a view of a tensor of the usual kind, as torch's own detach
+                return HeldWeight(args[0].packed, args[0].shape)
+        if func is aten.embedding.default and isinstance(args[0], HeldWeight):  # the rows looked up, alone
+            return unpacked(args[0].packed, args[1])
+        written = {spec.name for spec in func._schema.arguments if spec.alias_info and spec.alias_info.is_write}
+        if any(isinstance(a, HeldWeight) for a, spec in zip(args, func._schema.arguments) if spec.name in written) \
+                or any(isinstance(kwargs.get(name), HeldWeight) for name in written):
+            raise SmolError(f"a weight held as its GGUF blocks cannot change in place ({func}); give the model "
+                            "float32 weights first: smollm2.kernels.dequantize(model), or load it with "
+                            "kernels=False")
+
+        def plain(a):
+            return a.decoded() if isinstance(a, HeldWeight) else a
+
+        return func(*(plain(a) for a in args), **{k: plain(v) for k, v in kwargs.items()})
+
+
+def parameter(packed: Packed, shape: tuple[int, int], requires_grad: bool = True) -> nn.Parameter:
+    """A HeldWeight as a module's parameter. nn.Parameter(HeldWeight(...)) would do it by a detach, through
+    torch's Python dispatch (see the top); this marks it as nn.Parameter marks a tensor subclass."""
+    with torch.inference_mode(False):  # a parameter of the usual kind, even made under inference
+        weight = HeldWeight(packed, shape, requires_grad)
+    weight._is_param = True
+    return weight
+
+
+def held_weights(module: nn.Module):
+    """(owner, name, weight) of each held matrix in `module`'s tree."""
+    for owner in module.modules():
+        for name, weight in owner.named_parameters(recurse=False):
+            if isinstance(weight, HeldWeight):
+                yield owner, name, weight
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): a matrix's passing
+    copies (read off the file, repacked) leave freed holes between the blocks kept, which glibc would keep
+    resident (~45 MB of the 135M model's ~150 MB, loaded)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
