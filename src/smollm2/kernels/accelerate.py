@@ -351,7 +351,9 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
             module.__class__ = fast or type(module)  # the same state: no parameter is copied or renamed
     for name, blocks in (quantized or {}).items():  # one matrix at a time: one file's matrix read beside them
         owner, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(owner), attribute, held(blocks))
+        # off: torch alone runs the model, which would decode a held matrix at every call: float32 once instead
+        weight = held(blocks) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
+        setattr(model.get_submodule(owner), attribute, weight)
         release_freed_memory()
     accelerator.changes += 1  # new modules swapped in, new held weights: plans built before no longer hold
     return model
