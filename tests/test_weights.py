@@ -42,13 +42,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
 def test_held_blocks_decode_to_ggufs_values(qtype):
-    """packed.unpacked gives gguf.quants.dequantize's float32 values bit for bit (-0 included), all rows or some:
-    every type the kernels stream is held as its blocks alone."""
+    """packed.unpacked and the kernels' dequantize give gguf.quants.dequantize's float32 values bit for bit (-0
+    included), all rows or some: every type the kernels stream is held as its blocks alone."""
     N, K = 32, 512
     blocks = crafted_blocks(N, K, qtype, np.random.default_rng(int(qtype)))
     want = torch.from_numpy(dequantize(blocks, qtype).reshape(N, K))
     packed = packed_layout(qtype, torch.from_numpy(blocks))
     assert torch.equal(bits(unpacked(packed)), bits(want))
+    assert torch.equal(bits(HeldWeight(packed, (N, K)).decoded()), bits(want))  # kernels.c's dequantize
     rows = torch.tensor([[3, 31], [0, 3]])
     assert torch.equal(bits(unpacked(packed, rows)), bits(want[rows]))
 

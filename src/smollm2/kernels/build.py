@@ -96,4 +96,5 @@ def compiled() -> SimpleNamespace | None:
         silu_mul=CFunction(lib.silu_mul, gate=p, up=p, out=p, type=i, n=n),
         rope_rows=CFunction(lib.rope_rows, x=p, cos=p, sin=p, out=p, type=i, R=n, heads=n, D=n),
         norm_rows=CFunction(lib.norm_rows, x=p, weight=p, out=p, type=i, R=n, C=n, eps=f),
+        dequantize=CFunction(lib.dequantize, w=p, w_type=i, out=p, N=n, K=n),
     )

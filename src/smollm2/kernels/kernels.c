@@ -1236,3 +1236,40 @@ void norm_rows(const void *x, const void *weight, void *out, int type, long R, l
 #pragma omp parallel
     rms_norm(x, weight, out, type, type, R, C, eps);
 }
+
+/* out (N, K) = the float32 weights of w's blocks of w_type (kernels.c's layouts), each the value the products use
+ * (load_block), which is gguf.quants.dequantize's bit for bit: what torch code reads from a weight held as its
+ * blocks (held.py), decoded a vector at a time, not in torch's several passes of a few operations each. */
+static inline __attribute__((always_inline)) void dequantize_as(const void *w, const int w_type, float *out, long N,
+                                                                long K) {
+    const long G = group_size(w_type);
+    const int parts = G / BLOCK < 4 ? G / BLOCK : 4;
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k += G) {
+            const uint8_t *group = (const uint8_t *)w + offset_of(n * K + k, w_type);
+            struct scales s;
+            unpack(group, w_type, &s);
+            for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+                for (int part = 0; part < parts; part++) {  /* unrolled: constant shifts */
+                    vf v[BLOCK / LANES];
+                    load_block(group, base, part, w_type, &s, v);
+                    for (int i = 0; i < BLOCK / LANES; i++)
+                        *(vfu *)(out + n * K + k + (base + part) * BLOCK + i * LANES) = v[i];
+                }
+        }
+}
+
+void dequantize(const void *w, int w_type, float *out, long N, long K) {
+    switch (w_type) {  /* each type's code specialized, as the products' */
+    case Q4_1: dequantize_as(w, Q4_1, out, N, K); break;
+    case Q8_0: dequantize_as(w, Q8_0, out, N, K); break;
+    case Q4_0: dequantize_as(w, Q4_0, out, N, K); break;
+    case Q4_K: dequantize_as(w, Q4_K, out, N, K); break;
+    case Q5_K: dequantize_as(w, Q5_K, out, N, K); break;
+    case Q6_K: dequantize_as(w, Q6_K, out, N, K); break;
+    case Q5_0: dequantize_as(w, Q5_0, out, N, K); break;
+    case Q5_1: dequantize_as(w, Q5_1, out, N, K); break;
+    }
+}
