@@ -162,6 +162,8 @@ class EngineThread:
         self.max_batch_size = max_batch_size
         self.on_end = on_end
         self.threads = threads or torch.get_num_threads()
+        # The check Request.row makes of each request's (which this default becomes: speculation()), made once
+        # more here so that a bad draft fails the start, not every request.
         check_speculative(speculative, model.config.vocab_size)
         self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
@@ -222,7 +224,8 @@ class EngineThread:
 
     def speculation(self, asked: str | None):
         """What a request that asks `asked` over HTTP speculates with, as a Request says it: None for the thread's
-        default; "off", "ngram" (prompt lookup) or "draft" (the thread's draft model): None, "ngram" or the draft."""
+        default; "off", "ngram" (prompt lookup) or "draft" (the thread's draft model): None, "ngram" or the draft.
+        The word is the body's to check (its schema), what it becomes Request.row's."""
         if asked is None:
             return self.speculative
         if asked == "draft":
@@ -230,8 +233,6 @@ class EngineThread:
                 raise FieldError("speculative", "'draft' needs a server started with a draft model "
                                  "(--speculative draft:SRC)")
             return self.draft
-        if asked not in ("off", "ngram"):
-            raise FieldError("speculative", f"must be 'off', 'ngram' or 'draft', got {asked!r}")
         return None if asked == "off" else asked
 
     def call(self, function: abc.Callable[[], Any]) -> asyncio.Future:
