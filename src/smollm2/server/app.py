@@ -30,6 +30,7 @@ import torch
 
 from .. import loading
 from ..errors import SmolError
+from ..generation.request import check_token_id
 from ..generation.speculative import speculation
 from ..tokenizer import Tokenizer
 from . import adapters as lora_adapters
@@ -37,7 +38,7 @@ from . import embeddings, inspect, messages, openai, page, responses, scheduler
 from .draining import Admission
 from .metrics import CountResponses, Metrics
 from .scheduler import EngineThread, QueueFull
-from .serving import APIError, AppState, Served, Text, as_api_error, check_token_ids, error_response
+from .serving import APIError, AppState, Served, Text, as_api_error, error_response
 
 
 class TokenizeBody(BaseModel):
@@ -214,5 +215,6 @@ async def tokenize(body: TokenizeBody, served: AppState):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, served: AppState):
-    check_token_ids({f"tokens.{j}": t for j, t in enumerate(body.tokens)}, served.tokenizer.vocab_size)
+    for j, t in enumerate(body.tokens):  # the tokenizer's vocabulary: it decodes them
+        check_token_id(t, served.tokenizer.vocab_size, f"tokens.{j}")
     return {"content": served.tokenizer.decode(body.tokens)}
