@@ -41,16 +41,11 @@ from ..generation.request import Request
 from ..generation.sequence import Step
 from ..generation.speculative import check_speculative
 from ..generation.steps import decode_step, prefill_chunk, untouched_cache
+from . import defaults
 
 log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT = 8  # tokens of the warm-up's prompt (ids 0..7)
-# A server's defaults, stated once: an engine thread's and create_app's (`smollm2 serve`'s flags are held to them by
-# tests/test_server.py). A request's own are generation.request.Request's, or its API's.
-MAX_BATCH_SIZE = 8  # rows of the KV cache: requests decoding at once
-MAX_WAITING = 64  # requests queued beyond those; more get 429
-PREFIX_CACHE_BYTES = 256 << 20  # a 135M model's whole window in bf16 (188 MiB), where a server's memory is its weights
-SPECULATIVE = "ngram"  # prompt lookup: the same answers, faster where they repeat their input
 
 
 @dataclass
@@ -132,10 +127,12 @@ class Generation:
 class EngineThread:
     """A thread that owns a model and its engine, and the queue of requests and calls handed to it."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = MAX_BATCH_SIZE, max_waiting: int = MAX_WAITING,
-                 max_seq_len: int | None = None, on_end: abc.Callable[[Generation], None] | None = None,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads: int | None = None, speculative=SPECULATIVE,
-                 kv_cache_dtype: str | None = None, prefix_cache_dir: str | Path | None = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = defaults.MAX_BATCH_SIZE,
+                 max_waiting: int = defaults.MAX_WAITING, max_seq_len: int | None = None,
+                 on_end: abc.Callable[[Generation], None] | None = None,
+                 prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES, threads: int | None = None,
+                 speculative=defaults.SPECULATIVE, kv_cache_dtype: str | None = None,
+                 prefix_cache_dir: str | Path | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
         prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
         request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
