@@ -222,9 +222,13 @@ MALFORMED = [
 
 def test_create_app_serves_as_smollm2_serve_does_by_default():
     """One server, whichever way it is started: create_app's defaults are the serve command's, but for the KV
-    cache, which keeps the model's dtype in Python (answers bit for bit generate()'s) and bf16 in `serve`."""
+    cache, which keeps the model's dtype in Python (answers bit for bit generate()'s) and bf16 in `serve`. Stated
+    once, in server/defaults.py: no flag of serve's that becomes a create_app (or load_app) option has a default
+    written in cli.py."""
+    import ast
     import inspect
 
+    from smollm2 import cli
     from smollm2.cli import parser
 
     serve = parser().parse_args(["serve"])
@@ -233,6 +237,15 @@ def test_create_app_serves_as_smollm2_serve_does_by_default():
     assert defaults["prefix_cache_bytes"] == serve.prefix_cache * 2**20
     assert defaults["speculative"] == serve.speculative == "ngram"
     assert (defaults["max_batch_size"], defaults["max_waiting"]) == (serve.max_batch_size, serve.max_waiting)
+    assert inspect.signature(load_app).parameters["speculative"].default == serve.speculative
+    options = {"--max-batch-size", "--max-waiting", "--prefix-cache", "--speculative", "--kv-cache-dtype"}
+    flags = [call for call in ast.walk(ast.parse(open(cli.__file__).read())) if isinstance(call, ast.Call)
+             and getattr(call.func, "attr", None) == "add_argument" and call.args
+             and getattr(call.args[0], "value", None) in options]
+    assert {flag.args[0].value for flag in flags} == options
+    written = [ast.unparse(flag) for flag in flags for keyword in flag.keywords
+               if keyword.arg == "default" and isinstance(keyword.value, ast.Constant)]
+    assert not written, written
 
 
 def test_load_app_serves_what_sources_name_loaded_on_one_thread(tiny, tiny_dir):

@@ -339,3 +339,29 @@ def test_bench_reports_tokens_per_pass_and_acceptance(tiny_dir, capsys):
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokens_per_pass"] == 1.0 and result["acceptance"] is None
+
+
+def test_a_requests_speculation_is_checked_once_on_its_way_to_the_engine(tok, monkeypatch):
+    """Request.row is the one place a request's speculation is checked: generate() and the server queue the row it
+    makes as it is (Engine.queue); the engine checks a bare sequence's (Engine.admit), the server its default once,
+    as it starts."""
+    from smollm2.generation import engine, request
+    from smollm2.generation.speculative import check_speculative
+    from smollm2.server import scheduler
+
+    checked = []
+
+    def counted(speculative, vocab_size):
+        checked.append(speculative)
+        check_speculative(speculative, vocab_size)
+
+    for module in (request, engine, scheduler):
+        monkeypatch.setattr(module, "check_speculative", counted)
+    model = tiny_model(TINY["gqa"])
+    generate(model, [[1, 2, 3], [4, 5]], 2, speculative="ngram")
+    assert checked == ["ngram"] * 2  # one per row
+    app = create_app(model, tok, model_name="tiny", speculative="ngram")
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=dict(model="tiny", prompt=[1, 2, 3], max_tokens=2, n=2))
+        assert r.status_code == 200, r.text
+    assert checked == ["ngram"] * 5  # the server's default as it starts, then each of the two requests

@@ -18,15 +18,13 @@ import torch
 
 from .errors import SmolError
 from .kv_cache import KV_CACHE_DTYPES
+from .server import defaults  # the server's, stated there once; it imports nothing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")  # as smollm2.checkpoints.gguf.SAVE_TYPES, without importing gguf here
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more only oversubscribes the cores; far more exhausts OpenMP's memory
 MAX_SEED = 2**64 - 1  # as generation.sampling's, without importing the engine before the flags are read
 MAX_TOP_LOGPROBS = 20  # as generation.logprobs's
-# serve's KV cache: bf16 holds a row's slots in half the memory of fp32 and moves the embedded model's perplexity by
-# 0.006%, where int8 (a quarter) moves it by 0.6% (benchmarks/kv_cache.py)
-SERVE_KV_CACHE_DTYPE = "bf16"
 MAX_BATCH_SIZE = 256  # serve's rows: each holds a KV cache of the whole context window
 
 
@@ -553,17 +551,19 @@ def parser() -> argparse.ArgumentParser:
     c = commands.add_parser("serve", parents=[model], help="an OpenAI-compatible HTTP server (continuous batching)")
     c.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     c.add_argument("--port", type=whole_number(1, 65535), default=8000)
-    c.add_argument("--max-batch-size", type=whole_number(1, MAX_BATCH_SIZE), default=8,
-                   help="requests decoded together (default: 8)")
-    c.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
+    c.add_argument("--max-batch-size", type=whole_number(1, MAX_BATCH_SIZE), default=defaults.MAX_BATCH_SIZE,
+                   help=f"requests decoded together (default: {defaults.MAX_BATCH_SIZE})")
+    c.add_argument("--max-waiting", type=int, default=defaults.MAX_WAITING,
+                   help=f"requests queued beyond those; more get 429 (default: {defaults.MAX_WAITING})")
     c.add_argument("--max-seq-len", type=int, help="prompt + answer tokens per request (default: the context "
                                                     "window); the KV cache holds this many per batch row")
     c.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
-    c.add_argument("--speculative", type=speculative_flag, default="ngram", metavar="ngram|off|draft[:SRC]",
-                   help="ngram (default): requests guess tokens by prompt lookup, checked in one pass (the same "
-                        "answers); draft:SRC: with a smaller model of the same tokenizer (draft alone: the embedded "
-                        "model); off: not. A request's \"speculative\" field overrides it (draft: only where the "
-                        "server has one)")
+    c.add_argument("--speculative", type=speculative_flag, default=defaults.SPECULATIVE,
+                   metavar="ngram|off|draft[:SRC]",
+                   help="ngram: requests guess tokens by prompt lookup, checked in one pass (the same answers); "
+                        "draft:SRC: with a smaller model of the same tokenizer (draft alone: the embedded model); "
+                        f"off: not (default: {defaults.SPECULATIVE}). A request's \"speculative\" field overrides it "
+                        "(draft: only where the server has one)")
     c.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve this LoRA adapter over the model, as model NAME (repeatable): held as its "
                         "low-rank matrices, batched with the base's requests; more load and unload while serving "
@@ -571,14 +571,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--sae", action="append", default=[], metavar="DIR_OR_HUBID",
                    help="serve an SAE or transcoder (SAELens's or sparsify's format), or a folder of them (a "
                         "transcoder per block: attribution graphs), to the page and the API (repeatable)")
-    c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=SERVE_KV_CACHE_DTYPE,
+    c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.SERVE_KV_CACHE_DTYPE,
                    help=f"what the KV cache stores: bf16 half the memory of fp32, int8 a quarter (default: "
-                        f"{SERVE_KV_CACHE_DTYPE})")
-    # 256 MiB: a 135M model's whole window in bf16 (188 MiB), where a server's resident memory is its weights
-    # (~1 GB up) plus this once many long prompts have passed
-    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=256, metavar="MIB",
-                   help="memory for the keys and values of prompt prefixes that later prompts reuse (default: "
-                        "256 MiB; 0: none)")
+                        f"{defaults.SERVE_KV_CACHE_DTYPE})")
+    c.add_argument("--prefix-cache", type=whole_number(0, 2**24), default=defaults.PREFIX_CACHE_BYTES >> 20,
+                   metavar="MIB", help="memory for the keys and values of prompt prefixes that later prompts reuse "
+                                       f"(default: {defaults.PREFIX_CACHE_BYTES >> 20} MiB; 0: none)")
     c.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
                    help="also keep the prefix cache's chunks as files here, which a restarted server reads "
                         "instead of prefilling them again")

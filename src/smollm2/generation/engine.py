@@ -141,9 +141,10 @@ class Engine:
 
     def admit(self, sequence: Sequence, prompt_logprobs: int | None = None, speculative=None,
               hooks: Hooks | None = None) -> Row:
-        """Queue a sequence (see queue). speculative: None, or guess its next tokens by prompt lookup ("ngram") or
-        with a draft model (a SmolLM2 of the same vocabulary; speculative.py); its tokens are the same. hooks: run
-        its passes through these (see above)."""
+        """Queue a bare sequence (see queue), its speculation checked as Request.row checks a request's (a
+        request's row is queued as it is). speculative: None, or guess its next tokens by prompt lookup ("ngram")
+        or with a draft model (a SmolLM2 of the same vocabulary; speculative.py); its tokens are the same. hooks:
+        run its passes through these (see above)."""
         check_speculative(speculative, self.model.config.vocab_size)
         return self.queue(Row(sequence, prompt_logprobs, speculative, hooks))
 

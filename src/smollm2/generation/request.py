@@ -91,17 +91,14 @@ class Request:
         model's, unless the request says otherwise."""
         config, names = model.config, self.names
         vocab_size, window = config.vocab_size, window or config.max_position_embeddings
-        bad = next((t for t in self.prompt if not token_id(t, vocab_size)), None)
-        if bad is not None:
-            raise FieldError(names.prompt, f"holds {bad!r}, not a token id in [0, {vocab_size})")
+        for t in self.prompt:
+            check_token_id(t, vocab_size, names.prompt)
         for j, s in enumerate(self.stop):
             if not ((isinstance(s, str) and s) or token_id(s, vocab_size)):
                 raise FieldError(f"{names.stop}.{j}" if names.entries else names.stop,
                                  f"must be non-empty strings and token ids in [0, {vocab_size}), got {s!r:.80}")
         for t in self.sampling.logit_bias or ():
-            if not token_id(t, vocab_size):
-                raise FieldError(f"{names.logit_bias}.{t}" if names.entries else names.logit_bias,
-                                 f"{t!r} is not a token id in [0, {vocab_size})")
+            check_token_id(t, vocab_size, f"{names.logit_bias}.{t}" if names.entries else names.logit_bias)
         n, m = len(self.prompt), self.max_new_tokens
         if n + min(1 if m is None else m, 1) > window:
             raise FieldError(names.prompt, f"the prompt ({n} tokens) leaves no room in the context window of "
@@ -122,6 +119,14 @@ class Request:
 
 def token_id(t, vocab_size: int) -> bool:
     return whole(t) and t < vocab_size
+
+
+def check_token_id(t, vocab_size: int, field: str) -> None:
+    """The one vocabulary check, wherever a token id comes from (a request's prompt or logit_bias, rows a model runs
+    whole, /detokenize's tokens, /inspect/graph's target): a FieldError naming `field` unless `t` is one of
+    `vocab_size` tokens' ids."""
+    if not token_id(t, vocab_size):
+        raise FieldError(field, f"{t!r} is not a token id in [0, {vocab_size})")
 
 
 def prompt_rows(input_ids) -> list[list[int]]:
@@ -152,9 +157,8 @@ def checked_rows(input_ids, config, window: int | None = None, where: str = "pro
     rows, window = prompt_rows(input_ids), window or config.max_position_embeddings
     for b, row in enumerate(rows):
         at = where if len(rows) == 1 else f"prompt {b}"
-        bad = next((t for t in row if t >= config.vocab_size), None)
-        if bad is not None:
-            raise FieldError(at, f"{bad} is not a token id in [0, {config.vocab_size})")
+        for t in row:
+            check_token_id(t, config.vocab_size, at)
         if len(row) > window:
             raise FieldError(at, f"{len(row)} tokens exceed the context window of {window} tokens")
     return rows

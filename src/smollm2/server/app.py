@@ -30,14 +30,15 @@ import torch
 
 from .. import loading
 from ..errors import SmolError
+from ..generation.request import check_token_id
 from ..generation.speculative import speculation
 from ..tokenizer import Tokenizer
 from . import adapters as lora_adapters
-from . import embeddings, inspect, messages, openai, page, responses, scheduler
+from . import defaults, embeddings, inspect, messages, openai, page, responses
 from .draining import Admission
 from .metrics import CountResponses, Metrics
 from .scheduler import EngineThread, QueueFull
-from .serving import APIError, AppState, Served, Text, as_api_error, check_token_ids, error_response
+from .serving import APIError, AppState, Served, Text, as_api_error, error_response
 
 
 class TokenizeBody(BaseModel):
@@ -84,13 +85,13 @@ class BodyLimit:
 
 
 def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
-               max_batch_size: int = scheduler.MAX_BATCH_SIZE, max_waiting: int = scheduler.MAX_WAITING,
+               max_batch_size: int = defaults.MAX_BATCH_SIZE, max_waiting: int = defaults.MAX_WAITING,
                max_seq_len: int | None = None, max_body_bytes: int = 1 << 20, api_key: str | None = None,
-               prefix_cache_bytes: int = scheduler.PREFIX_CACHE_BYTES, adapters: dict[str, str | Path] | None = None,
-               threads: int | None = None, speculative=scheduler.SPECULATIVE, kv_cache_dtype: str | None = None,
+               prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES, adapters: dict[str, str | Path] | None = None,
+               threads: int | None = None, speculative=defaults.SPECULATIVE, kv_cache_dtype: str | None = None,
                prefix_cache_dir: str | Path | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread (which then owns the model) and stops it.
-    The defaults are the engine thread's (scheduler.py), and `smollm2 serve`'s but for the KV cache's dtype.
+    The defaults are a server's (defaults.py), `smollm2 serve`'s too but for the KV cache's dtype.
     prefix_cache_bytes: memory for the keys and values of prompt prefixes kept for later prompts (0: none).
     adapters: LoRA adapters served over the model from the start, {name: directory in PEFT's format},
     chosen per request by its `model` field, as those loaded later (POST /v1/load_lora_adapter, adapters.py):
@@ -125,8 +126,9 @@ def create_app(model, tokenizer, *, model_name: str = "SmolLM2-135M-Instruct",
     return app
 
 
-def load_app(src=None, *, load: dict | None = None, lora: dict | None = None, speculative: str | None = "ngram",
-             threads: int | None = None, saes: list[str] = (), **options) -> FastAPI:
+def load_app(src=None, *, load: dict | None = None, lora: dict | None = None,
+             speculative: str | None = defaults.SPECULATIVE, threads: int | None = None, saes: list[str] = (),
+             **options) -> FastAPI:
     """create_app over what sources name, loaded as `smollm2 serve` loads them: the model at `src` (as smollm2.load
     takes it, with `load`'s options: dtype, device, adapter, quantize, kernels) and its tokenizer, served as `src`
     (unless options say model_name); `lora`: LoRA adapters by name, each a directory (create_app's `adapters`);
@@ -214,5 +216,6 @@ async def tokenize(body: TokenizeBody, served: AppState):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, served: AppState):
-    check_token_ids({f"tokens.{j}": t for j, t in enumerate(body.tokens)}, served.tokenizer.vocab_size)
+    for j, t in enumerate(body.tokens):  # the tokenizer's vocabulary: it decodes them
+        check_token_id(t, served.tokenizer.vocab_size, f"tokens.{j}")
     return {"content": served.tokenizer.decode(body.tokens)}

@@ -33,6 +33,7 @@ from ..errors import SmolError
 from ..features import feature_steering, logit_effect, top_features, writes_to_stream
 from ..generation.hooks import Hooks, steering
 from ..generation.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from ..generation.request import check_token_id
 from ..sae import SAE, load_saes
 from .scheduler import EngineThread
 from .serving import APIError, AppState, Text, content_text
@@ -359,9 +360,8 @@ async def graph(body: GraphBody, connection: Connection, served: AppState):
         raise APIError(400, "this server has no transcoder set (one per block, writing its MLP's output: smollm2 "
                        "serve --sae DIR of them) to make a graph with", param="model")
     ids = prompt_of(body, tokenizer, MAX_GRAPH_TOKENS)
-    vocab = scheduler.model.config.vocab_size
-    if body.target is not None and body.target >= vocab:
-        raise APIError(400, f"target: {body.target} is not a token id, 0 to {vocab - 1}", param="target")
+    if body.target is not None:
+        check_token_id(body.target, scheduler.model.config.vocab_size, "target")
 
     def attribute():  # scheduler thread
         found = graphs.attribute(scheduler.model, transcoders, ids, None if body.target is None else [body.target],

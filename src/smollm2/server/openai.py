@@ -27,7 +27,7 @@ from ..generation.request import Names, Request
 from ..generation.sampling import MAX_BIAS, MAX_PENALTY, MAX_SEED, Sampling
 from ..tools import CallPiece, ToolCall, Tools
 from . import inspect
-from .scheduler import EngineThread
+from .scheduler import EngineThread, Generation
 from .serving import (APIError, AppState, EventStream, Served, Stops, Text, Whole, Writer, answers, content_text,
                       grammar, sse, stream, submit, text_or_ids)
 
@@ -161,8 +161,9 @@ async def chat_completions(body: ChatBody, connection: Connection, served: AppSt
         raise FieldError("messages", str(e)) from None
     check_n(1, body.n, thread)
     ready = await prepare(body, served, thread, connection, body.logprobs_top, echo=False, tools=tools)
-    reply = Reply(True, body.model, served.tokenizer, [prompt], body.n, body.logprobs_top, tools=tools)
-    return await respond(body, served, [body.to_request(prompt, thread, ready)], reply, connection, tools)
+    generations = submit(served, [body.to_request(prompt, thread, ready)], body.n)
+    reply = ChatReply(body.model, served.tokenizer, [prompt], body.n, body.logprobs_top, tools)
+    return await respond(body, thread, generations, reply, connection, tools)
 
 
 @router.post("/v1/completions")
@@ -173,8 +174,12 @@ async def completions(body: CompletionBody, connection: Connection, served: AppS
     ready = await prepare(body, served, thread, connection, body.logprobs, echo=body.echo)
     requests = [body.to_request(prompt, "prompt" if len(prompts) == 1 else f"prompt.{p}", thread, ready)
                 for p, prompt in enumerate(prompts)]
-    reply = Reply(False, body.model, tokenizer, prompts, body.n, body.logprobs)
-    return await respond(body, served, requests, reply, connection)
+    generations = submit(served, requests, body.n)
+    echo = None  # the prompts' ids are checked by now (submit): they decode
+    if body.echo:
+        echo = [prompt if isinstance(prompt, str) else tokenizer.decode(prompt) for prompt in body.prompt]
+    reply = CompletionReply(body.model, tokenizer, prompts, body.n, body.logprobs, echo)
+    return await respond(body, thread, generations, reply, connection)
 
 
 def check_n(prompts: int, n: int, thread: EngineThread) -> None:
@@ -191,12 +196,10 @@ async def prepare(body: Body, served: Served, thread: EngineThread, connection: 
                     logprobs, logprobs if echo else None)
 
 
-async def respond(body: Body, served: Served, requests: list[Request], reply: Reply, connection: Connection,
-                  tools: Tools | None = None):
-    """Every prompt's n choices: choice p * n + i, prompt p's choice i, a request of its own, seeded seed + i."""
-    thread, generations = served.engine(body.model), submit(served, requests, body.n)
-    if isinstance(body, CompletionBody) and body.echo:  # the prompts' ids are checked by now: they decode
-        reply.echo = [prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt) for prompt in body.prompt]
+async def respond(body: Body, thread: EngineThread, generations: list[Generation], reply: Reply,
+                  connection: Connection, tools: Tools | None = None):
+    """Every prompt's n choices (submit: choice p * n + i, prompt p's choice i, seeded seed + i), whole or
+    streamed."""
     if body.stream:
         reply.include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(stream(thread, generations, reply, tools))
@@ -204,30 +207,22 @@ async def respond(body: Body, served: Served, requests: list[Request], reply: Re
 
 
 class Reply(Writer):
-    """OpenAI's response objects, for chat ("chat.completion") or plain completions ("text_completion"), whole or
-    streamed. prompts: each prompt's ids, choice c answering prompt c // n; logprobs: None, or the number of top
-    tokens each token's log-probabilities list; echo: the prompts' texts, which a completion's text then starts with
-    (and its tokens, its logprobs); tools: a chat's, whose answers are read for tool calls where the model may make
-    them."""
+    """What OpenAI's chat and completion replies share (as vLLM's serving_chat and serving_completion do): the
+    object's id, time and model, the usage, and a stream's error and end. Each writes its own choices and chunks.
+    prompts: each prompt's ids, choice c answering prompt c // n; logprobs: None, or the number of top tokens each
+    token's log-probabilities list."""
+    object: str  # the whole answer's
+    chunk_object: str  # a streamed chunk's
+    id_prefix: str
 
-    def __init__(self, chat: bool, model_name: str, tokenizer, prompts: list[list[int]], n: int,
-                 logprobs: int | None = None, tools: Tools | None = None):
-        self.chat, self.model, self.tokenizer, self.logprobs = chat, model_name, tokenizer, logprobs
-        self.prompts, self.n = prompts, n
-        self.echo: list[str] | None = None
-        self.tools = tools if tools is not None and tools.offered else None
+    def __init__(self, model_name: str, tokenizer, prompts: list[list[int]], n: int, logprobs: int | None = None):
+        self.model, self.tokenizer, self.prompts, self.n, self.logprobs = model_name, tokenizer, prompts, n, logprobs
         self.include_usage = False  # streamed: a last chunk with the usage (stream_options.include_usage)
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
-        self.offsets = collections.defaultdict(int)  # completions' text_offset, per choice: characters of the
-        # text before the next token's
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return dict(id=self.id, object=kind, created=self.created, model=self.model, choices=choices, **extra)
-
-    def echoed(self, index: int) -> str:
-        """The text choice `index` starts with: its prompt's, with echo."""
-        return self.echo[index // self.n] if self.echo is not None else ""
 
     def usage(self, dones) -> dict:
         """Each prompt counted once, however many choices."""
@@ -235,85 +230,70 @@ class Reply(Writer):
         completion = sum(done.completion_tokens for done in dones)
         return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def format_logprobs(self, items: list[TokenLogprob | None], index: int = 0) -> dict | None:
-        """The log-probabilities of some tokens in OpenAI's shape: chat's {"content": [...]}, or completions'
-        {tokens, token_logprobs, top_logprobs, text_offset}. None unless the request asked for them."""
-        if self.logprobs is None:
-            return None
-        text = self.tokenizer.token_text
-        if self.chat:
-            def entry(token, logprob):
-                return dict(token=text(token), logprob=logprob, bytes=list(self.tokenizer.token_bytes(token)))
-            return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
-                                for lp in items]}
-        out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for i, lp in enumerate(items):
-            if lp is None:  # the prompt's first token (echo): nothing predicts it
-                token, logprob, top = text(self.prompts[index // self.n][0]), None, None
-            else:
-                token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
-            out["tokens"].append(token)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offsets[index])
-            self.offsets[index] += len(token)
-        return out
-
     def whole(self, answers: list[Whole]) -> dict:
         """The whole answer: each choice's (serving.answers)."""
-        choices = []
-        for i, answer in enumerate(answers):
-            if self.chat:
-                message = dict(role="assistant", content=answer.text)
-                if answer.calls:
-                    message["tool_calls"] = [call.openai() for call in answer.calls]
-                choices.append(dict(index=i, message=message, logprobs=self.format_logprobs(answer.logprobs, i),
-                                    finish_reason=tool_finish(answer.done.finish_reason, answer.calls)))
-            else:
-                choices.append(dict(index=i, text=self.echoed(i) + answer.text,
-                                    logprobs=self.format_logprobs(answer.logprobs, i),
-                                    finish_reason=answer.done.finish_reason))
-        return self._object("chat.completion" if self.chat else "text_completion", choices,
+        return self._object(self.object, [self.choice(i, answer) for i, answer in enumerate(answers)],
                             usage=self.usage([answer.done for answer in answers]))
 
+    def choice(self, index: int, answer: Whole) -> dict:
+        raise NotImplementedError
+
     # Streamed: the chunks of serving.stream's path.
-
-    def chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None,
-              delta: dict | None = None) -> str:
-        """A chunk of choice `index`: a completion's text, or a chat's delta."""
-        if self.chat:
-            return sse(self._object("chat.completion.chunk", [dict(index=index, delta=delta, logprobs=logprobs,
-                                                                    finish_reason=finish_reason)]))
-        return sse(self._object("text_completion", [dict(index=index, text=text, logprobs=logprobs,
-                                                         finish_reason=finish_reason)]))
-
-    def begin(self):
-        for i in range(len(self.prompts) * self.n):
-            if self.chat:
-                yield self.chunk(i, "", delta=dict(role="assistant", content=""))
-            elif self.echoed(i) and self.logprobs is None:  # with logprobs, the prompt's come first (scored)
-                yield self.chunk(i, self.echoed(i))
-
-    def scored(self, index, logprobs):
-        yield self.chunk(index, self.echoed(index), logprobs=self.format_logprobs(logprobs, index))
-
-    def piece(self, index, text, pieces, logprobs):
-        formatted = self.format_logprobs(logprobs, index) if logprobs else None
-        delta = self.delta(text, pieces) if self.tools is not None else dict(content=text)
-        if delta or formatted:  # nothing while the text may be the start of a tool call
-            yield self.chunk(index, text, logprobs=formatted, delta=delta)
-
-    def finished(self, index, done, text, calls):
-        yield self.chunk(index, "", tool_finish(done.finish_reason, calls), delta=dict(content=text) if text else {})
 
     def failed(self, error):
         yield sse({"error": dict(message=error, type="server_error", param=None, code=None)})
 
     def end(self, dones, failed):
         if self.include_usage and not failed:  # one more chunk, with no choices
-            yield sse(self._object("chat.completion.chunk" if self.chat else "text_completion", [],
-                                   usage=self.usage(dones)))
+            yield sse(self._object(self.chunk_object, [], usage=self.usage(dones)))
         yield sse("[DONE]")
+
+
+class ChatReply(Reply):
+    """A chat's reply, "chat.completion" or its chunks: each choice a message (or deltas of one), with the calls
+    of `tools` where they were offered and the model made them."""
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, model_name: str, tokenizer, prompts: list[list[int]], n: int, logprobs: int | None = None,
+                 tools: Tools | None = None):
+        super().__init__(model_name, tokenizer, prompts, n, logprobs)
+        self.tools = tools if tools is not None and tools.offered else None
+
+    def format_logprobs(self, items: list[TokenLogprob]) -> dict | None:
+        """Some tokens' log-probabilities as a chat's {"content": [...]}; None unless the request asked for them."""
+        if self.logprobs is None:
+            return None
+
+        def entry(token, logprob):
+            return dict(token=self.tokenizer.token_text(token), logprob=logprob,
+                        bytes=list(self.tokenizer.token_bytes(token)))
+
+        return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                            for lp in items]}
+
+    def choice(self, index, answer):
+        message = dict(role="assistant", content=answer.text)
+        if answer.calls:
+            message["tool_calls"] = [call.openai() for call in answer.calls]
+        return dict(index=index, message=message, logprobs=self.format_logprobs(answer.logprobs),
+                    finish_reason=tool_finish(answer.done.finish_reason, answer.calls))
+
+    def chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse(self._object(self.chunk_object, [dict(index=index, delta=delta, logprobs=logprobs,
+                                                         finish_reason=finish_reason)]))
+
+    def begin(self):
+        for i in range(len(self.prompts) * self.n):
+            yield self.chunk(i, dict(role="assistant", content=""))
+
+    def piece(self, index, text, pieces, logprobs):
+        formatted = self.format_logprobs(logprobs) if logprobs else None
+        delta = self.delta(text, pieces) if self.tools is not None else dict(content=text)
+        if delta or formatted:  # nothing while the text may be the start of a tool call
+            yield self.chunk(index, delta, logprobs=formatted)
+
+    def finished(self, index, done, text, calls):
+        yield self.chunk(index, dict(content=text) if text else {}, tool_finish(done.finish_reason, calls))
 
     @staticmethod
     def delta(text: str, pieces: list[CallPiece]) -> dict:
@@ -326,6 +306,65 @@ class Reply(Writer):
                                                                                    arguments=p.arguments))
                 if p.first else dict(index=p.index, function=dict(arguments=p.arguments)) for p in pieces]
         return delta
+
+
+class CompletionReply(Reply):
+    """A completion's reply, "text_completion" whole and streamed: each choice a text. echo: the prompts' texts,
+    which a choice's text then starts with (and, with logprobs, its tokens and their log-probabilities)."""
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, model_name: str, tokenizer, prompts: list[list[int]], n: int, logprobs: int | None = None,
+                 echo: list[str] | None = None):
+        super().__init__(model_name, tokenizer, prompts, n, logprobs)
+        self.echo = echo
+        self.offsets = collections.defaultdict(int)  # text_offset, per choice: characters of the text before the
+        # next token's
+
+    def echoed(self, index: int) -> str:
+        """The text choice `index` starts with: its prompt's, with echo."""
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def format_logprobs(self, items: list[TokenLogprob | None], index: int) -> dict | None:
+        """Some tokens of choice `index` with their log-probabilities as a completion's {tokens, token_logprobs,
+        top_logprobs, text_offset}; None unless the request asked for them."""
+        if self.logprobs is None:
+            return None
+        text = self.tokenizer.token_text
+        out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in items:
+            if lp is None:  # the prompt's first token (echo): nothing predicts it
+                token, logprob, top = text(self.prompts[index // self.n][0]), None, None
+            else:
+                token, logprob, top = text(lp.token), lp.logprob, {text(t): v for t, v in lp.top}
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return out
+
+    def choice(self, index, answer):
+        return dict(index=index, text=self.echoed(index) + answer.text,
+                    logprobs=self.format_logprobs(answer.logprobs, index), finish_reason=answer.done.finish_reason)
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse(self._object(self.chunk_object, [dict(index=index, text=text, logprobs=logprobs,
+                                                         finish_reason=finish_reason)]))
+
+    def begin(self):
+        for i in range(len(self.prompts) * self.n):
+            if self.echoed(i) and self.logprobs is None:  # with logprobs, the prompt's come first (scored)
+                yield self.chunk(i, self.echoed(i))
+
+    def scored(self, index, logprobs):
+        yield self.chunk(index, self.echoed(index), logprobs=self.format_logprobs(logprobs, index))
+
+    def piece(self, index, text, pieces, logprobs):
+        yield self.chunk(index, text, logprobs=self.format_logprobs(logprobs, index) if logprobs else None)
+
+    def finished(self, index, done, text, calls):  # no tools: no calls, and no text held back
+        yield self.chunk(index, text, done.finish_reason)
 
 
 def tool_finish(reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..errors import SmolError
 from ..generation.steps import PREFILL_CHUNK
 from ..tokenizer import Tokenizer
-from . import scheduler
+from . import defaults
 from .app import create_app, load_app
 
 # A Ray cluster this process starts (run() without an address, the tests') is this machine's alone: this has Ray
@@ -296,9 +296,9 @@ def app(args: dict[str, str]):
             raise SmolError(f"{name} must be a whole number of at least 1, not {args[name]!r}")
         return int(args[name])
 
-    rows = number("max_batch_size", scheduler.MAX_BATCH_SIZE)
+    rows = number("max_batch_size", defaults.MAX_BATCH_SIZE)
     options = dict(max_batch_size=rows, threads=number("threads", 1),
-                   kv_cache_dtype=args.get("kv_cache_dtype", "bf16"),  # as `smollm2 serve`: half fp32's memory
+                   kv_cache_dtype=args.get("kv_cache_dtype", defaults.SERVE_KV_CACHE_DTYPE),  # as `smollm2 serve`
                    prefix_cache_dir=args.get("prefix_cache_dir"), api_key=args.get("api_key"))
     recipe = Recipe(args.get("model"), options)
     scaling = Scaling(number("replicas", 1), number("min_replicas", None), number("max_replicas", None), rows)

@@ -41,16 +41,11 @@ from ..generation.request import Request
 from ..generation.sequence import Step
 from ..generation.speculative import check_speculative
 from ..generation.steps import decode_step, prefill_chunk, untouched_cache
+from . import defaults
 
 log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT = 8  # tokens of the warm-up's prompt (ids 0..7)
-# A server's defaults, stated once: an engine thread's and create_app's (`smollm2 serve`'s flags are held to them by
-# tests/test_server.py). A request's own are generation.request.Request's, or its API's.
-MAX_BATCH_SIZE = 8  # rows of the KV cache: requests decoding at once
-MAX_WAITING = 64  # requests queued beyond those; more get 429
-PREFIX_CACHE_BYTES = 256 << 20  # a 135M model's whole window in bf16 (188 MiB), where a server's memory is its weights
-SPECULATIVE = "ngram"  # prompt lookup: the same answers, faster where they repeat their input
 
 
 @dataclass
@@ -132,10 +127,12 @@ class Generation:
 class EngineThread:
     """A thread that owns a model and its engine, and the queue of requests and calls handed to it."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = MAX_BATCH_SIZE, max_waiting: int = MAX_WAITING,
-                 max_seq_len: int | None = None, on_end: abc.Callable[[Generation], None] | None = None,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads: int | None = None, speculative=SPECULATIVE,
-                 kv_cache_dtype: str | None = None, prefix_cache_dir: str | Path | None = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = defaults.MAX_BATCH_SIZE,
+                 max_waiting: int = defaults.MAX_WAITING, max_seq_len: int | None = None,
+                 on_end: abc.Callable[[Generation], None] | None = None,
+                 prefix_cache_bytes: int = defaults.PREFIX_CACHE_BYTES, threads: int | None = None,
+                 speculative=defaults.SPECULATIVE, kv_cache_dtype: str | None = None,
+                 prefix_cache_dir: str | Path | None = None):
         """on_end(request) is told of every request that ends, finished, cancelled or failed (metrics).
         prefix_cache_bytes: the prefix cache's budget for keys and values; 0 keeps no prefix. speculative: how a
         request speculates unless it says otherwise: None (not), "ngram" (prompt lookup) or a draft model (a
@@ -162,6 +159,8 @@ class EngineThread:
         self.max_batch_size = max_batch_size
         self.on_end = on_end
         self.threads = threads or torch.get_num_threads()
+        # The check Request.row makes of each request's (which this default becomes: speculation()), made once
+        # more here so that a bad draft fails the start, not every request.
         check_speculative(speculative, model.config.vocab_size)
         self.speculative = speculative
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
@@ -222,7 +221,8 @@ class EngineThread:
 
     def speculation(self, asked: str | None):
         """What a request that asks `asked` over HTTP speculates with, as a Request says it: None for the thread's
-        default; "off", "ngram" (prompt lookup) or "draft" (the thread's draft model): None, "ngram" or the draft."""
+        default; "off", "ngram" (prompt lookup) or "draft" (the thread's draft model): None, "ngram" or the draft.
+        The word is the body's to check (its schema), what it becomes Request.row's."""
         if asked is None:
             return self.speculative
         if asked == "draft":
@@ -230,8 +230,6 @@ class EngineThread:
                 raise FieldError("speculative", "'draft' needs a server started with a draft model "
                                  "(--speculative draft:SRC)")
             return self.draft
-        if asked not in ("off", "ngram"):
-            raise FieldError("speculative", f"must be 'off', 'ngram' or 'draft', got {asked!r}")
         return None if asked == "off" else asked
 
     def call(self, function: abc.Callable[[], Any]) -> asyncio.Future:

@@ -84,13 +84,6 @@ Stops = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LE
                   Field(max_length=MAX_STOPS), BeforeValidator(lambda stop: [stop] if isinstance(stop, str) else stop)]
 
 
-def check_token_ids(ids: dict[str, int], vocab_size: int) -> None:
-    """APIError naming the first field (of `ids`, field -> id) that holds no token id in [0, vocab_size)."""
-    bad = next((field for field, t in ids.items() if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"{bad}: {ids[bad]} is not a token id in [0, {vocab_size})", param=bad)
-
-
 def text_of(value, where: str) -> str:
     """A string of a request's JSON that the body's schema leaves open (a message's content, a part's text), or
     an APIError naming where it is."""
