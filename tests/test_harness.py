@@ -23,7 +23,7 @@ QUESTIONS = [("The capital of France is", [" Paris", " London", " Berlin"], 0, "
              ("The sun rises in the", [" east", " west", " basement"], 0, "east"),
              ("A baby cat is called a", [" kitten", " puppy", " calf"], 0, "kitten")]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Tokenizers split text into pieces.",
-         "One two three four five six seven eight nine ten eleven twelve. " * 20]
+         "One two three four five six seven eight nine ten eleven twelve. " * 6]
 SOURCE = """dataset_path: json
 dataset_kwargs:
   data_files:
