@@ -26,7 +26,7 @@ static int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q
 static long block_size(int type) { return is_super(type) ? SUPER : BLOCK; }
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
-            void *y, long B, const long *N, long K);
+            void *y, long B, const long *N, long K, int int8);
 int prompt_attention(const void *q, const void *k, const void *v, void *out, int type, long B, long T, long H,
                      long KVH, long D, const long *k_stride, const long *v_stride);
 void silu_mul(const void *gate, const void *up, void *out, int type, long n);
@@ -50,7 +50,7 @@ struct cache {  /* kernels.c's struct cache, field for field */
 };
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
-           const void *lowrank, const int32_t *adapter);
+           const void *lowrank, const int32_t *adapter, int int8);
 
 static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0",
                                   "q5_1"};
@@ -283,7 +283,7 @@ static void *call_linear(const void *x, int x_type, long first, long B, long K, 
     for (int m = 0; m < COUNT; m++) data[m] = w[m].data, scale[m] = w[m].scale, total += N_OF[m];
     void *y = malloc(4 * B * total);
     linear((const char *)x + first * K * (x_type == BF16 ? 2 : 4), x_type, COUNT, data, w_type, scale, y, B, N_OF,
-           K);
+           K, 0);
     return y;
 }
 
@@ -530,7 +530,7 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
     const struct cache layers = {k_caches, v_caches, NULL, NULL, type, S, cache, S * D, 0, 0};
     if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
-               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL))
+               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL, 0))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;
