@@ -640,7 +640,7 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
  * blocks()' int8), each product input's rows are quantized once, in blocks of 32 as llama.cpp's
  * quantize_row_q8_0 does (a float32 scale d = max |x| / 127, q = x / d rounded to the nearest, ties to even), and
  * each weight block (a K-quant's sub-block) of 32 is multiplied with the matching activations' block in integers:
- * sum q_w q_x, exact in int32, then scaled once in float32, a d (sum q_w q_x) + b d (sum q_x) for a weight a q_w + b.
+ * sum q_w q_x, exact in int32, then scaled in float32, a d (sum q_w q_x) + b d (sum q_x) for a weight a q_w + b.
  * A row's result depends on its own activations only, as the exact products': none on its batch. Weight types
  * without code here (float32, bf16, int8 with scales) keep the exact products. */
 typedef int8_t v32i8 __attribute__((vector_size(32)));
@@ -735,41 +735,58 @@ static inline v32u8 fifth_bits(const uint8_t *p) {
 
 static inline v32u8 load32(const uint8_t *p) { return *(const v32u8u *)p; }
 
-/* A weight block (a K-quant's sub-block `sub`) as the integers q of its 32 weights a q + b: a for each lane of
- * dot32 (Q6_K's scales are of 16 weights), b of unsigned types (signed ones have none). The layouts of load_block. */
-struct ints {
-    v32i8 q;
-    v8f a;
-    float b;
-};
-
-static inline __attribute__((always_inline)) struct ints ints_of(const uint8_t *group, const int type, int sub,
-                                                                 const struct scales *s) {
-    struct ints w = {.b = 0};
-    float a;
-    if (is_super(type)) a = s->a[type == Q6_K ? 2 * sub : sub], w.b = type == Q6_K ? 0 : s->a[SUBS + sub];
-    else memcpy(&a, group, 4);
-    if (type == Q4_1 || type == Q5_1) memcpy(&w.b, group + 4, 4);
+/* A weight block (a K-quant's sub-block base + part) as the integers q of its 32 weights a q + b; the layouts of
+ * load_block (base a multiple of 4: part, a constant, gives the shifts). */
+static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group, const int type, int base,
+                                                           const int part) {
+    const int sub = base + part;
     switch (type) {
-    case Q8_0: w.q = *(const v32i8u *)(group + 4); break;
-    case Q4_0: w.q = (v32i8)nibbles(group + 4) - 8; break;
-    case Q4_1: w.q = (v32i8)nibbles(group + 8); break;
-    case Q5_0: w.q = (v32i8)(nibbles(group + 4) | fifth_bits(group + 20)) - 16; break;
-    case Q5_1: w.q = (v32i8)(nibbles(group + 8) | fifth_bits(group + 24)); break;
-    case Q4_K: w.q = (v32i8)(load32(group + 16 + sub / 2 * 32) >> (sub % 2 * 4) & 15); break;
+    case Q8_0: return *(const v32i8u *)(group + 4);
+    case Q4_0: return (v32i8)nibbles(group + 4) - 8;
+    case Q4_1: return (v32i8)nibbles(group + 8);
+    case Q5_0: return (v32i8)(nibbles(group + 4) | fifth_bits(group + 20)) - 16;
+    case Q5_1: return (v32i8)(nibbles(group + 8) | fifth_bits(group + 24));
+    case Q4_K: return (v32i8)(load32(group + 16 + sub / 2 * 32) >> (part % 2 * 4) & 15);
     case Q5_K:
-        w.q = (v32i8)((load32(group + 48 + sub / 2 * 32) >> (sub % 2 * 4) & 15) | (load32(group + 16) >> sub & 1) << 4);
-        break;
-    case Q6_K: {  /* 128 bytes of q's low 4 bits, then 64 of its high 2; minus 32 */
-        const v32u8 low = load32(group + sub / 4 * 64 + sub % 2 * 32) >> (sub % 4 / 2 * 4) & 15;
-        w.q = (v32i8)(low | (load32(group + 128 + sub / 4 * 32) >> (sub % 4 * 2) & 3) << 4) - 32;
-        const float a2 = s->a[2 * sub + 1];
-        w.a = (v8f){a, a, a, a, a2, a2, a2, a2};
-        return w;
+        return (v32i8)((load32(group + 48 + sub / 2 * 32) >> (part % 2 * 4) & 15) |
+                       (load32(group + 16) >> sub & 1) << 4);
+    default: {  /* Q6_K: 128 bytes of q's low 4 bits, then 64 of its high 2; minus 32 */
+        const v32u8 low = load32(group + sub / 4 * 64 + sub % 2 * 32) >> (part / 2 * 4) & 15;
+        return (v32i8)(low | (load32(group + 128 + sub / 4 * 32) >> (part * 2) & 3) << 4) - 32;
     }
     }
-    w.a = splat8(a);
-    return w;
+}
+
+/* A group's scales against one activation row's (d: its blocks' scales, ds: d (sum q_x)): into ad, a d of each
+ * sub-block (Q6_K: of each 16 weights); added to offsets, the b d (sum q_x) of each sub-block (a block: lane 0). */
+static inline __attribute__((always_inline)) void group_scales(const uint8_t *group, const int type,
+                                                               const struct scales *s, const float *d,
+                                                               const float *ds, float *ad, v8f *offsets) {
+    typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+    if (!is_super(type)) {
+        float a, b;
+        memcpy(&a, group, 4);
+        ad[0] = a * d[0];
+        if (type == Q4_1 || type == Q5_1) memcpy(&b, group + 4, 4), (*offsets)[0] += b * ds[0];
+        return;
+    }
+    const v8f dv = *(const v8fu *)d;
+    if (type == Q6_K) {
+        *(v8fu *)ad = *(const v8fu *)s->a * __builtin_shufflevector(dv, dv, 0, 0, 1, 1, 2, 2, 3, 3);
+        *(v8fu *)(ad + 8) = *(const v8fu *)(s->a + 8) * __builtin_shufflevector(dv, dv, 4, 4, 5, 5, 6, 6, 7, 7);
+        return;
+    }
+    *(v8fu *)ad = *(const v8fu *)s->a * dv;
+    *offsets += *(const v8fu *)(s->a + SUBS) * *(const v8fu *)ds;
+}
+
+/* a * b + c, rounded once where the tier has a fused multiply-add (as fmadd), 8 lanes. */
+static inline v8f fmadd8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
 }
 
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
@@ -778,31 +795,40 @@ static inline __attribute__((always_inline)) struct ints ints_of(const uint8_t *
 static inline __attribute__((always_inline)) void int8_block(const struct int8_rows *x, long first, const int c,
                                                              const void *w, const int type, long K, float *sums) {
     const int is_signed = signed_weights(type);
-    v8f acc[COLS][ROWS] = {{{0}}};
-    float offsets[COLS][ROWS] = {{0}};  /* the b d (sum q_x) terms */
+    v8f acc[COLS][ROWS] = {{{0}}}, offsets[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x), b d (sum q_x) terms */
     const long G = group_size(type), blocks = K / BLOCK;
     for (long k = 0; k < K; k += G) {
         const uint8_t *group[ROWS];
-        struct scales s[ROWS];
+        float ad[COLS][ROWS][2 * SUBS];
         for (int j = 0; j < ROWS; j++) {
+            struct scales s;
             group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
             for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
-            unpack(group[j], type, &s[j]);
-        }
-#pragma GCC unroll 8
-        for (int sub = 0; sub < G / BLOCK; sub++)
-            for (int j = 0; j < ROWS; j++) {
-                const struct ints q = ints_of(group[j], type, sub, &s[j]);
-                for (int i = 0; i < c; i++) {
-                    const long block = (first + i) * blocks + k / BLOCK + sub;
-                    const v8i32 dot = dot32(q.q, *(const v32i8u *)(x->q + block * BLOCK), is_signed);
-                    acc[i][j] += __builtin_convertvector(dot, v8f) * (q.a * x->d[block]);
-                    if (!is_signed) offsets[i][j] += q.b * x->s[block];
-                }
+            unpack(group[j], type, &s);
+            for (int i = 0; i < c; i++) {
+                const long at = (first + i) * blocks + k / BLOCK;
+                group_scales(group[j], type, &s, x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
             }
+        }
+        const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
+        for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+            for (int part = 0; part < parts; part++)
+                for (int j = 0; j < ROWS; j++) {
+                    const int sub = base + part;
+                    const v32i8 q = ints_of(group[j], type, base, part);
+                    for (int i = 0; i < c; i++) {
+                        const int8_t *xq = x->q + ((first + i) * blocks + k / BLOCK + sub) * BLOCK;
+                        const float *a = ad[i][j] + (type == Q6_K ? 2 * sub : sub);
+                        const v8f scale = type == Q6_K ? (v8f){a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]}
+                                                       : splat8(a[0]);
+                        acc[i][j] = fmadd8(__builtin_convertvector(dot32(q, *(const v32i8u *)xq, is_signed), v8f),
+                                           scale, acc[i][j]);
+                    }
+                }
     }
     for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + offsets[i][j];
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + sum8(offsets[i][j]);
 }
 
 /* sums (B, LANES): quantized activation rows 0..B-1 of x against weight rows n..n+LANES-1 of type W, ROWS at a time,
