@@ -560,8 +560,8 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
          *roped = malloc(size * R * KVD), *gate = malloc(size * R * BI), *up = malloc(size * R * BI),
          *a = malloc(size * R * BI), *down = malloc(size * R * BC);
     norm_rows(x, layer->attn_norm, h, type, R, BC, layer->eps);
-    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC);
-    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC, 0);
+    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC, 0);
     rope_rows(k, cos, sin, roped, type, R, BKVH, D);
     int same = 1;
     for (long r = 0; r < R && same; r++)
@@ -573,10 +573,10 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
         }
     if (same && zero_o) {
         norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
-        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
-        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC, 0);
+        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC, 0);
         silu_mul(gate, up, a, type, R * BI);
-        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI);
+        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI, 0);
         for (long i = 0; i < R * BC && same; i++)
             same = rounded(type, read_value(x, i, type) + read_value(down, i, type)) == read_value(run.x, i, type);
     }

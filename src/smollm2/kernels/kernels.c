@@ -693,12 +693,11 @@ static inline v8i32 dot32(v32i8 w, v32i8 x, const int is_signed) {
     typedef int16_t v32i16 __attribute__((vector_size(64)));
     typedef int32_t v16i32 __attribute__((vector_size(64)));
     (void)is_signed;
+    typedef int16_t v16i16 __attribute__((vector_size(32)));
     const v32i16 p = __builtin_convertvector(w, v32i16) * __builtin_convertvector(x, v32i16);
-    const v16i32 pairs =
-        __builtin_convertvector(__builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-                                v16i32) +
-        __builtin_convertvector(__builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31),
-                                v16i32);
+    const v16i16 even = __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                 odd = __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const v16i32 pairs = __builtin_convertvector(even, v16i32) + __builtin_convertvector(odd, v16i32);
     return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14) +
            __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
