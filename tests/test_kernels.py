@@ -833,6 +833,12 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
     batched, = ops.linear(INT8, x, [torch.zeros(N, K)], packed=[packed])
     for b in range(16):
         assert torch.equal(ops.linear(INT8, x[b:b + 1], [torch.zeros(N, K)], packed=[packed])[0][0], batched[b])
+    prompts = torch.from_numpy(rng.standard_normal((1, 21, K)).astype(np.float32))  # a batched prefill's rows
+    with INT8.packed([9, 12]):  # two prompts' rows in one pass, 21 rows: each prompt's as it is alone
+        together, = ops.linear(INT8, prompts, [torch.zeros(N, K)], packed=[packed])
+    for rows in (slice(0, 9), slice(9, 21)):
+        assert torch.equal(together[0, rows], ops.linear(INT8, prompts[0, rows], [torch.zeros(N, K)],
+                                                         packed=[packed])[0])
 
 
 def with_int8_activations(model: SmolLM2, on: bool = True) -> SmolLM2:

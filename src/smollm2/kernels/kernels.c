@@ -691,9 +691,9 @@ static inline v8i32 dot32(v32i8 w, v32i8 x, const int is_signed) {
 #endif
 #else  /* SSE2, NEON, others: the vector extensions, in 16 bits (|w x| <= 2^14), then pairs of pairs in 32 */
     typedef int16_t v32i16 __attribute__((vector_size(64)));
+    typedef int16_t v16i16 __attribute__((vector_size(32)));
     typedef int32_t v16i32 __attribute__((vector_size(64)));
     (void)is_signed;
-    typedef int16_t v16i16 __attribute__((vector_size(32)));
     const v32i16 p = __builtin_convertvector(w, v32i16) * __builtin_convertvector(x, v32i16);
     const v16i16 even = __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
                  odd = __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -986,16 +986,16 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(B, K) : (struct int8_rows){NULL};
 #pragma omp parallel
     {
-    if (xq.q) quantize_rows(x, type, B, K, &xq);
-    for (long b = 0; b < B; b += ROW_BLOCK) {
-        const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
-        void *ys[count];
-        for (int m = 0, before = 0; m < count; before += N[m++])
-            ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-        const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
-        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
-                 ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
-    }
+        if (xq.q) quantize_rows(x, type, B, K, &xq);
+        for (long b = 0; b < B; b += ROW_BLOCK) {
+            const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
+            void *ys[count];
+            for (int m = 0, before = 0; m < count; before += N[m++])
+                ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
+            const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
+            products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
+                     scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
+        }
     }
     free(wide), free(xq.q);
 }

@@ -3,8 +3,9 @@ decoding, few-row matrix products and all the transformer blocks of a decoding s
 float32 matrix products, the causal attention and the elementwise steps.
 
 Every function takes the Choices of the accelerator it runs for: its mode, its measured choices, whether this
-thread is inside its torch_only(), whether its decoding products quantize their inputs to 8 bits. Where a kernel cannot run the call (gradients, other devices, dtypes or
-sizes it has no code for) torch's code runs, with the same values to float rounding.
+thread is inside its torch_only(), whether its decoding products quantize their inputs to 8 bits. Where a kernel
+cannot run the call (gradients, other devices, dtypes or sizes it has no code for) torch's code runs, with the
+same values to float rounding.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
     Torch multiplies (torch_linear) where the kernel cannot or is the slower. With choices.int8_activations, a
     decoding step's few rows are quantized to 8 bits against packed blocks (kernels.c's rows_times); a prompt's
-    many rows stay exact."""
+    many rows stay exact. Few or many as the row's own prompt has them (choices.bucket): in a batched prefill, each
+    row's products are those it gets alone."""
     scales = scales or [None] * len(weights)
     packed = packed or [None] * len(weights)
     K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
@@ -125,7 +127,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
                           w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
                           scale=pointers(float_scales), y=y.data_ptr(), B=rows,
                           N=(ctypes.c_long * len(sizes))(*sizes), K=K,
-                          int8=choices.int8_activations and rows <= MAX_ROWS)
+                          int8=choices.int8_activations and choices.bucket(rows) <= MAX_ROWS)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
     return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
