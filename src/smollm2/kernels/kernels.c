@@ -658,9 +658,9 @@ struct int8_rows {
     float *d, *s;
 };
 
-/* Inside a parallel region: x (R, K) of x_type into `out`, a block of 32 at a time. */
+/* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
+ * of its own (a few microseconds): threads that split a product's outputs then need no barrier to wait on. */
 static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out) {
-#pragma omp for schedule(static)
     for (long i = 0; i < R * K / BLOCK; i++) {
         float v[BLOCK], most = 0;
         for (int j = 0; j < BLOCK; j++) v[j] = element(x, i * BLOCK + j, x_type), most = fmaxf(most, fabsf(v[j]));
@@ -864,8 +864,8 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     }
 }
 
-/* Inside a parallel region: xq, x (R, K) quantized into it, or NULL where not asked (xq NULL) or K is not whole
- * blocks (then no weights of a block type either). */
+/* xq, x (R, K) quantized into it, or NULL where not asked (xq NULL) or K is not whole blocks (then no weights of a
+ * block type either). */
 static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K) {
     if (!xq || K % BLOCK) return NULL;
     quantize_rows(x, x_type, R, K, xq);
@@ -983,16 +983,18 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     const int x_type = wide ? F32 : type;
     int types[count];
     for (int m = 0; m < count; m++) types[m] = w_type;
-    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(B, K) : (struct int8_rows){NULL};
+    const int threads = omp_get_max_threads();  /* each its own copy of x quantized */
+    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(threads * B, K) : (struct int8_rows){NULL};
 #pragma omp parallel
     {
-        if (xq.q) quantize_rows(x, type, B, K, &xq);
+        const struct int8_rows mine = xq.q ? int8_rows_from(&xq, omp_get_thread_num() * B, K) : xq;
+        if (xq.q) quantize_rows(x, type, B, K, &mine);
         for (long b = 0; b < B; b += ROW_BLOCK) {
             const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
             void *ys[count];
             for (int m = 0, before = 0; m < count; before += N[m++])
                 ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-            const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
+            const struct int8_rows part = xq.q ? int8_rows_from(&mine, b, K) : xq;
             products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
                      scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
         }
@@ -1196,7 +1198,8 @@ struct scratch {
     char *q, *k, *v, *h, *att, *a;
     float *t;  /* the low-rank updates' t, (7, R, rmax) */
     long rmax;
-    struct int8_rows xq;  /* with int8: a product's input quantized, room for the largest */
+    struct int8_rows xq;  /* with int8: each thread's copy of a product's input quantized, room for the largest */
+    long widest;
 };
 
 /* One transformer block, inside a parallel region (every thread calls it):
@@ -1220,7 +1223,8 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     for (int j = 0; s->lowrank && j < 7; j++)
         all[j] = (struct updates){s->lowrank + l, j, s->adapter, T, R, m->rmax, m->t + j * R * m->rmax},
         d[j] = all + j;
-    const struct int8_rows *xq = s->int8 ? &m->xq : NULL;  /* room for each product's input quantized */
+    const struct int8_rows mine = s->int8 ? int8_rows_from(&m->xq, omp_get_thread_num() * R, m->widest) : m->xq;
+    const struct int8_rows *xq = s->int8 ? &mine : NULL;  /* room for this thread's copy of a product's input */
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
     if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
@@ -1323,7 +1327,7 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     m.t = (float *)(m.a + sizeof(float) * R * I), m.rmax = rmax;
     m.q = (char *)(m.t + 7 * R * rmax), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
     const long widest = C > QD ? (C > I ? C : I) : (QD > I ? QD : I);  /* a product's most inputs */
-    m.xq = int8 ? int8_rows_for(R, widest) : (struct int8_rows){NULL};
+    m.xq = int8 ? int8_rows_for(omp_get_max_threads() * R, widest) : (struct int8_rows){NULL}, m.widest = widest;
     if (int8 && !m.xq.q) return free(buffer), -1;
     int failed = 0;
 #pragma omp parallel
