@@ -724,6 +724,55 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
     check_layer(type, w_type, w_type, B, T, D, zero_o);
 }
 
+/* int8 activations (linear()'s int8: kernels.c's rows_times): 16 rows of x quantized as llama.cpp's
+ * quantize_row_q8_0 (a float32 scale max |x| / 127 a block of 32, x / scale rounded to the nearest, ties to even),
+ * then multiplied by the decoded weights in double: within 1e-6 of the terms' magnitudes; each row's bits the same
+ * alone as among the 16. */
+static void check_int8_linear(int w_type, long K) {
+    char name[160];
+    enum { B = 16 };
+    const long total = N_OF[0] + N_OF[1];
+    float *xv = random_values(B * K, F32, -1, 1);
+    struct weights w[COUNT];
+    const void *data[COUNT];
+    const float *no_scale[COUNT] = {NULL, NULL};
+    for (int m = 0; m < COUNT; m++) w[m] = random_weights(w_type, N_OF[m], K), data[m] = w[m].data;
+    float *y = malloc(sizeof(float) * B * total), *alone = malloc(sizeof(float) * total);
+    linear(xv, F32, COUNT, data, w_type, no_scale, y, B, N_OF, K, 1);
+    double *xq = malloc(sizeof(double) * B * K), *ref = malloc(sizeof(double) * B * total),
+           *scale = malloc(sizeof(double) * B * total);
+    for (long b = 0; b < B * K / BLOCK; b++) {
+        float most = 0;
+        for (int j = 0; j < BLOCK; j++) most = fmaxf(most, fabsf(xv[b * BLOCK + j]));
+        const float d = most / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+        for (int j = 0; j < BLOCK; j++) xq[b * BLOCK + j] = (double)rintf(xv[b * BLOCK + j] * inverse) * d;
+    }
+    for (int m = 0; m < COUNT; m++)
+        for (long r = 0; r < B; r++)
+            for (long n = 0; n < N_OF[m]; n++) {
+                double sum = 0, size = 0;
+                for (long k = 0; k < K; k++) {
+                    double term = xq[r * K + k] * w[m].values[n * K + k];
+                    sum += term, size += fabs(term);
+                }
+                ref[at(B, m, r, n)] = sum, scale[at(B, m, r, n)] = size;
+            }
+    snprintf(name, sizeof name, "linear x=f32 w=%s K=%ld rows=%d, int8 activations: values", type_name[w_type], K, B);
+    compare(name, y, F32, ref, scale, B * total, 1e-6);
+    int same = 1;
+    for (long r = 0; r < B && same; r++) {
+        linear(xv + r * K, F32, COUNT, data, w_type, no_scale, alone, 1, N_OF, K, 1);
+        for (int m = 0; m < COUNT && same; m++)
+            same = same_bytes(y + at(B, m, r, 0), alone + at(1, m, 0, 0), sizeof(float) * N_OF[m]);
+    }
+    if (same) passed++;
+    else failed++;
+    printf("%s linear x=f32 w=%s K=%ld, int8 activations: each row's bits alone = among %d rows\n",
+           same ? "ok  " : "FAIL", type_name[w_type], K, B);
+    for (int m = 0; m < COUNT; m++) free(w[m].data), free(w[m].values), free(w[m].scale);
+    free(xv), free(y), free(alone), free(xq), free(ref), free(scale);
+}
+
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
         for (int w_type = F32; w_type <= Q6_K; w_type++)
@@ -771,6 +820,8 @@ int main(void) {
     }
     check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 0);  /* a Q4_K_M file's: v_proj and down_proj Q6_K */
     check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
+    /* int8 activations, last: every check above keeps its inputs */
+    for (int w_type = Q4_1; w_type < TYPES; w_type++) check_int8_linear(w_type, is_super(w_type) ? 2 * SUPER : 96);
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
