@@ -26,7 +26,7 @@ static int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q
 static long block_size(int type) { return is_super(type) ? SUPER : BLOCK; }
 
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
-            void *y, long B, const long *N, long K);
+            void *y, long B, const long *N, long K, int int8);
 int prompt_attention(const void *q, const void *k, const void *v, void *out, int type, long B, long T, long H,
                      long KVH, long D, const long *k_stride, const long *v_stride);
 void silu_mul(const void *gate, const void *up, void *out, int type, long n);
@@ -50,7 +50,7 @@ struct cache {  /* kernels.c's struct cache, field for field */
 };
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
-           const void *lowrank, const int32_t *adapter);
+           const void *lowrank, const int32_t *adapter, int int8);
 
 static const char *type_name[] = {"f32", "bf16", "i8", "q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0",
                                   "q5_1"};
@@ -283,7 +283,7 @@ static void *call_linear(const void *x, int x_type, long first, long B, long K, 
     for (int m = 0; m < COUNT; m++) data[m] = w[m].data, scale[m] = w[m].scale, total += N_OF[m];
     void *y = malloc(4 * B * total);
     linear((const char *)x + first * K * (x_type == BF16 ? 2 : 4), x_type, COUNT, data, w_type, scale, y, B, N_OF,
-           K);
+           K, 0);
     return y;
 }
 
@@ -530,7 +530,7 @@ static struct layer_run run_blocks(const struct block *layer, int type, long fir
     void *k_caches[1] = {run.k}, *v_caches[1] = {run.v};
     const struct cache layers = {k_caches, v_caches, NULL, NULL, type, S, cache, S * D, 0, 0};
     if (blocks(layer, 1, run.x, type, B, T, (const char *)cosines + first * T * D * size,
-               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL))
+               (const char *)sines + first * T * D * size, slots, T, &layers, NULL, NULL, NULL, 0))
         free(run.x), run.x = NULL;  /* out of memory: reported by the caller */
     free(slots);
     return run;
@@ -560,8 +560,8 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
          *roped = malloc(size * R * KVD), *gate = malloc(size * R * BI), *up = malloc(size * R * BI),
          *a = malloc(size * R * BI), *down = malloc(size * R * BC);
     norm_rows(x, layer->attn_norm, h, type, R, BC, layer->eps);
-    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC);
-    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC);
+    linear(h, type, 1, &layer->k_proj, layer->w_type[1], &layer->k_proj_scale, k, R, kv_sizes, BC, 0);
+    linear(h, type, 1, &layer->v_proj, layer->w_type[2], &layer->v_proj_scale, v, R, kv_sizes, BC, 0);
     rope_rows(k, cos, sin, roped, type, R, BKVH, D);
     int same = 1;
     for (long r = 0; r < R && same; r++)
@@ -573,10 +573,10 @@ static void check_prompt_path(const char *name, const struct block *layer, int t
         }
     if (same && zero_o) {
         norm_rows(x, layer->mlp_norm, h, type, R, BC, layer->eps);
-        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC);
-        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC);
+        linear(h, type, 1, &layer->gate_proj, layer->w_type[4], &layer->gate_proj_scale, gate, R, mlp_sizes, BC, 0);
+        linear(h, type, 1, &layer->up_proj, layer->w_type[5], &layer->up_proj_scale, up, R, mlp_sizes, BC, 0);
         silu_mul(gate, up, a, type, R * BI);
-        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI);
+        linear(a, type, 1, &layer->down_proj, layer->w_type[6], &layer->down_proj_scale, down, R, out_sizes, BI, 0);
         for (long i = 0; i < R * BC && same; i++)
             same = rounded(type, read_value(x, i, type) + read_value(down, i, type)) == read_value(run.x, i, type);
     }
@@ -724,6 +724,55 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
     check_layer(type, w_type, w_type, B, T, D, zero_o);
 }
 
+/* int8 activations (linear()'s int8: kernels.c's rows_times): 16 rows of x quantized as llama.cpp's
+ * quantize_row_q8_0 (a float32 scale max |x| / 127 a block of 32, x / scale rounded to the nearest, ties to even),
+ * then multiplied by the decoded weights in double: within 1e-6 of the terms' magnitudes; each row's bits the same
+ * alone as among the 16. */
+static void check_int8_linear(int w_type, long K) {
+    char name[160];
+    enum { B = 16 };
+    const long total = N_OF[0] + N_OF[1];
+    float *xv = random_values(B * K, F32, -1, 1);
+    struct weights w[COUNT];
+    const void *data[COUNT];
+    const float *no_scale[COUNT] = {NULL, NULL};
+    for (int m = 0; m < COUNT; m++) w[m] = random_weights(w_type, N_OF[m], K), data[m] = w[m].data;
+    float *y = malloc(sizeof(float) * B * total), *alone = malloc(sizeof(float) * total);
+    linear(xv, F32, COUNT, data, w_type, no_scale, y, B, N_OF, K, 1);
+    double *xq = malloc(sizeof(double) * B * K), *ref = malloc(sizeof(double) * B * total),
+           *scale = malloc(sizeof(double) * B * total);
+    for (long b = 0; b < B * K / BLOCK; b++) {
+        float most = 0;
+        for (int j = 0; j < BLOCK; j++) most = fmaxf(most, fabsf(xv[b * BLOCK + j]));
+        const float d = most / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+        for (int j = 0; j < BLOCK; j++) xq[b * BLOCK + j] = (double)rintf(xv[b * BLOCK + j] * inverse) * d;
+    }
+    for (int m = 0; m < COUNT; m++)
+        for (long r = 0; r < B; r++)
+            for (long n = 0; n < N_OF[m]; n++) {
+                double sum = 0, size = 0;
+                for (long k = 0; k < K; k++) {
+                    double term = xq[r * K + k] * w[m].values[n * K + k];
+                    sum += term, size += fabs(term);
+                }
+                ref[at(B, m, r, n)] = sum, scale[at(B, m, r, n)] = size;
+            }
+    snprintf(name, sizeof name, "linear x=f32 w=%s K=%ld rows=%d, int8 activations: values", type_name[w_type], K, B);
+    compare(name, y, F32, ref, scale, B * total, 1e-6);
+    int same = 1;
+    for (long r = 0; r < B && same; r++) {
+        linear(xv + r * K, F32, COUNT, data, w_type, no_scale, alone, 1, N_OF, K, 1);
+        for (int m = 0; m < COUNT && same; m++)
+            same = same_bytes(y + at(B, m, r, 0), alone + at(1, m, 0, 0), sizeof(float) * N_OF[m]);
+    }
+    if (same) passed++;
+    else failed++;
+    printf("%s linear x=f32 w=%s K=%ld, int8 activations: each row's bits alone = among %d rows\n",
+           same ? "ok  " : "FAIL", type_name[w_type], K, B);
+    for (int m = 0; m < COUNT; m++) free(w[m].data), free(w[m].values), free(w[m].scale);
+    free(xv), free(y), free(alone), free(xq), free(ref), free(scale);
+}
+
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
         for (int w_type = F32; w_type <= Q6_K; w_type++)
@@ -771,6 +820,8 @@ int main(void) {
     }
     check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 0);  /* a Q4_K_M file's: v_proj and down_proj Q6_K */
     check_layer(F32, Q4_K, Q6_K, 2, 3, 64, 1);
+    /* int8 activations, last: every check above keeps its inputs */
+    for (int w_type = Q4_1; w_type < TYPES; w_type++) check_int8_linear(w_type, is_super(w_type) ? 2 * SUPER : 96);
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

@@ -34,3 +34,11 @@ def test_others_and_repeats_are_checked(tiny_dir):
         bench.compare(bench.Setup(model=str(tiny_dir)), repeats=0)
     with pytest.raises(SmolError, match="others must be among torch, transformers, got llama"):
         bench.compare(bench.Setup(model=str(tiny_dir)), others=("llama",))
+
+
+@pytest.mark.subprocess
+def test_compare_reports_which_activations_the_decoding_products_multiplied(tiny_dir):
+    for int8, activations in ((False, "exact"), (True, "int8")):
+        found = bench.compare(bench.Setup(model=str(tiny_dir), prompt_tokens=8, new_tokens=2, int8_activations=int8),
+                              repeats=1)
+        assert found.activations == activations

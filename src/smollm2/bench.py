@@ -225,16 +225,17 @@ def transformers(model, prompt: torch.Tensor, new_tokens: int):
 
 @dataclass(frozen=True)
 class Setup:
-    """A model as smollm2.load takes it (source, dtype, device, adapter, quantize, kernels), how it generates
-    (compile, the KV cache's dtype, speculative in the command line's words: generation.speculative.speculation),
-    the torch threads (None: torch's choice) and the run's shape: batch_size prompts of prompt_tokens random
-    tokens, new_tokens generated each, greedy."""
+    """A model as smollm2.load takes it (source, dtype, device, adapter, quantize, kernels, int8_activations), how
+    it generates (compile, the KV cache's dtype, speculative in the command line's words:
+    generation.speculative.speculation), the torch threads (None: torch's choice) and the run's shape: batch_size
+    prompts of prompt_tokens random tokens, new_tokens generated each, greedy."""
     model: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     adapter: str | None = None
     quantize: str | None = None
     kernels: bool = True
+    int8_activations: bool = False
     compile: bool | None = None
     kv_cache_dtype: str | None = None
     speculative: str | None = None
@@ -255,7 +256,7 @@ class Setup:
         if self.threads:
             torch.set_num_threads(self.threads)
         return loading.load(self.model, dtype=self.dtype, device=self.device, adapter=self.adapter,
-                            quantize=self.quantize, kernels=self.kernels)
+                            quantize=self.quantize, kernels=self.kernels, int8_activations=self.int8_activations)
 
     def prompt(self, vocab_size: int) -> torch.Tensor:
         return random_prompt(vocab_size, self.batch_size, self.prompt_tokens, self.device)
@@ -280,6 +281,7 @@ def smollm2_run(setup: Setup):
         c = counts[-1]
         return dict(weights_read=weight_format(model),  # what our decoding steps read
                     kernels=accelerator.mode if accelerator else "off",
+                    activations="int8" if accelerator and accelerator.int8_activations else "exact",
                     kernel_choices=accelerator.report() if accelerator else [],
                     tokens_per_pass=round(c.decoded / max(c.passes, 1), 2),
                     acceptance=round(c.kept / c.guessed, 3) if c.guessed else None)
@@ -290,7 +292,7 @@ def smollm2_run(setup: Setup):
 def torch_run(setup: Setup):
     """smollm2's reference model, model.py on torch alone (kernels off): what the kernels must beat. Its facts
     are smollm2's to report."""
-    run, _ = smollm2_run(dataclasses.replace(setup, kernels=False))
+    run, _ = smollm2_run(dataclasses.replace(setup, kernels=False, int8_activations=False))
     return run, lambda: {}
 
 
@@ -309,6 +311,7 @@ class Comparison:
     speeds: list[Speed]
     weights_read: str  # what its decoding steps read: the dtype's weights, int8 ones, or a GGUF file's blocks
     kernels: str  # the accelerator's mode, or "off"
+    activations: str  # what its decoding products multiply GGUF blocks by: "exact" float32, or "int8" quantized
     kernel_choices: list[dict]  # each operation on the kernel or torch, whichever was faster here
     tokens_per_pass: float  # tokens a decoding pass gave a row: above 1 where guesses stood
     acceptance: float | None  # guesses kept over guesses made (None: none made)

@@ -91,12 +91,12 @@ def check_address(host: str, port: int) -> None:
 
 
 def load_options(args) -> dict:
-    """--dtype, --device, --adapter, --quantize and --kernels as smollm2.load takes them; --device cuda refused
-    where there is none."""
+    """--dtype, --device, --adapter, --quantize, --kernels and --int8-activations as smollm2.load takes them;
+    --device cuda refused where there is none."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SmolError("--device cuda: no CUDA device is available")
     return dict(dtype=DTYPES[args.dtype], device=args.device, adapter=args.adapter, quantize=args.quantize,
-                kernels=args.kernels)
+                kernels=args.kernels, int8_activations=args.int8_activations)
 
 
 def named_model(args):
@@ -328,6 +328,7 @@ def bench(args):
                   compile=args.compile, speculative=args.speculative,
                   tokens_per_pass=found.tokens_per_pass, acceptance=found.acceptance,
                   device=args.device, threads=torch.get_num_threads(), kernels=found.kernels,
+                  activations=found.activations,
                   batch_size=args.batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
         print(json.dumps({**header, "results": [dataclasses.asdict(r) for r in found.speeds],
@@ -463,6 +464,9 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="run on smollm2's CPU kernels where they are the faster (default); --no-kernels runs "
                             "the reference model.py on torch alone")
+    model.add_argument("--int8-activations", action="store_true",
+                       help="decode a GGUF file's blocks against activations quantized to 8 bits, as llama.cpp: "
+                            "faster for K-quants, not exact (README: int8 activations)")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
 

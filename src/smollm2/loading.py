@@ -37,15 +37,21 @@ class WithoutRandomInit(TorchFunctionMode):
 
 
 def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-         adapter: str | os.PathLike | None = None, quantize: str | None = None, kernels: bool = True) -> SmolLM2:
+         adapter: str | os.PathLike | None = None, quantize: str | None = None, kernels: bool = True,
+         int8_activations: bool = False) -> SmolLM2:
     """The model at src: a HF directory, a .gguf file, a hub id, or None for the embedded SmolLM2-135M-Instruct.
 
     adapter: a LoRA directory in PEFT's format, merged into the float weights as they load, before any quantizing
     or kernel sees them. quantize: "int8" for int8 weight-only linear layers in the blocks (quantize.py).
-    kernels: on the CPU, accelerated (smollm2.accelerate); False: model.py's modules alone."""
+    kernels: on the CPU, accelerated (smollm2.accelerate); False: model.py's modules alone. int8_activations: the
+    kernels' decoding products of a GGUF file's blocks quantize their inputs to 8 bits, llama.cpp's way: faster
+    for the K-quants, not exact (kernels.Accelerator); off, the default, a model's results are its float32
+    weights'."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SmolError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, not {quantize!r}")
     accelerated = kernels and torch.device(device).type == "cpu"
+    if int8_activations and not accelerated:
+        raise SmolError("int8 activations run on the CPU kernels: not on another device, nor without kernels")
     # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
     with torch.inference_mode(False):
         # A GGUF file's blocks hold its float32 weights' exact values: the kernels stream them, and a float32 model
@@ -61,7 +67,7 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
         model.to(device).eval()
         if quantize == "int8":
             quantize_int8(model)
-        return accelerate(model, ckpt.quantized) if accelerated else model
+        return accelerate(model, ckpt.quantized, int8_activations=int8_activations) if accelerated else model
 
 
 def save(model: SmolLM2, path: str | os.PathLike) -> None:

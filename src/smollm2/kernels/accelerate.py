@@ -59,16 +59,27 @@ class Accelerator:
     """What accelerate() gives a model, as model.accelerator: its mode ("auto": the faster of kernel and torch,
     measured; "on": the kernel wherever it can run; "off": torch alone), its choices, its decoding plans, and
     how many times its kernels ran (kernel_runs, by operation). Nothing here is shared with another model: the
-    choices' file is read into this accelerator's own Choices."""
+    choices' file is read into this accelerator's own Choices.
 
-    def __init__(self, mode: str | None = None, file: Callable[[], Path] = choices_file):
+    int8_activations: the decoding products of a GGUF file's blocks quantize their inputs to 8 bits in blocks of
+    32 and multiply in integers, as llama.cpp does: faster where decoding the blocks to float32 bounds a step (the
+    K-quants), and not exact (README's "int8 activations" states the tolerance tested). Off by default: the model's
+    results are then its float32 weights', bit for bit."""
+
+    def __init__(self, mode: str | None = None, file: Callable[[], Path] = choices_file,
+                 int8_activations: bool = False):
         self.choices = Choices(mode or mode_from_environment(), file)
+        self.choices.int8_activations = int8_activations
         self.plans: dict[torch.dtype, DecodePlan] = {}
         self.changes = 0  # assignments to the model's modules (Watched): a plan holds while this has not moved
 
     @property
     def mode(self) -> str:
         return self.choices.mode
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.choices.int8_activations
 
     @property
     def kernel_runs(self) -> Counter[str]:
@@ -322,16 +333,17 @@ FAST = {SmolLM2: FastSmolLM2, nn.Linear: FastLinear, Int8Linear: FastInt8Linear,
 
 
 def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *,
-               mode: str | None = None) -> SmolLM2:
+               mode: str | None = None, int8_activations: bool | None = None) -> SmolLM2:
     """Give `model` (built on the CPU) an Accelerator and make it run on the kernels where they are the faster,
     in place; returns it.
 
     quantized: the matrices a GGUF file stores in quantized types, by parameter name (Checkpoint.quantized),
     which the model does not have yet: each becomes its parameter, held as its blocks where the kernels stream
     its type (held()), else as float32. mode: "auto", "on" or "off" (default: SMOLLM2_KERNELS, else
-    auto). Apply it after any other module swap (quantize_int8); again after one, it keeps the model's
-    accelerator (its choices), and `mode`, where given, becomes its mode. A model on another device, or without
-    a C compiler, stays as it is (`quantized`'s matrices float32)."""
+    auto); int8_activations: as Accelerator's (default: off). Apply it after any other module swap
+    (quantize_int8); again after one, it keeps the model's accelerator (its choices), and `mode` and
+    `int8_activations`, where given, become its own. A model on another device, or without a C compiler, stays as
+    it is (`quantized`'s matrices float32)."""
     if mode is not None and mode not in MODES:
         raise SmolError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
     if next(model.parameters()).device.type != "cpu" or compiled() is None:
@@ -341,9 +353,11 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
         return model
     accelerator = model.__dict__.get("accelerator")
     if accelerator is None:
-        accelerator = Accelerator(mode)
+        accelerator = Accelerator(mode, int8_activations=bool(int8_activations))
     elif mode is not None:
         accelerator.choices.mode = mode
+    if int8_activations is not None:
+        accelerator.choices.int8_activations = int8_activations
     for module in model.modules():
         fast = FAST.get(type(module))
         if fast is not None or isinstance(module, Watched):

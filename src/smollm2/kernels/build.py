@@ -88,9 +88,9 @@ def compiled() -> SimpleNamespace | None:
         return None
     p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     return SimpleNamespace(
-        linear=CFunction(lib.linear, x=p, type=i, count=i, w=p, w_type=i, scale=p, y=p, B=n, N=p, K=n),
+        linear=CFunction(lib.linear, x=p, type=i, count=i, w=p, w_type=i, scale=p, y=p, B=n, N=p, K=n, int8=i),
         blocks=CFunction(lib.blocks, ctypes.c_int, w=p, layers=i, x=p, type=i, B=n, T=n, cos=p, sin=p, slots=p,
-                         slot_stride=n, cache=p, mask=p, lowrank=p, adapter=p),
+                         slot_stride=n, cache=p, mask=p, lowrank=p, adapter=p, int8=i),
         prompt_attention=CFunction(lib.prompt_attention, ctypes.c_int, q=p, k=p, v=p, out=p, type=i, B=n, T=n, H=n,
                                    KVH=n, D=n, k_stride=p, v_stride=p),
         silu_mul=CFunction(lib.silu_mul, gate=p, up=p, out=p, type=i, n=n),

@@ -113,6 +113,9 @@ class Choices:
         self.made: dict[Key, Choice] = {}  # this accelerator's: measured, or read from the file when first met
         self.stored: dict[Key, Choice] | None = None  # the file's, once read
         self.kernel_runs: Counter[str] = Counter()  # calls whose result a kernel computed, by operation
+        # The decoding products' inputs quantized to 8 bits, integer dot products (kernels.c's rows_times): not
+        # exact, asked for alone (Accelerator). Never measured: a decoding step's kinds are not (see above).
+        self.int8_activations = False
         self.local = threading.local()  # torch_only(), for the thread that is inside it
 
     @functools.cached_property

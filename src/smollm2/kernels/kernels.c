@@ -634,6 +634,256 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
 #undef DOT_ROWS
 }
 
+/* ---- Opt-in: activations quantized to 8 bits, integer dot products (llama.cpp's way; not exact) ----
+ * The exact products above decode every weight to its float32 value and multiply-add it with a float32
+ * activation: for the K-quants that decoding, not memory, bounds a decoding step. Asked for (linear()'s and
+ * blocks()' int8), each product input's rows are quantized once, in blocks of 32 as llama.cpp's
+ * quantize_row_q8_0 does (a float32 scale d = max |x| / 127, q = x / d rounded to the nearest, ties to even), and
+ * each weight block (a K-quant's sub-block) of 32 is multiplied with the matching activations' block in integers:
+ * sum q_w q_x, exact in int32, then scaled in float32, a d (sum q_w q_x) + b d (sum q_x) for a weight a q_w + b.
+ * A row's result depends on its own activations only, as the exact products': none on its batch. Weight types
+ * without code here (float32, bf16, int8 with scales) keep the exact products. */
+typedef int8_t v32i8 __attribute__((vector_size(32)));
+typedef int8_t v32i8u __attribute__((vector_size(32), aligned(1)));
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
+typedef uint8_t v32u8u __attribute__((vector_size(32), aligned(1)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint8_t v16u8u __attribute__((vector_size(16), aligned(1)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q). */
+struct int8_rows {
+    int8_t *q;
+    float *d, *s;
+};
+
+/* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
+ * of its own (a few microseconds): threads that split a product's outputs then need no barrier to wait on. */
+static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out) {
+    for (long i = 0; i < R * K / BLOCK; i++) {
+        float v[BLOCK], most = 0;
+        for (int j = 0; j < BLOCK; j++) v[j] = element(x, i * BLOCK + j, x_type), most = fmaxf(most, fabsf(v[j]));
+        const float d = most / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            const int q = (int)rintf(v[j] * inverse);  /* within +-127: |v| <= most */
+            out->q[i * BLOCK + j] = (int8_t)q, sum += q;
+        }
+        out->d[i] = d, out->s[i] = d * (float)sum;
+    }
+}
+
+/* sum of 4 consecutive products w[j] x[j] in each of 8 int32 lanes (lane l: j = 4l..4l+3), w and x int8; `is_signed`
+ * says whether w takes negative values (an unsigned type's q are below 128). x86's instructions multiply unsigned
+ * bytes by signed ones: a signed w goes as |w| times x with w's sign (llama.cpp's way), within their range (|x| <=
+ * 127: AVX2's pairs of products, added in 16 bits, stay below 2^15). */
+static inline v8i32 dot32(v32i8 w, v32i8 x, const int is_signed) {
+#if defined(__AVX2__)
+    __m256i u = (__m256i)w, v = (__m256i)x;
+    if (is_signed) v = _mm256_sign_epi8(v, u), u = _mm256_abs_epi8(u);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (v8i32)_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVXVNNI__)
+    return (v8i32)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#else
+    return (v8i32)_mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+#else  /* SSE2, NEON, others: the vector extensions, in 16 bits (|w x| <= 2^14), then pairs of pairs in 32 */
+    typedef int16_t v32i16 __attribute__((vector_size(64)));
+    typedef int16_t v16i16 __attribute__((vector_size(32)));
+    typedef int32_t v16i32 __attribute__((vector_size(64)));
+    (void)is_signed;
+    const v32i16 p = __builtin_convertvector(w, v32i16) * __builtin_convertvector(x, v32i16);
+    const v16i16 even = __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                 odd = __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const v16i32 pairs = __builtin_convertvector(even, v16i32) + __builtin_convertvector(odd, v16i32);
+    return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+static inline int signed_weights(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0 || type == Q6_K; }
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+static inline float sum8(v8f v) {  /* halves first, as sum_lanes */
+    typedef float v4f __attribute__((vector_size(16)));
+    const v4f h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+/* 16 bytes of two 4-bit q each (our layout's): the low ones (weights 0-15), then the high ones (16-31). */
+static inline v32u8 nibbles(const uint8_t *p) {
+    const v16u8 b = *(const v16u8u *)p;
+    return __builtin_shufflevector(b & 15, b >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
+                                   19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. The word in every 4 bytes,
+ * then byte j takes the byte of it holding bit j, from within its own 16 bytes (one byte shuffle on x86). */
+static inline v32u8 fifth_bits(const uint8_t *p) {
+    typedef uint32_t v8u32 __attribute__((vector_size(32)));
+    uint32_t word;
+    memcpy(&word, p, 4);
+    const v32u8 words = (v32u8)(v8u32){word, word, word, word, word, word, word, word};
+    const v32u8 bytes = __builtin_shufflevector(words, words, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18,
+                                                18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19);
+    const v32u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                       1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (v32u8)((bytes & bit) != 0) & 16;
+}
+
+static inline v32u8 load32(const uint8_t *p) { return *(const v32u8u *)p; }
+
+/* A weight block (a K-quant's sub-block base + part) as the integers q of its 32 weights a q + b; the layouts of
+ * load_block (base a multiple of 4: part, a constant, gives the shifts). */
+static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group, const int type, int base,
+                                                           const int part) {
+    const int sub = base + part;
+    switch (type) {
+    case Q8_0: return *(const v32i8u *)(group + 4);
+    case Q4_0: return (v32i8)nibbles(group + 4) - 8;
+    case Q4_1: return (v32i8)nibbles(group + 8);
+    case Q5_0: return (v32i8)(nibbles(group + 4) | fifth_bits(group + 20)) - 16;
+    case Q5_1: return (v32i8)(nibbles(group + 8) | fifth_bits(group + 24));
+    case Q4_K: return (v32i8)(load32(group + 16 + sub / 2 * 32) >> (part % 2 * 4) & 15);
+    case Q5_K:
+        return (v32i8)((load32(group + 48 + sub / 2 * 32) >> (part % 2 * 4) & 15) |
+                       (load32(group + 16) >> sub & 1) << 4);
+    default: {  /* Q6_K: 128 bytes of q's low 4 bits, then 64 of its high 2; minus 32 */
+        const v32u8 low = load32(group + sub / 4 * 64 + sub % 2 * 32) >> (part / 2 * 4) & 15;
+        return (v32i8)(low | (load32(group + 128 + sub / 4 * 32) >> (part * 2) & 3) << 4) - 32;
+    }
+    }
+}
+
+/* A group's scales against one activation row's (d: its blocks' scales, ds: d (sum q_x)): into ad, a d of each
+ * sub-block (Q6_K: of each 16 weights); added to offsets, the b d (sum q_x) of each sub-block (a block: lane 0). */
+static inline __attribute__((always_inline)) void group_scales(const uint8_t *group, const int type,
+                                                               const struct scales *s, const float *d,
+                                                               const float *ds, float *ad, v8f *offsets) {
+    typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+    if (!is_super(type)) {
+        float a, b;
+        memcpy(&a, group, 4);
+        ad[0] = a * d[0];
+        if (type == Q4_1 || type == Q5_1) memcpy(&b, group + 4, 4), (*offsets)[0] += b * ds[0];
+        return;
+    }
+    const v8f dv = *(const v8fu *)d;
+    if (type == Q6_K) {
+        *(v8fu *)ad = *(const v8fu *)s->a * __builtin_shufflevector(dv, dv, 0, 0, 1, 1, 2, 2, 3, 3);
+        *(v8fu *)(ad + 8) = *(const v8fu *)(s->a + 8) * __builtin_shufflevector(dv, dv, 4, 4, 5, 5, 6, 6, 7, 7);
+        return;
+    }
+    *(v8fu *)ad = *(const v8fu *)s->a * dv;
+    *offsets += *(const v8fu *)(s->a + SUBS) * *(const v8fu *)ds;
+}
+
+/* a * b + c, rounded once where the tier has a fused multiply-add (as fmadd), 8 lanes. */
+static inline v8f fmadd8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
+ * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
+ * Inlined with constant c and type. */
+static inline __attribute__((always_inline)) void int8_block(const struct int8_rows *x, long first, const int c,
+                                                             const void *w, const int type, long K, float *sums) {
+    const int is_signed = signed_weights(type);
+    v8f acc[COLS][ROWS] = {{{0}}}, offsets[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x), b d (sum q_x) terms */
+    const long G = group_size(type), blocks = K / BLOCK;
+    for (long k = 0; k < K; k += G) {
+        const uint8_t *group[ROWS];
+        float ad[COLS][ROWS][2 * SUBS];
+        for (int j = 0; j < ROWS; j++) {
+            struct scales s;
+            group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
+            for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+            unpack(group[j], type, &s);
+            for (int i = 0; i < c; i++) {
+                const long at = (first + i) * blocks + k / BLOCK;
+                group_scales(group[j], type, &s, x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
+            }
+        }
+        const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
+        for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+            for (int part = 0; part < parts; part++)
+                for (int j = 0; j < ROWS; j++) {
+                    const int sub = base + part;
+                    const v32i8 q = ints_of(group[j], type, base, part);
+                    for (int i = 0; i < c; i++) {
+                        const int8_t *xq = x->q + ((first + i) * blocks + k / BLOCK + sub) * BLOCK;
+                        const float *a = ad[i][j] + (type == Q6_K ? 2 * sub : sub);
+                        const v8f scale = type == Q6_K ? (v8f){a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]}
+                                                       : splat8(a[0]);
+                        acc[i][j] = fmadd8(__builtin_convertvector(dot32(q, *(const v32i8u *)xq, is_signed), v8f),
+                                           scale, acc[i][j]);
+                    }
+                }
+    }
+    for (int i = 0; i < c; i++)
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + sum8(offsets[i][j]);
+}
+
+/* sums (B, LANES): quantized activation rows 0..B-1 of x against weight rows n..n+LANES-1 of type W, ROWS at a time,
+ * COLS activation rows at a time (the weights' block stays in L1 across them); a function for each type. */
+#define INT8_ROWS_AS(W)                                                                                        \
+    static __attribute__((noinline)) void int8_rows_##W(const struct int8_rows *x, const void *w, long B,     \
+                                                        long n, long K, float *sums) {                        \
+        for (int j = 0; j < LANES; j += ROWS) {                                                                \
+            const void *rows = (const char *)w + offset_of((n + j) * K, W);                                    \
+            long b = 0;                                                                                        \
+            for (; b + COLS <= B; b += COLS) int8_block(x, b, COLS, rows, W, K, sums + b * LANES + j);         \
+            for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j);                          \
+        }                                                                                                      \
+    }
+INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
+INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
+
+/* sums (B, LANES): every activation row of x (B, K) against weight rows n..n+LANES-1, from x's quantized rows xq
+ * where given and the weights' type has integer code here, else exactly (dot_rows). */
+static void rows_times(const struct int8_rows *xq, const void *x, int x_type, const void *w, int w_type, long B,
+                       long n, long K, float *sums) {
+    switch (xq ? w_type : F32) {
+    case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
+    case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
+    case Q4_0: int8_rows_Q4_0(xq, w, B, n, K, sums); break;
+    case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;
+    case Q5_K: int8_rows_Q5_K(xq, w, B, n, K, sums); break;
+    case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
+    case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
+    case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
+    default: dot_rows(x, x_type, w, w_type, B, n, K, sums);
+    }
+}
+
+/* xq, x (R, K) quantized into it, or NULL where not asked (xq NULL) or K is not whole blocks (then no weights of a
+ * block type either). */
+static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K) {
+    if (!xq || K % BLOCK) return NULL;
+    quantize_rows(x, x_type, R, K, xq);
+    return xq;
+}
+
+/* Room for R rows of K quantized (struct int8_rows) in one allocation, or NULL out of memory. */
+static struct int8_rows int8_rows_for(long R, long K) {
+    char *room = malloc(R * K + 2 * sizeof(float) * R * (K / BLOCK));
+    return (struct int8_rows){(int8_t *)room, room ? (float *)(room + R * K) : NULL,
+                              room ? (float *)(room + R * K) + R * (K / BLOCK) : NULL};
+}
+
+/* Rows first.. of quantized rows of K. */
+static struct int8_rows int8_rows_from(const struct int8_rows *x, long first, long K) {
+    return (struct int8_rows){x->q + first * K, x->d + first * (K / BLOCK), x->s + first * (K / BLOCK)};
+}
+
 /* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
  * layer and linear layer (struct block's order), the step's adapters' A stacked, a (n, r, in), and their scaled B
  * transposed, b (n, r, out), float32, every rank zero-padded to r; a NULL: no row's adapter adapts it. */
@@ -690,10 +940,11 @@ static void lowrank_inputs(const struct updates *d, int count, const void *x, in
  * w[m] of w_type[m], times scale[m] (N[m],) per output channel where given (int8 weights), for `count` matrices
  * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
  * torch's y + product would be. With d (else NULL), an adapted row's product, rounded, then gets its update added
- * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. */
+ * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. With xq (else NULL), x's
+ * rows quantized to 8 bits: the weights of types with integer code are multiplied by those (rows_times). */
 static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K,
-                     const struct updates *d) {
+                     const struct updates *d, const struct int8_rows *xq) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
 #pragma omp for schedule(static)
@@ -702,7 +953,7 @@ static void products(const void *x, int x_type, int type, int count, const void 
         long n = row;
         while (n >= N[m]) n -= N[m++];
         float sums[B * LANES];
-        dot_rows(x, x_type, w[m], w_type[m], B, n, K, sums);
+        rows_times(xq, x, x_type, w[m], w_type[m], B, n, K, sums);
         for (long b = 0; b < B; b++) {
             vf value = load_f32(sums + b * LANES);
             if (scale[m]) value *= load_f32(scale[m] + n);
@@ -718,12 +969,13 @@ static void products(const void *x, int x_type, int type, int count, const void 
 /* y (B, sum N) = x (B, K) @ w[m]^T for each of `count` matrices, their outputs one after another. x and y
  * are F32 or BF16, the weights F32, BF16, I8 (with float32 scales) or a block type; K is a multiple of 16 (of
  * BLOCK for block types, of SUPER for the K-quants), each N[m] of 16. A prompt's many rows go ROW_BLOCK at a
- * time: a block's activations stay in L2 while every weight row streams past them. */
+ * time: a block's activations stay in L2 while every weight row streams past them. With int8, x's rows are
+ * quantized to 8 bits first and multiplied in integers (rows_times; exactly, should their room not be had). */
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 64
 #endif
 void linear(const void *x, int type, int count, const void *const *w, int w_type, const float *const *scale,
-            void *y, long B, const long *N, long K) {
+            void *y, long B, const long *N, long K, int int8) {
     /* Several rows of bf16: widened once here, not once per ROWS weight rows (the same values); unless the
      * CPU multiplies them with bf16 weights as they are. */
     float *wide = type == BF16 && B > COLS && !as_pairs(type, w_type) ? malloc(sizeof(float) * B * K) : NULL;
@@ -731,16 +983,23 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     const int x_type = wide ? F32 : type;
     int types[count];
     for (int m = 0; m < count; m++) types[m] = w_type;
+    const int threads = omp_get_max_threads();  /* each its own copy of x quantized */
+    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(threads * B, K) : (struct int8_rows){NULL};
 #pragma omp parallel
-    for (long b = 0; b < B; b += ROW_BLOCK) {
-        const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
-        void *ys[count];
-        for (int m = 0, before = 0; m < count; before += N[m++])
-            ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-        products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types, scale,
-                 ys, 0, rows, N, K, NULL);
+    {
+        const struct int8_rows mine = xq.q ? int8_rows_from(&xq, omp_get_thread_num() * B, K) : xq;
+        if (xq.q) quantize_rows(x, type, B, K, &mine);
+        for (long b = 0; b < B; b += ROW_BLOCK) {
+            const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
+            void *ys[count];
+            for (int m = 0, before = 0; m < count; before += N[m++])
+                ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
+            const struct int8_rows part = xq.q ? int8_rows_from(&mine, b, K) : xq;
+            products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
+                     scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
+        }
     }
-    free(wide);
+    free(wide), free(xq.q);
 }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */
@@ -930,6 +1189,7 @@ struct step {
     const uint8_t *mask;  /* (B, T, S): query t of row b sees slot s where nonzero; NULL: causal */
     const struct lowrank *lowrank;  /* each layer's, or NULL: no adapter rows */
     const int32_t *adapter;  /* (B,): row b's adapter in lowrank's stacks, or -1: the base's */
+    int int8;  /* the products' inputs quantized to 8 bits (rows_times) */
 };
 
 /* Scratch for a layer's intermediate activations: queries, keys and values of the step's type; the products'
@@ -938,6 +1198,8 @@ struct scratch {
     char *q, *k, *v, *h, *att, *a;
     float *t;  /* the low-rank updates' t, (7, R, rmax) */
     long rmax;
+    struct int8_rows xq;  /* with int8: each thread's copy of a product's input quantized, room for the largest */
+    long widest;
 };
 
 /* One transformer block, inside a parallel region (every thread calls it):
@@ -961,11 +1223,13 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     for (int j = 0; s->lowrank && j < 7; j++)
         all[j] = (struct updates){s->lowrank + l, j, s->adapter, T, R, m->rmax, m->t + j * R * m->rmax},
         d[j] = all + j;
+    const struct int8_rows mine = s->int8 ? int8_rows_from(&m->xq, omp_get_thread_num() * R, m->widest) : m->xq;
+    const struct int8_rows *xq = s->int8 ? &mine : NULL;  /* room for this thread's copy of a product's input */
     rms_norm(s->x, w->attn_norm, m->h, in, type, R, C, w->eps);
     if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0]);
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C));
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -1007,16 +1271,17 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3]);
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3], quantized(xq, m->att, in, R, H * D));
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
     if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
+    const struct int8_rows *hq = quantized(xq, m->h, in, R, C);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
     for (long n = 0; n < I; n += LANES) {
         float g[R * LANES], u[R * LANES];
-        dot_rows(m->h, in, w->gate_proj, w->w_type[4], R, n, C, g);
-        dot_rows(m->h, in, w->up_proj, w->w_type[5], R, n, C, u);
+        rows_times(hq, m->h, in, w->gate_proj, w->w_type[4], R, n, C, g);
+        rows_times(hq, m->h, in, w->up_proj, w->w_type[5], R, n, C, u);
         for (long r = 0; r < R; r++) {
             vf gv = load_f32(g + r * LANES), uv = load_f32(u + r * LANES);
             if (w->gate_proj_scale) gv *= load_f32(w->gate_proj_scale + n);
@@ -1032,18 +1297,19 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6]);
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I));
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
  * `type` updated in place; one parallel region for all of them, so the threads never go back to sleep
  * between layers. cache: every layer's keys and values (struct cache), of any cache type; the rest as struct
- * step; lowrank (each layer's, or NULL) and adapter (B,) the LoRA adapters' updates of the adapter rows. D is
- * a multiple of 16 up to MAX_HEAD_DIM, C and I multiples of 16. Returns 0, or -1 out of memory. */
+ * step; lowrank (each layer's, or NULL) and adapter (B,) the LoRA adapters' updates of the adapter rows; int8:
+ * the products' inputs quantized to 8 bits (rows_times). D is a multiple of 16 up to MAX_HEAD_DIM, C and I
+ * multiples of 16. Returns 0, or -1 out of memory. */
 int blocks(const struct block *w, int layers, void *x, int type, long B, long T, const void *cos, const void *sin,
            const int64_t *slots, long slot_stride, const struct cache *cache, const uint8_t *mask,
-           const struct lowrank *lowrank, const int32_t *adapter) {
-    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask, lowrank, adapter};
+           const struct lowrank *lowrank, const int32_t *adapter, int int8) {
+    const struct step s = {x, type, B, T, cos, sin, slots, slot_stride, cache, mask, lowrank, adapter, int8};
     const long S = cache->S;
     const long R = B * T, size = size_of(type);
     long C = 0, QD = 0, KVD = 0, I = 0, D = 0;  /* the largest of any layer */
@@ -1060,6 +1326,9 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
     m.h = buffer, m.att = m.h + sizeof(float) * R * C, m.a = m.att + sizeof(float) * R * QD;
     m.t = (float *)(m.a + sizeof(float) * R * I), m.rmax = rmax;
     m.q = (char *)(m.t + 7 * R * rmax), m.k = m.q + size * R * QD, m.v = m.k + size * R * KVD;
+    const long widest = C > QD ? (C > I ? C : I) : (QD > I ? QD : I);  /* a product's most inputs */
+    m.xq = int8 ? int8_rows_for(omp_get_max_threads() * R, widest) : (struct int8_rows){NULL}, m.widest = widest;
+    if (int8 && !m.xq.q) return free(buffer), -1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -1068,7 +1337,7 @@ int blocks(const struct block *w, int layers, void *x, int type, long B, long T,
         for (int l = 0; l < layers; l++) layer(&w[l], &s, l, &m, p);
         free(p);
     }
-    free(buffer);
+    free(buffer), free(m.xq.q);
     return failed ? -1 : 0;
 }
 

@@ -3,8 +3,9 @@ decoding, few-row matrix products and all the transformer blocks of a decoding s
 float32 matrix products, the causal attention and the elementwise steps.
 
 Every function takes the Choices of the accelerator it runs for: its mode, its measured choices, whether this
-thread is inside its torch_only(). Where a kernel cannot run the call (gradients, other devices, dtypes or
-sizes it has no code for) torch's code runs, with the same values to float rounding.
+thread is inside its torch_only(), whether its decoding products quantize their inputs to 8 bits. Where a kernel
+cannot run the call (gradients, other devices, dtypes or sizes it has no code for) torch's code runs, with the
+same values to float rounding.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     """[x @ w.T (* scale per output channel, for int8 weights) for each w], (..., K) -> (..., N) in x's dtype.
 
     Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
-    Torch multiplies (torch_linear) where the kernel cannot or is the slower."""
+    Torch multiplies (torch_linear) where the kernel cannot or is the slower. With choices.int8_activations, a
+    decoding step's few rows are quantized to 8 bits against packed blocks (kernels.c's rows_times); a prompt's
+    many rows stay exact. Few or many as the row's own prompt has them (choices.bucket): in a batched prefill, each
+    row's products are those it gets alone."""
     scales = scales or [None] * len(weights)
     packed = packed or [None] * len(weights)
     K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
@@ -122,7 +126,8 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
         compiled().linear(x=contiguous.data_ptr(), type=TYPES[x.dtype], count=len(sizes),
                           w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
                           scale=pointers(float_scales), y=y.data_ptr(), B=rows,
-                          N=(ctypes.c_long * len(sizes))(*sizes), K=K)
+                          N=(ctypes.c_long * len(sizes))(*sizes), K=K,
+                          int8=choices.int8_activations and choices.bucket(rows) <= MAX_ROWS)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
     return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
@@ -174,7 +179,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
     x: (B, T, C); rope: cos, sin (B, T, 1, hd) in x's dtype; mask: (B, 1, T, S) or None for causal;
     cache: a KVCache (or a view of one), (L, B, KVH, S, D) of any of its dtypes; slots: (T,) or (B, T) cache slots
     of the rows; updates: LoRA adapters' (a LowRank per block, and each row's adapter among them, (B,) int32, -1
-    for none), each adapter row's update added after its base product, the other rows' bits unchanged."""
+    for none), each adapter row's update added after its base product, the other rows' bits unchanged. With
+    choices.int8_activations, the products of packed blocks quantize their inputs to 8 bits."""
     B, T, C = x.shape
     k, v, k_scale, v_scale = cache.k, cache.v, cache.k_scale, cache.v_scale  # in place: a view's rows and slots
     L, S, w = len(weights), cache.max_len, weights[0]
@@ -201,7 +207,8 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
                              sin=sin.data_ptr(), slots=slots.data_ptr(), slot_stride=0 if slots.dim() == 1 else T,
                              cache=ctypes.byref(cache_layers),
                              mask=None if full_mask is None else full_mask.data_ptr(), lowrank=lowrank,
-                             adapter=None if adapter is None else adapter.data_ptr()):
+                             adapter=None if adapter is None else adapter.data_ptr(),
+                             int8=choices.int8_activations):
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
