@@ -25,6 +25,7 @@ resident <= 1.2x the file + the runtime (a Python that imported torch and smollm
     .venv/bin/python benchmarks/llamacpp.py --build-tools          # llama-bench and llama-quantize, once
     .venv/bin/python benchmarks/family.py --sizes 360m --json family.json
     .venv/bin/python benchmarks/family.py --sizes 1.7b --types q8_0,q4_k_m --bars
+    .venv/bin/python benchmarks/family.py --int8-activations     # smollm2's opt-in mode, not exact
 """
 
 from __future__ import annotations
@@ -170,10 +171,10 @@ def llama_bench(path: Path, threads: int, repeats: int) -> dict:
             "build": tests[0].get("build_commit"), "cpu": tests[0].get("cpu_info")}
 
 
-def smollm2_bench(path: Path, threads: int, repeats: int) -> dict:
+def smollm2_bench(path: Path, threads: int, repeats: int, int8: bool = False) -> dict:
     out, peak = timed_process([sys.executable, "-m", "smollm2", "bench", "--model", str(path), "--threads",
                                str(threads), "--prompt-tokens", str(PROMPT), "--new-tokens", str(DECODED + 1),
-                               "--repeats", str(repeats), "--json"])
+                               "--repeats", str(repeats), "--json", *(["--int8-activations"] if int8 else [])])
     report = json.loads(out)
     (ours,) = report["results"]
     return {"prefill_tok_s": ours["prefill_tok_s"], "decode_tok_s": ours["decode_tok_s"], "peak_mb": peak,
@@ -198,7 +199,7 @@ def compare(size: str, type: str, path: Path, args) -> dict:
     for _ in range(args.rounds):
         for name, bench in (("llama.cpp", llama_bench), ("smollm2", smollm2_bench)):
             load.append(others_load())
-            got = bench(path, args.threads, args.repeats)
+            got = bench(path, args.threads, args.repeats, *([args.int8_activations] if name == "smollm2" else []))
             kept = best[name]
             for key, value in got.items():
                 better = max if key.endswith("tok_s") or key == "peak_mb" else (lambda a, b: b)
@@ -229,7 +230,8 @@ def with_bars(row: dict, runtime: float, rate: float) -> dict:
 def table(rows: list[dict], setup: dict) -> str:
     lines = [f"{setup['cpu']}, {setup['threads']} threads, pp{PROMPT}/tg{DECODED}, in turns ({setup['rounds']} "
              f"rounds, best of {setup['repeats']}); read rate {setup['read_gb_s']:.1f} GB/s; runtime "
-             f"{setup['runtime_mb']:.0f} MB; llama.cpp {setup['llama_cpp_build']}",
+             f"{setup['runtime_mb']:.0f} MB; llama.cpp {setup['llama_cpp_build']}; smollm2's activations "
+             f"{setup['activations']}",
              f"{'model, type':<15}{'file MB':>8}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
              f"{'RSS MB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
     for r in rows:
@@ -261,6 +263,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs within each turn (llama-bench's -r)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the setup and rows as JSON to FILE")
     p.add_argument("--bars", action="store_true", help="exit 1 where a row misses the issue's bars")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="smollm2 in its opt-in int8-activation mode (not exact), as llama.cpp computes")
     args = p.parse_args()
     sizes = choices(args.sizes, tuple(PUBLISHED), "--sizes", p)
     types = choices(args.types, CONVERTED + QUANTIZED, "--types", p)
@@ -277,7 +281,8 @@ def main() -> int:
         done = [with_bars(row, runtime, rate) for row in rows]
         setup = {"cpu": rows[0]["llama_cpp"]["cpu"], "threads": args.threads, "rounds": args.rounds,
                  "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mb": runtime,
-                 "llama_cpp_build": rows[0]["llama_cpp"]["build"], "torch": torch.__version__, "complete": final}
+                 "llama_cpp_build": rows[0]["llama_cpp"]["build"], "torch": torch.__version__, "complete": final,
+                 "activations": "int8" if args.int8_activations else "exact"}
         if args.json:
             args.json.write_text(json.dumps({**setup, "rows": done}, indent=1))
         if final:
