@@ -203,7 +203,10 @@ def test_serve_replicas_joins_a_running_cluster(cluster, tiny_dir):
     url, _ = cluster
     command = [sys.executable, "-m", "smollm2", "serve", "--replicas", "1", "--model", str(tiny_dir),
                "--ray-address", ray.get_runtime_context().gcs_address, "--port", str(free_port())]
-    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as process:
+    # Ctrl-C's default action restored in the child: a suite started in the background (`make test &`) runs with
+    # SIGINT ignored, which a child inherits, and Python then installs no KeyboardInterrupt for it.
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
         deadline = time.monotonic() + 180
         while True:
             assert process.poll() is None and time.monotonic() < deadline
