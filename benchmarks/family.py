@@ -294,7 +294,8 @@ def main() -> int:
             rows.append(compare(size, type, path, args))
             report(final=False)
     rate = max(rate, read_rate(args.threads))
-    return 1 if args.bars and any(row["failed"] for row in report(final=True)) else 0
+    done = report(final=True)  # the table and the JSON, bars or not
+    return 1 if args.bars and any(row["failed"] for row in done) else 0
 
 
 if __name__ == "__main__":
