@@ -34,25 +34,28 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: install
 	$(VENV)/bin/smollm2 chat --temperature 0 -p "$(PROMPT)"
 
+# The suite runs as two groups side by side (tests/side_by_side.sh), each on one OpenMP thread, so that neither
+# spins on a core the other needs: the compilers', converters' and subprocesses' files in one, the rest in the
+# other, about even. The replicas' test then runs in a process of its own: Ray's workers start from the driver's
+# state, and after the rest of the suite they failed to import anyio there (they pass in a fresh process, as a
+# user's driver is).
+GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harness.py tests/test_family.py \
+	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py
 # Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
 # AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch, and speculation's
-# tokens against plain decoding's. Left to the native run: torch.compile's tests (they compile the same C), and
-# those that run no kernel of this tier (building for other CPUs, model.py's reference modules alone). The tiers
-# run side by side: much of each is one thread (building its kernels, Python between small calls).
+# tokens against plain decoding's, the two tiers side by side. Left to the native run: torch.compile's tests (they
+# compile the same C), and those that run no kernel of this tier (building for other CPUs, model.py's reference
+# modules alone).
 LOWER_TIERS ?= x86-64-v3 x86-64
-# The replicas' test runs in a process of its own: Ray's workers start from the driver's state, and after the
-# rest of the suite they failed to import anyio there (they pass in a fresh process, as a user's driver is).
+LOWER_TIER_TESTS := -m "not compile" tests/test_kernels.py tests/test_fast_paths.py \
+	-k "not compile_for_other_x86_cpus and not reference_model" \
+	tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched
 test: install-test
-	$(PY) -m pytest -q --ignore=tests/test_replicas.py
-	$(PY) -m pytest -q tests/test_replicas.py
-	@if [ "$$(uname -m)" = x86_64 ]; then logs=$$(mktemp -d); for tier in $(LOWER_TIERS); do \
-		(SMOLLM2_MARCH=$$tier $(PY) -m pytest -q -p no:cacheprovider -m "not compile" tests/test_kernels.py \
-			tests/test_fast_paths.py -k "not compile_for_other_x86_cpus and not reference_model" \
-			"tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched" \
-			> $$logs/$$tier.log 2>&1; echo $$? > $$logs/$$tier.rc) & \
-	done; wait; failed=0; for tier in $(LOWER_TIERS); do \
-		echo "kernels built for -march=$$tier:"; cat $$logs/$$tier.log; [ "$$(cat $$logs/$$tier.rc)" = 0 ] || failed=1; \
-	done; rm -r $$logs; exit $$failed; fi
+	OMP_NUM_THREADS=1 sh tests/side_by_side.sh "$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(GROUP_A)" \
+		"$(PY) -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_replicas.py $(GROUP_A:%=--ignore=%)"
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_replicas.py
+	@if [ "$$(uname -m)" = x86_64 ]; then OMP_NUM_THREADS=1 sh tests/side_by_side.sh $(foreach tier,$(LOWER_TIERS),\
+		"SMOLLM2_MARCH=$(tier) $(PY) -m pytest -q -p no:cacheprovider $(subst ",\",$(LOWER_TIER_TESTS))"); fi
 
 # What to run while working: everything but the tests marked slow, real_model, subprocess or compile
 # (pyproject.toml), a few minutes on 2 cores. `make test` before committing.
