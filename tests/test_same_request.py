@@ -195,9 +195,11 @@ def test_the_server_answers_the_same_among_15_others(model, tokenizer, requests,
             ours = [request for request, _ in requests.values()]
             futures = [pool.submit(ask, client, request, streamed, names) for request in ours]
             futures += [pool.submit(ask, client, request, streamed, None) for request in others]
+            # held in its prefill, the first to arrive (or the first few, arrived before the engine's step: one
+            # prefill pass), the rest waiting
             deadline = time.time() + 60
-            while client.get("/health").json() != dict(status="ok", active=1, waiting=15, slots=16):
-                assert time.time() < deadline, client.get("/health").json()
+            while (load := client.get("/health").json())["active"] < 1 or load["active"] + load["waiting"] != 16:
+                assert time.time() < deadline, load
                 time.sleep(0.02)
             gate.set()
             got = [future.result() for future in futures]

@@ -118,6 +118,7 @@ class Engine:
         self.decoding: list[Row] = []  # decoding[b] holds cache row b
         self.filling: Row | None = None  # the row whose prompt is being prefilled, in cache row len(decoding)
         self.filling_at = 0  # the cache row it holds (a retired row moves it to len(decoding) again)
+        self.planned: list[Row] = []  # the rows of the prefill pass running now, out of the queue (load() counts them)
         self.queued: collections.deque[Row] = collections.deque()  # admitted, waiting for a cache row
         self.passes = self.decoded = 0  # decoding passes run, and the tokens they gave (more with speculation)
         self.guessed = self.kept = 0  # tokens speculating rows guessed, and those the model kept
@@ -253,21 +254,25 @@ class Engine:
         take (_plan), computed in waves (_fill). Returns the rows whose prompt is complete, which join the rows
         decoding, and their next-token logits, (1, V) each (a row's logits do not depend on the rows beside it)."""
         spent, ready, logits = 0, [], []
-        while plan := self._plan(spent):
-            spent += sum(end - begin for _, _, chunks in plan for begin, end in chunks)
-            for (row, at, _), h in zip(plan, self._fill(plan)):
-                if row.filled < len(row.sequence.prompt):  # the budget is spent: the rest is the next step's
-                    self.filling, self.filling_at = row, at
-                    continue
-                if row.prompt_logprobs is not None:
-                    events.append((row, PromptLogprobs(row.scored)))
-                if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
-                    continue
-                self.decoding.append(row)
-                ready.append(row)
-                logits.append(self.model.logits(h[:, -1]))
-            if self.filling is not None:
-                break
+        try:
+            while plan := self._plan(spent):
+                self.planned = [row for row, _, _ in plan]
+                spent += sum(end - begin for _, _, chunks in plan for begin, end in chunks)
+                for (row, at, _), h in zip(plan, self._fill(plan)):
+                    if row.filled < len(row.sequence.prompt):  # the budget is spent: the rest is the next step's
+                        self.filling, self.filling_at = row, at
+                        continue
+                    if row.prompt_logprobs is not None:
+                        events.append((row, PromptLogprobs(row.scored)))
+                    if row.sequence.finish_reason:  # max_new_tokens 0: the prompt scored, nothing to generate
+                        continue
+                    self.decoding.append(row)
+                    ready.append(row)
+                    logits.append(self.model.logits(h[:, -1]))
+                if self.filling is not None:
+                    break
+        finally:
+            self.planned = []
         return ready, logits
 
     def _plan(self, spent: int) -> list[tuple[Row, int, list[tuple[int, int]]]]:

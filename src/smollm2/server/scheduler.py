@@ -260,9 +260,10 @@ class EngineThread:
         """Requests holding a cache row (decoding, or their prompt being prefilled), and those waiting for one:
         here or in the engine's queue."""
         engine = self.engine  # copies: the engine thread changes these meanwhile
-        holding = [*engine.decoding, engine.filling]
+        # a row of the prefill pass running now is in `planned` (and may be in `decoding` already): counted once
+        holding = {id(row): row for row in [*engine.decoding, engine.filling, *engine.planned] if row is not None}
         queued = len(engine.queued)
-        active = [self.requests.get(row) for row in holding if row is not None]
+        active = [self.requests.get(row) for row in holding.values()]
         return dict(active=sum(r is not None and not r.done for r in active),
                     waiting=len(self.waiting) + len(self.calls) + queued, slots=self.max_batch_size)
 
