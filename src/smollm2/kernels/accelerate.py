@@ -353,7 +353,7 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
         return model
     accelerator = model.__dict__.get("accelerator")
     if accelerator is None:
-        accelerator = Accelerator(mode, int8_activations=bool(int8_activations))
+        accelerator = Accelerator(mode)
     elif mode is not None:
         accelerator.choices.mode = mode
     if int8_activations is not None:
