@@ -45,3 +45,12 @@ def test_the_profile_times_every_operation_and_keeps_the_machine(tmp_path, monke
 def test_measure_reports_plausible_limits():
     machine = roofline.measure(torch.device("cpu"))
     assert 1e8 < machine.bandwidth < 1e13 and 1e8 < machine.flops < 1e15
+
+
+def test_a_gguf_models_costs_count_the_blocks_it_reads(model):
+    """The embedded model's matrices are held as their file's blocks (Q4_1, the tied embedding Q8_0): a product
+    reads those bytes, not the float32 values torch sees (5.3x more for Q4_1)."""
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    C = model.config.hidden_size
+    assert roofline.costs(model, 0, "q_proj", 1, 8)[0] == q_proj.packed.data.nbytes + C * 4 < q_proj.numel() * 4 / 5
+    assert roofline.costs(model, None, "lm_head", 1, 8)[0] == model.output_weight.packed.data.nbytes + C * 4

@@ -23,6 +23,7 @@ from .generation.hooks import Hooks, point_names
 from .generation.sampling import Sampling, sample
 from .generation.request import checked_rows
 from .kernels.build import cache_dir, cpu_signature
+from .kernels.held import HeldWeight
 from .lens import reference_math
 
 
@@ -159,6 +160,12 @@ class Clock:
         return [(*key, seconds) for key, seconds in spent.items()]
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """The bytes a pass reads of a weight: a held matrix's blocks (kernels/held.py), not the float32 values torch
+    sees."""
+    return t.packed.data.nbytes if isinstance(t, HeldWeight) else t.numel() * t.element_size()
+
+
 def costs(model, layer: int | None, name: str, tokens: int, slots: int) -> tuple[int, int]:
     """(bytes read, flops) of one operation of a pass of `tokens` tokens attending to `slots` slots."""
     config, e = model.config, model.model.embed_tokens.weight.element_size()
@@ -170,8 +177,7 @@ def costs(model, layer: int | None, name: str, tokens: int, slots: int) -> tuple
               "down_proj": "mlp.down_proj"}.get(name)
     if linear is not None:
         module = block.get_submodule(linear)
-        weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())
-                      if t is not module._buffers.get("packed"))
+        weights = sum(map(stored_bytes, (*module.parameters(), *module.buffers())))
         out, inputs = module.weight.shape
         return weights + tokens * inputs * e, 2 * tokens * inputs * out
     return {"embed": (tokens * C * e, 0), "residual": (2 * tokens * C * e, 0),
@@ -181,7 +187,7 @@ def costs(model, layer: int | None, name: str, tokens: int, slots: int) -> tuple
             "softmax": (tokens * slots * heads * e, 0),
             "mix": ((tokens * slots * heads + slots * kv * hd) * e, 2 * tokens * slots * heads * hd),
             "silu_mul": (2 * tokens * I * e, 0),
-            "lm_head": (model.output_weight.numel() * model.output_weight.element_size() + C * e,
+            "lm_head": (stored_bytes(model.output_weight) + C * e,
                         2 * C * model.output_weight.shape[0]),
             "sample": (4 * config.vocab_size, 0)}[name]
 
