@@ -44,6 +44,7 @@ import torch
 from safetensors import safe_open
 
 from ..kernels import build_key
+from ..kernels.held import HeldWeight
 from . import steps
 
 log = logging.getLogger(__name__)
@@ -263,12 +264,16 @@ def model_identity(model, cache, threads: int) -> str:
     """A hash of what decides the bits of the keys and values a prefill writes into `cache` (see the module's
     docstring): the model's weights and config, the cache's dtypes, and how this process computes them."""
     accelerator = model.__dict__.get("accelerator")
-    kernels = None if accelerator is None or accelerator.mode == "off" else [accelerator.mode, build_key()]
+    kernels = None if accelerator is None or accelerator.mode == "off" else [accelerator.mode, build_key(),
+                                                                              accelerator.int8_activations]
     how = dict(config=model.config.to_hf(), cache=[str(t.dtype) for t in cache.parts], dtype=str(cache.dtype),
                device=str(cache.k.device), torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(),
                kernels=kernels, threads=threads, chunk=steps.PREFILL_CHUNK)
     digest = hashlib.sha256(json.dumps(how, sort_keys=True, default=str).encode())
     for name, t in model.state_dict().items():
         digest.update(f"{name} {t.dtype} {tuple(t.shape)}\0".encode())
+        if isinstance(t, HeldWeight):  # its blocks, which decide its values: not a float32 copy of every matrix
+            digest.update(f"held {t.packed.type}\0".encode())
+            t = t.packed.data
         digest.update(raw_bytes(t))
     return digest.hexdigest()
