@@ -751,18 +751,23 @@ static inline v32u8 nibbles(const uint8_t *p) {
                                    19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-/* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. The word in every 4 bytes,
- * then byte j takes the byte of it holding bit j, from within its own 16 bytes (one byte shuffle on x86). */
+/* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. Without AVX-512's mask
+ * registers: the word in every 4 bytes, then byte j takes the byte of it holding bit j, from within its own 16
+ * bytes (one byte shuffle on x86). */
 static inline v32u8 fifth_bits(const uint8_t *p) {
-    typedef uint32_t v8u32 __attribute__((vector_size(32)));
     uint32_t word;
     memcpy(&word, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return (v32u8)_mm256_movm_epi8(word) & 16;  /* the word as a mask register: bit j sets byte j */
+#else
+    typedef uint32_t v8u32 __attribute__((vector_size(32)));
     const v32u8 words = (v32u8)(v8u32){word, word, word, word, word, word, word, word};
     const v32u8 bytes = __builtin_shufflevector(words, words, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18,
                                                 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19);
     const v32u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                        1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     return (v32u8)((bytes & bit) != 0) & 16;
+#endif
 }
 
 static inline v32u8 load32(const uint8_t *p) { return *(const v32u8u *)p; }
