@@ -640,7 +640,8 @@ static void dot_rows(const void *x, int x_type, const void *w, int w_type, long 
  * blocks()' int8), each product input's rows are quantized once, in blocks of 32 as llama.cpp's
  * quantize_row_q8_0 does (a float32 scale d = max |x| / 127, q = x / d rounded to the nearest, ties to even), and
  * each weight block (a K-quant's sub-block) of 32 is multiplied with the matching activations' block in integers:
- * sum q_w q_x, exact in int32, then scaled in float32, a d (sum q_w q_x) + b d (sum q_x) for a weight a q_w + b.
+ * sum q_w q_x, exact in int32, then scaled in float32, a d (sum q_w q_x) + b d (sum q_x) for a weight a q_w + b
+ * (a signed q_w goes as an unsigned u - o, the - o (sum q_x) added in int32: int8_offset).
  * A row's result depends on its own activations only, as the exact products': none on its batch. Weight types
  * without code here (float32, bf16, int8 with scales) keep the exact products. */
 typedef int8_t v32i8 __attribute__((vector_size(32)));
@@ -651,6 +652,7 @@ typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef uint8_t v16u8u __attribute__((vector_size(16), aligned(1)));
 typedef int32_t v8i32 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
 /* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q). */
 struct int8_rows {
@@ -661,33 +663,49 @@ struct int8_rows {
 /* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
  * of its own (a few microseconds): threads that split a product's outputs then need no barrier to wait on. */
 static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out) {
+    const vf magic = splat(0x1.8p23f);  /* v + magic - magic: v rounded to the nearest integer, ties to even */
     for (long i = 0; i < R * K / BLOCK; i++) {
-        float v[BLOCK], most = 0;
-        for (int j = 0; j < BLOCK; j++) v[j] = element(x, i * BLOCK + j, x_type), most = fmaxf(most, fabsf(v[j]));
-        const float d = most / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            const int q = (int)rintf(v[j] * inverse);  /* within +-127: |v| <= most */
-            out->q[i * BLOCK + j] = (int8_t)q, sum += q;
+        vf v[BLOCK / LANES], most = {0};
+        for (int l = 0; l < BLOCK / LANES; l++) {
+            v[l] = load(x, i * BLOCK + l * LANES, x_type);
+            const vf size = (vf)((vi)v[l] & 0x7fffffff);
+            const vi larger = size > most;  /* a NaN is never larger, as fmaxf leaves it out */
+            most = (vf)((larger & (vi)size) | (~larger & (vi)most));
         }
-        out->d[i] = d, out->s[i] = d * (float)sum;
+        float largest = 0;
+        for (int l = 0; l < LANES; l++) largest = most[l] > largest ? most[l] : largest;
+        const float d = largest / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+        vi sum = {0};
+        for (int l = 0; l < BLOCK / LANES; l++) {  /* within +-127: |v| <= largest */
+            const vi q = __builtin_convertvector((v[l] * splat(inverse) + magic) - magic, vi);
+            *(vi8u *)(out->q + i * BLOCK + l * LANES) = __builtin_convertvector(q, vi8u), sum += q;
+        }
+        int total = 0;
+        for (int l = 0; l < LANES; l++) total += sum[l];
+        out->d[i] = d, out->s[i] = d * (float)total;
     }
 }
 
-/* sum of 4 consecutive products w[j] x[j] in each of 8 int32 lanes (lane l: j = 4l..4l+3), w and x int8; `is_signed`
- * says whether w takes negative values (an unsigned type's q are below 128). x86's instructions multiply unsigned
- * bytes by signed ones: a signed w goes as |w| times x with w's sign (llama.cpp's way), within their range (|x| <=
- * 127: AVX2's pairs of products, added in 16 bits, stay below 2^15). */
-static inline v8i32 dot32(v32i8 w, v32i8 x, const int is_signed) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define VNNI 1  /* dpbusd: 4 products of unsigned and signed bytes added into int32 at once, none rounded or capped */
+#else
+#define VNNI 0
+#endif
+
+/* acc + the sum of 4 consecutive products w[j] x[j] in each of 8 int32 lanes (lane l: j = 4l..4l+3), x int8, w
+ * unsigned bytes (below 128 without VNNI) or, `is_signed`, int8. x86's instructions multiply unsigned bytes by
+ * signed ones: a signed w goes as |w| times x with w's sign (llama.cpp's way), within their range (|x| <= 127:
+ * AVX2's pairs of products, added in 16 bits, stay below 2^15). */
+static inline v8i32 dot32(v8i32 acc, v32i8 w, v32i8 x, const int is_signed) {
 #if defined(__AVX2__)
     __m256i u = (__m256i)w, v = (__m256i)x;
     if (is_signed) v = _mm256_sign_epi8(v, u), u = _mm256_abs_epi8(u);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return (v8i32)_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+    return (v8i32)_mm256_dpbusd_epi32((__m256i)acc, u, v);
 #elif defined(__AVXVNNI__)
-    return (v8i32)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+    return (v8i32)_mm256_dpbusd_avx_epi32((__m256i)acc, u, v);
 #else
-    return (v8i32)_mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+    return acc + (v8i32)_mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 #endif
 #else  /* SSE2, NEON, others: the vector extensions, in 16 bits (|w x| <= 2^14), then pairs of pairs in 32 */
     typedef int16_t v32i16 __attribute__((vector_size(64)));
@@ -698,12 +716,25 @@ static inline v8i32 dot32(v32i8 w, v32i8 x, const int is_signed) {
     const v16i16 even = __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
                  odd = __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const v16i32 pairs = __builtin_convertvector(even, v16i32) + __builtin_convertvector(odd, v16i32);
-    return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14) +
+    return acc + __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14) +
            __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
 }
 
-static inline int signed_weights(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0 || type == Q6_K; }
+/* ints_of's integers u of a weight a (u - o) + b are unsigned, o this: sum (u - o) x = sum u x - o (sum x), the
+ * second term once an activation block for every weight row, and no sign juggling a weight row. Q8_0's q go as
+ * q + 128 where dpbusd takes them (AVX2's 16-bit pairs would overflow): signed elsewhere. */
+static inline int int8_offset(int type) {
+    switch (type) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    case Q6_K: return 32;
+    case Q8_0: return VNNI ? 128 : 0;
+    default: return 0;
+    }
+}
+
+static inline int signed_weights(int type) { return type == Q8_0 && !VNNI; }
 
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
@@ -720,40 +751,53 @@ static inline v32u8 nibbles(const uint8_t *p) {
                                    19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-/* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. The word in every 4 bytes,
- * then byte j takes the byte of it holding bit j, from within its own 16 bytes (one byte shuffle on x86). */
+/* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. Without AVX-512's mask
+ * registers: the word in every 4 bytes, then byte j takes the byte of it holding bit j, from within its own 16
+ * bytes (one byte shuffle on x86). */
 static inline v32u8 fifth_bits(const uint8_t *p) {
-    typedef uint32_t v8u32 __attribute__((vector_size(32)));
     uint32_t word;
     memcpy(&word, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return (v32u8)_mm256_movm_epi8(word) & 16;  /* the word as a mask register: bit j sets byte j */
+#else
+    typedef uint32_t v8u32 __attribute__((vector_size(32)));
     const v32u8 words = (v32u8)(v8u32){word, word, word, word, word, word, word, word};
     const v32u8 bytes = __builtin_shufflevector(words, words, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18,
                                                 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19);
     const v32u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                        1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     return (v32u8)((bytes & bit) != 0) & 16;
+#endif
 }
 
 static inline v32u8 load32(const uint8_t *p) { return *(const v32u8u *)p; }
 
-/* A weight block (a K-quant's sub-block base + part) as the integers q of its 32 weights a q + b; the layouts of
- * load_block (base a multiple of 4: part, a constant, gives the shifts). */
+/* Bytes shifted left by `by` (right where negative) as 16-bit lanes: one instruction where a byte shift takes
+ * three on x86; for bits that stay within their byte. */
+static inline v32u8 shift16(v32u8 v, const int by) {
+    typedef uint16_t v16u16 __attribute__((vector_size(32)));
+    return (v32u8)(by >= 0 ? (v16u16)v << by : (v16u16)v >> -by);
+}
+
+/* A weight block (a K-quant's sub-block base + part) as the integers u of its 32 weights a (u - o) + b, o its
+ * int8_offset; the layouts of load_block (base a multiple of 4: part, a constant, gives the shifts). */
 static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group, const int type, int base,
                                                            const int part) {
     const int sub = base + part;
     switch (type) {
-    case Q8_0: return *(const v32i8u *)(group + 4);
-    case Q4_0: return (v32i8)nibbles(group + 4) - 8;
+    case Q8_0: return VNNI ? (v32i8)(load32(group + 4) ^ 128) : *(const v32i8u *)(group + 4);
+    case Q4_0: return (v32i8)nibbles(group + 4);
     case Q4_1: return (v32i8)nibbles(group + 8);
-    case Q5_0: return (v32i8)(nibbles(group + 4) | fifth_bits(group + 20)) - 16;
+    case Q5_0: return (v32i8)(nibbles(group + 4) | fifth_bits(group + 20));
     case Q5_1: return (v32i8)(nibbles(group + 8) | fifth_bits(group + 24));
     case Q4_K: return (v32i8)(load32(group + 16 + sub / 2 * 32) >> (part % 2 * 4) & 15);
-    case Q5_K:
+    case Q5_K:  /* bit sub of each byte to bit 4: one 16-bit shift, no byte's bit crossing into the other */
         return (v32i8)((load32(group + 48 + sub / 2 * 32) >> (part % 2 * 4) & 15) |
-                       (load32(group + 16) >> sub & 1) << 4);
-    default: {  /* Q6_K: 128 bytes of q's low 4 bits, then 64 of its high 2; minus 32 */
+                       (v32u8)shift16(load32(group + 16) & (uint8_t)(1 << sub), 4 - sub));
+    default: {  /* Q6_K: 128 bytes of q's low 4 bits, then 64 of its high 2 (bits 2 part, 2 part + 1 to 4, 5) */
         const v32u8 low = load32(group + sub / 4 * 64 + sub % 2 * 32) >> (part / 2 * 4) & 15;
-        return (v32i8)(low | (load32(group + 128 + sub / 4 * 32) >> (part * 2) & 3) << 4) - 32;
+        return (v32i8)(low | (v32u8)shift16(load32(group + 128 + sub / 4 * 32) & (uint8_t)(3 << (part * 2)),
+                                            4 - part * 2));
     }
     }
 }
@@ -763,7 +807,6 @@ static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group,
 static inline __attribute__((always_inline)) void group_scales(const uint8_t *group, const int type,
                                                                const struct scales *s, const float *d,
                                                                const float *ds, float *ad, v8f *offsets) {
-    typedef float v8fu __attribute__((vector_size(32), aligned(4)));
     if (!is_super(type)) {
         float a, b;
         memcpy(&a, group, 4);
@@ -781,6 +824,40 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *gr
     *offsets += *(const v8fu *)(s->a + SUBS) * *(const v8fu *)ds;
 }
 
+#if LANES == 16
+#define SCALES_OF_ROWS 1
+/* unpack() of ROWS (4) rows' Q4_K or Q5_K super-blocks at once, the same values: their 16 bytes of d, dmin and
+ * 6-bit scales in one register, each row's in a quarter of it, where unpack() takes each row's bit fields apart in
+ * scalar code (a one-row Q4_K product 10-20% faster, 1 thread, Zen 4). */
+static inline __attribute__((always_inline)) void unpack_rows(const uint8_t *const *group, struct scales *s) {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)group[0]));  /* not through memory: */
+    for (int j = 1; j < 4; j++)  /* four stores read back as one load would wait for them to retire */
+        rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[j]), j);
+    const v16u32 h = (v16u32)rows;
+    /* words 1-3 of a row are unpack()'s word[0..2]: into its sc_m[0..3], the four words of a quarter */
+    const v16u32 a = __builtin_shufflevector(h, h, 1, 3, 2, 3, 5, 7, 6, 7, 9, 11, 10, 11, 13, 15, 14, 15),
+                 b = __builtin_shufflevector(h, h, 1, 1, 2, 2, 5, 5, 6, 6, 9, 9, 10, 10, 13, 13, 14, 14),
+                 shift = {0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4},
+                 mask = {0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
+                         0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                         0x3f3f3f3f, 0x0f0f0f0f},
+                 high = {0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u};
+    const __m512i sc_m = (__m512i)((a >> shift & mask) | ((b >> 6 & 0x03030303) << 4 & high));
+    const __m256 halves = _mm256_cvtph_ps((__m128i)__builtin_shufflevector(h, h, 0, 4, 8, 12));  /* d, dmin a row */
+    const vf sign = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};  /* -(dmin * m) = -dmin * m */
+#define SCALES_OF_ROW(j)                                                                                      \
+    *(vfu *)s[j].a = sign * (vf)_mm512_permutexvar_ps(_mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1,        \
+        2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,   \
+        2 * j), _mm512_castps256_ps512(halves)) *                                                             \
+        (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(sc_m, j)))
+    SCALES_OF_ROW(0), SCALES_OF_ROW(1), SCALES_OF_ROW(2), SCALES_OF_ROW(3);
+#undef SCALES_OF_ROW
+}
+#else
+#define SCALES_OF_ROWS 0
+#endif
+
 /* a * b + c, rounded once where the tier has a fused multiply-add (as fmadd), 8 lanes. */
 static inline v8f fmadd8(v8f a, v8f b, v8f c) {
 #if defined(__FMA__)
@@ -795,38 +872,49 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
  * Inlined with constant c and type. */
 static inline __attribute__((always_inline)) void int8_block(const struct int8_rows *x, long first, const int c,
                                                              const void *w, const int type, long K, float *sums) {
-    const int is_signed = signed_weights(type);
+    const int is_signed = signed_weights(type), o = int8_offset(type);
     v8f acc[COLS][ROWS] = {{{0}}}, offsets[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x), b d (sum q_x) terms */
     const long G = group_size(type), blocks = K / BLOCK;
     for (long k = 0; k < K; k += G) {
         const uint8_t *group[ROWS];
         float ad[COLS][ROWS][2 * SUBS];
+        struct scales s[ROWS];
         for (int j = 0; j < ROWS; j++) {
-            struct scales s;
             group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
             for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
-            unpack(group[j], type, &s);
+        }
+#if SCALES_OF_ROWS
+        if (ROWS == 4 && (type == Q4_K || type == Q5_K)) unpack_rows(group, s);
+        else
+#endif
+            for (int j = 0; j < ROWS; j++) unpack(group[j], type, &s[j]);
+        for (int j = 0; j < ROWS; j++)
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + k / BLOCK;
-                group_scales(group[j], type, &s, x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
+                group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
             }
-        }
         const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
         for (int base = 0; base < G / BLOCK; base += parts)
 #pragma GCC unroll 4
-            for (int part = 0; part < parts; part++)
+            for (int part = 0; part < parts; part++) {
+                const int sub = base + part;
+                v32i8 xq[COLS];
+                v8i32 minus[COLS];  /* - o (sum x), 4 x's a lane as the products', once for every weight row */
+                for (int i = 0; i < c; i++) {
+                    xq[i] = *(const v32i8u *)(x->q + ((first + i) * blocks + k / BLOCK + sub) * BLOCK);
+                    minus[i] = o ? -dot32((v8i32){0}, (v32i8)((v32u8){0} + (uint8_t)o), xq[i], 0) : (v8i32){0};
+                }
                 for (int j = 0; j < ROWS; j++) {
-                    const int sub = base + part;
                     const v32i8 q = ints_of(group[j], type, base, part);
                     for (int i = 0; i < c; i++) {
-                        const int8_t *xq = x->q + ((first + i) * blocks + k / BLOCK + sub) * BLOCK;
                         const float *a = ad[i][j] + (type == Q6_K ? 2 * sub : sub);
                         const v8f scale = type == Q6_K ? (v8f){a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]}
                                                        : splat8(a[0]);
-                        acc[i][j] = fmadd8(__builtin_convertvector(dot32(q, *(const v32i8u *)xq, is_signed), v8f),
+                        acc[i][j] = fmadd8(__builtin_convertvector(dot32(minus[i], q, xq[i], is_signed), v8f),
                                            scale, acc[i][j]);
                     }
                 }
+            }
     }
     for (int i = 0; i < c; i++)
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + sum8(offsets[i][j]);

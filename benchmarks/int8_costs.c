@@ -1,0 +1,66 @@
+/* What the kernels' products cost a weight when memory is out of it: a 512 x 2048 matrix of each block type (its
+ * blocks random bytes, scales set finite), small enough to stay in L2, through linear() over and over; ns a weight
+ * a row, the thread's CPU time (other processes' time on a shared machine is not counted), best of 30 calls. Rows
+ * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact).
+ *
+ *     cc -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=off -Isrc/smollm2/kernels \
+ *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs
+ *
+ * (-march=x86-64-v3 for the AVX2 build.) The build's flags are kernels/build.py's. */
+#include "kernels.c"
+
+#include <stdio.h>
+#include <time.h>
+
+enum { N = 512, K = 2048, CALLS = 30 };
+
+static double cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* ns a weight a row of y = x @ w^T, B rows, int8 activations or exact: the best of CALLS calls */
+static double cost(const uint8_t *w, int type, long B, int int8) {
+    float *x = malloc(sizeof(float) * B * K), *y = malloc(sizeof(float) * B * N);
+    for (long i = 0; i < B * K; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+    const void *ws[1] = {w};
+    const float *no_scale[1] = {NULL};
+    const long outputs[1] = {N};
+    double best = 1e9;
+    for (int call = 0; call < CALLS; call++) {
+        const double start = cpu_seconds();
+        linear(x, F32, 1, ws, type, no_scale, y, B, outputs, K, int8);
+        const double took = cpu_seconds() - start;
+        best = took < best ? took : best;
+    }
+    free(x), free(y);
+    return best * 1e9 / ((double)N * K * B);
+}
+
+int main(void) {
+    const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1};
+    const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1"};
+    printf("ns a weight a row   int8: 1 row   4 rows  16 rows   64 rows: int8 / exact\n");
+    for (int t = 0; t < 8; t++) {
+        const int type = types[t];
+        const long groups = (long)N * K / group_size(type), bytes = group_bytes(type);
+        uint8_t *w = malloc(groups * bytes);
+        for (long i = 0; i < groups * bytes; i++) w[i] = (uint8_t)rand();
+        for (long g = 0; g < groups; g++) {  /* finite scales: float16 ones for the K-quants, float32 for ours */
+            uint8_t *group = w + g * bytes;
+            const uint16_t half = 0x1000 + (rand() & 0x3ff);
+            const float scale = 1e-3f;
+            if (type == Q6_K) memcpy(group + 208, &half, 2);
+            else if (is_super(type)) memcpy(group, &half, 2), memcpy(group + 2, &half, 2);
+            else {
+                memcpy(group, &scale, 4);
+                if (type == Q4_1 || type == Q5_1) memcpy(group + 4, &scale, 4);
+            }
+        }
+        printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f\n", names[t], cost(w, type, 1, 1), cost(w, type, 4, 1),
+               cost(w, type, 16, 1), cost(w, type, 64, 1), cost(w, type, 64, 0));
+        free(w);
+    }
+    return 0;
+}
