@@ -23,6 +23,7 @@ Converting the model (.to(), .half()) decodes its held matrices as well: a copy 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -122,3 +123,30 @@ def release_freed_memory() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+LOADING_BLOCK, RUNNING_BLOCK = 128 << 10, 4 << 20  # glibc's default; above a prompt's activations of the 360M
+
+
+@contextlib.contextmanager
+def heap_for_loading():
+    """Inside, glibc gives every block of 128 KiB or more pages of its own (its default, held there), returned to
+    the OS when freed; after, blocks of 4 MiB or more. Process-wide, as glibc's heap is; elsewhere nothing.
+
+    Why: glibc raises that threshold to the size of each large block freed (up to 32 MiB). Loading frees many
+    (the rows decoded to be checked, each matrix's copies off the file, repacked), so by default the blocks kept
+    were laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's
+    activations then land in those holes one after another, and every hole they touched stays resident: +45 MB
+    of the 360M Q4_0 model's peak over a 128-token prefill, growing with each prompt. Held at 128 KiB while
+    loading, nothing is laid out between holes; 4 MiB after, a prompt's activations reuse heap pages (a new
+    mapping would fault in its pages at each use) and stay within what the prompt needs at once."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
+    try:
+        yield
+    finally:
+        release_freed_memory()
+        if mallopt is not None:
+            mallopt(M_MMAP_THRESHOLD, RUNNING_BLOCK), mallopt(M_TRIM_THRESHOLD, RUNNING_BLOCK)
