@@ -126,21 +126,23 @@ def release_freed_memory() -> None:
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-LOADING_BLOCK, RUNNING_BLOCK = 128 << 10, 4 << 20  # glibc's default; above a prompt's activations of the 360M
+LOADING_BLOCK, RUNNING_BLOCK = 128 << 10, 32 << 20  # glibc's default, and its ceiling on 64-bit Linux
 
 
 @contextlib.contextmanager
 def heap_for_loading():
     """Inside, glibc gives every block of 128 KiB or more pages of its own (its default, held there), returned to
-    the OS when freed; after, blocks of 4 MiB or more. Process-wide, as glibc's heap is; elsewhere nothing.
+    the OS when freed; after, blocks of 32 MiB or more (where glibc's default would have risen to by then).
+    Process-wide, as glibc's heap is; elsewhere nothing.
 
-    Why: glibc raises that threshold to the size of each large block freed (up to 32 MiB). Loading frees many
-    (the rows decoded to be checked, each matrix's copies off the file, repacked), so by default the blocks kept
-    were laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's
-    activations then land in those holes one after another, and every hole they touched stays resident: +45 MB
-    of the 360M Q4_0 model's peak over a 128-token prefill, growing with each prompt. Held at 128 KiB while
-    loading, nothing is laid out between holes; 4 MiB after, a prompt's activations reuse heap pages (a new
-    mapping would fault in its pages at each use) and stay within what the prompt needs at once."""
+    Why: glibc raises that threshold to the size of each large block freed, up to 32 MiB. Loading frees many (the
+    rows decoded to be checked, each matrix's copies off the file, repacked), so by default the blocks kept were
+    laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
+    then landed in those holes one after another, and every hole they touched stayed resident: +45 MiB on the
+    360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while loading, nothing
+    is laid out between holes. After, the heap serves a prompt's activations (a 512-token chunk of the 1.7B's
+    MLP: 32 MiB) from pages it keeps: blocks of their own would fault their pages in at every use, ~0.4 ms a MiB
+    (~10% of a 360M model's 128-token prefill)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
