@@ -210,7 +210,7 @@ def test_serving_prompts_adds_their_cache_not_the_loads_holes(embedded_path, tmp
     by no more than they raise the runtime's (the tiny model above, the same prompts: ~8 MB) and twice the KV cache
     they fill (7.4 MB: the cache, and as much again for a prompt's activations). As loading once left its freed
     copies as holes between the held blocks (held.heap_for_loading), a prompt's activations landed in them and the
-    holes they touched stayed resident: the peak rose by ~45 MiB, more with each prompt; now by ~17 MiB."""
+    holes they touched stayed resident: the peak rose by ~50 MB, more with each prompt; now by ~15 MB."""
     prompts = torch.randint(3, 49152, (3, 128), generator=torch.Generator().manual_seed(0)).tolist()
     runtime, served = (resident(path, prompts) for path in (runtime_file(embedded_path, tmp_path), embedded_path))
     config = model.config
