@@ -267,7 +267,7 @@ def smollm2_run(setup: Setup):
     kernels and torch, what the model read and chose, and what its decoding passes did (speculating, a pass
     decodes more than a token a row)."""
     model = setup.load()
-    # The model's tokenizer only where a draft's is checked against it: ~15 MB resident that the run never reads.
+    # The model's tokenizer only where a draft's is checked against it: ~10 MB resident that the run never reads.
     tokenizer = Tokenizer.from_pretrained(setup.model) if (setup.speculative or "").startswith("draft") else None
     guesser = speculation(setup.speculative, tokenizer, dtype=setup.dtype, device=setup.device,
                           quantize=setup.quantize, kernels=setup.kernels)

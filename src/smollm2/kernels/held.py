@@ -140,9 +140,9 @@ def heap_for_loading():
     laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
     then landed in those holes one after another, and every hole they touched stayed resident: +45 MiB on the
     360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while loading, nothing
-    is laid out between holes. After, the heap serves a prompt's activations (a 512-token chunk of the 1.7B's
-    MLP: 32 MiB) from pages it keeps: blocks of their own would fault their pages in at every use, ~0.4 ms a MiB
-    (~10% of a 360M model's 128-token prefill)."""
+    is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the 1.7B's MLP over a
+    128-token prompt: 12 MiB) from pages it keeps, as glibc's default does by then: blocks of their own would
+    fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
