@@ -212,10 +212,10 @@ def test_serving_prompts_adds_their_cache_not_the_loads_holes(embedded_path, tmp
     copies as holes between the held blocks (held.heap_for_loading), a prompt's activations landed in them and the
     holes they touched stayed resident: the peak rose by ~50 MB, more with each prompt; now by ~15 MB."""
     prompts = torch.randint(3, 49152, (3, 128), generator=torch.Generator().manual_seed(0)).tolist()
-    runtime, served = (resident(path, prompts) for path in (runtime_file(embedded_path, tmp_path), embedded_path))
+    runtime, embedded = (resident(path, prompts) for path in (runtime_file(embedded_path, tmp_path), embedded_path))
     config = model.config
     cache = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * (128 + 32)
-    rise = {name: got["VmHWM"] - got["VmRSS"] for name, got in (("runtime", runtime), ("model", served))}
+    rise = {name: got["VmHWM"] - got["VmRSS"] for name, got in (("runtime", runtime), ("model", embedded))}
     assert rise["model"] <= rise["runtime"] + 2 * cache, (rise, cache)
 
 
