@@ -152,17 +152,19 @@ from pathlib import Path
 from smollm2 import generate, load
 model = load(sys.argv[1])
 loaded = Path("/proc/self/status").read_text()
-generate(model, [[1, 504, 3458, 282]], 32)
+for prompt in json.loads(sys.argv[2]):
+    generate(model, [prompt], 32)
 status = Path("/proc/self/status").read_text()
 print(json.dumps({key: int(re.search(key + r":\\s+(\\d+)", text).group(1)) * 1024
                   for key, text in (("VmRSS", loaded), ("VmHWM", status))}))
 """
 
 
-def resident(path) -> dict[str, int]:
-    """Bytes resident once `path` is loaded (VmRSS), and at the peak of its load and a generation (VmHWM), in a
-    process of its own."""
-    done = subprocess.run([sys.executable, "-c", PEAK, str(path)], capture_output=True, text=True, timeout=300)
+def resident(path, prompts: list[list[int]]) -> dict[str, int]:
+    """Bytes resident once `path` is loaded (VmRSS), and at the peak of its load and the generation of 32 tokens
+    after each of `prompts` in turn (VmHWM), in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", PEAK, str(path), json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -182,6 +184,15 @@ def test_a_loaded_model_costs_its_file_and_the_runtime(embedded_path, tmp_path):
     is the kernels' layout (packed.py: Q4_1 6 bits a weight where the file has 5) with what the KV cache and
     activations take (on a 2-core AMD EPYC VM: runtime 254 MiB loaded, 259 at the peak; the model 363 and 367;
     the file 94 MiB, so the model costs 1.16x it)."""
+    runtime, model = (resident(path, [[1, 504, 3458, 282]]) for path in (runtime_file(embedded_path, tmp_path),
+                                                                          embedded_path))
+    for figure in ("VmRSS", "VmHWM"):
+        assert model[figure] <= runtime[figure] + 1.2 * embedded_path.stat().st_size, (figure, runtime, model)
+
+
+def runtime_file(embedded_path: Path, tmp_path: Path) -> Path:
+    """A model of a few hundred KB of the embedded file's types, with its tokenizer metadata: what loading and
+    generating cost beside the weights."""
     tiny = dataclasses.replace(TINY["gqa"], max_position_embeddings=8192)
     source = tiny_model(tiny)
     tensors = gguf_tensors(source, Q.Q4_1)
@@ -189,9 +200,23 @@ def test_a_loaded_model_costs_its_file_and_the_runtime(embedded_path, tmp_path):
     vocabulary = {key: (KINDS[type(value)], value) for key, value in open_gguf(embedded_path).metadata.items()
                   if key.startswith("tokenizer.")}
     write_fields(tmp_path / "tiny.gguf", {**gguf_metadata(tiny), **vocabulary}, tensors)
-    runtime, model = resident(tmp_path / "tiny.gguf"), resident(embedded_path)
-    for figure in ("VmRSS", "VmHWM"):
-        assert model[figure] <= runtime[figure] + 1.2 * embedded_path.stat().st_size, (figure, runtime, model)
+    return tmp_path / "tiny.gguf"
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_serving_prompts_adds_their_cache_not_the_loads_holes(embedded_path, tmp_path, model):
+    """Prompts of 128 tokens, one after another, raise the embedded model's peak over what its load left resident
+    by no more than they raise the runtime's (the tiny model above, the same prompts: ~8 MB) and twice the KV cache
+    they fill (7.4 MB: the cache, and as much again for a prompt's activations). As loading once left its freed
+    copies as holes between the held blocks (held.heap_for_loading), a prompt's activations landed in them and the
+    holes they touched stayed resident: the peak rose by ~50 MB, more with each prompt; now by ~15 MB."""
+    prompts = torch.randint(3, 49152, (3, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    runtime, embedded = (resident(path, prompts) for path in (runtime_file(embedded_path, tmp_path), embedded_path))
+    config = model.config
+    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * (128 + 32)
+    rise = {name: got["VmHWM"] - got["VmRSS"] for name, got in (("runtime", runtime), ("model", embedded))}
+    assert rise["model"] <= rise["runtime"] + 2 * cache, (rise, cache)
 
 
 def mapping_of(t: torch.Tensor) -> str:

@@ -15,7 +15,7 @@ from .checkpoints import load_checkpoint, parameter_shapes, save_gguf, save_hf
 from .checkpoints.peft import merge_adapter
 from .errors import SmolError
 from .kernels import accelerate
-from .kernels.held import HeldWeight
+from .kernels.held import HeldWeight, heap_for_loading
 from .model import SmolLM2
 from .quantize import quantize_int8
 
@@ -53,7 +53,7 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
     if int8_activations and not accelerated:
         raise SmolError("int8 activations run on the CPU kernels: not on another device, nor without kernels")
     # Even under inference_mode, weights of the usual kind: they can be trained, and their changes are seen.
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), heap_for_loading():
         # A GGUF file's blocks hold its float32 weights' exact values: the kernels stream them, and a float32 model
         # holds them alone (kernels/held.py). A bf16 or int8 weight is rounded from their float32 values.
         ckpt = load_checkpoint(src, dtype, quantized=accelerated and dtype == torch.float32 and quantize is None)

@@ -23,6 +23,7 @@ Converting the model (.to(), .half()) decodes its held matrices as well: a copy 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -122,3 +123,32 @@ def release_freed_memory() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+LOADING_BLOCK, RUNNING_BLOCK = 128 << 10, 32 << 20  # glibc's default, and its ceiling on 64-bit Linux
+
+
+@contextlib.contextmanager
+def heap_for_loading():
+    """Inside, glibc gives every block of 128 KiB or more pages of its own (its default, held there), returned to
+    the OS when freed; after, blocks of 32 MiB or more (where glibc's default would have risen to by then).
+    Process-wide, as glibc's heap is; elsewhere nothing.
+
+    Why: glibc raises that threshold to the size of each large block freed, up to 32 MiB. Loading frees many (the
+    rows decoded to be checked, each matrix's copies off the file, repacked), so by default the blocks kept were
+    laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
+    then landed in those holes one after another, and every hole they touched stayed resident: +45 MiB on the
+    360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while loading, nothing
+    is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the 1.7B's MLP over a
+    128-token prompt: 12 MiB) from pages it keeps, as glibc's default does by then: blocks of their own would
+    fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
+    try:
+        yield
+    finally:
+        release_freed_memory()
+        if mallopt is not None:
+            mallopt(M_MMAP_THRESHOLD, RUNNING_BLOCK), mallopt(M_TRIM_THRESHOLD, RUNNING_BLOCK)
