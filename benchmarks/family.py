@@ -153,7 +153,7 @@ def others_load(seconds: float = 1.0) -> float:
 
 
 def timed_process(command: list[str], env: dict | None = None) -> tuple[str, float]:
-    """The command's stdout and its peak resident set (MB), from /usr/bin/time (its children included)."""
+    """The command's stdout and its peak resident set (MiB), from /usr/bin/time (its children included)."""
     with tempfile.NamedTemporaryFile("r") as peak:
         done = subprocess.run(["/usr/bin/time", "-o", peak.name, "-f", "%M", *command], capture_output=True,
                               text=True, env=env)
@@ -167,7 +167,7 @@ def llama_bench(path: Path, threads: int, repeats: int) -> dict:
                                "-p", str(PROMPT), "-n", str(DECODED), "-r", str(repeats), "-o", "json"])
     tests = json.loads(out)
     best = {("prefill" if t["n_prompt"] else "decode"): max(t["samples_ts"]) for t in tests}
-    return {"prefill_tok_s": best["prefill"], "decode_tok_s": best["decode"], "peak_mb": peak,
+    return {"prefill_tok_s": best["prefill"], "decode_tok_s": best["decode"], "peak_mib": peak,
             "build": tests[0].get("build_commit"), "cpu": tests[0].get("cpu_info")}
 
 
@@ -177,11 +177,11 @@ def smollm2_bench(path: Path, threads: int, repeats: int, int8: bool = False) ->
                                "--repeats", str(repeats), "--json", *(["--int8-activations"] if int8 else [])])
     report = json.loads(out)
     (ours,) = report["results"]
-    return {"prefill_tok_s": ours["prefill_tok_s"], "decode_tok_s": ours["decode_tok_s"], "peak_mb": peak,
+    return {"prefill_tok_s": ours["prefill_tok_s"], "decode_tok_s": ours["decode_tok_s"], "peak_mib": peak,
             "weights_read": report["weights_read"], "kernels": report["kernels"]}
 
 
-def runtime_mb() -> float:
+def runtime_mib() -> float:
     """What the runtime holds before any model: a Python that imported torch and smollm2 and its kernels."""
     return timed_process([sys.executable, "-c", "import torch, smollm2.cli, smollm2.kernels"])[1]
 
@@ -202,44 +202,44 @@ def compare(size: str, type: str, path: Path, args) -> dict:
             got = bench(path, args.threads, args.repeats, *([args.int8_activations] if name == "smollm2" else []))
             kept = best[name]
             for key, value in got.items():
-                better = max if key.endswith("tok_s") or key == "peak_mb" else (lambda a, b: b)
+                better = max if key.endswith("tok_s") or key == "peak_mib" else (lambda a, b: b)
                 kept[key] = better(kept[key], value) if key in kept else value
             log(f"{size} {type} {name}: prefill {got['prefill_tok_s']:.1f}, decode {got['decode_tok_s']:.1f} tok/s, "
-                f"peak {got['peak_mb']:.0f} MB (others' load {load[-1]:.0%})")
+                f"peak {got['peak_mib']:.0f} MiB (others' load {load[-1]:.0%})")
     ours, theirs = best["smollm2"], best["llama.cpp"]
-    file_mb = path.stat().st_size / 1e6
-    return {"size": size, "type": type, "file_mb": round(file_mb, 1), "tensor_bytes": tensor_bytes(path),
+    file_mib = path.stat().st_size / 2**20  # MiB, as the peaks (/usr/bin/time's KiB / 1024)
+    return {"size": size, "type": type, "file_mib": round(file_mib, 1), "tensor_bytes": tensor_bytes(path),
             "smollm2": ours, "llama_cpp": theirs,
             "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
             "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
-            "rss_per_file": ours["peak_mb"] / file_mb, "llama_cpp_rss_per_file": theirs["peak_mb"] / file_mb,
+            "rss_per_file": ours["peak_mib"] / file_mib, "llama_cpp_rss_per_file": theirs["peak_mib"] / file_mib,
             "others_load": round(max(load), 3), "busy": max(load) > BUSY}
 
 
 def with_bars(row: dict, runtime: float, rate: float) -> dict:
     gbs = {name: row["tensor_bytes"] * row[key]["decode_tok_s"] / 1e9 for name, key in
            (("smollm2", "smollm2"), ("llama_cpp", "llama_cpp"))}
-    rss_limit = RSS_BAR * row["file_mb"] + runtime
+    rss_limit = RSS_BAR * row["file_mib"] + runtime
     failed = [what for what, ok in (("decode", row["decode_ratio"] >= SPEED_BAR),
                                     ("prefill", row["prefill_ratio"] >= SPEED_BAR),
-                                    ("memory", row["smollm2"]["peak_mb"] <= rss_limit)) if not ok]
+                                    ("memory", row["smollm2"]["peak_mib"] <= rss_limit)) if not ok]
     return {**row, "read_gb_s": gbs, "read_share": {k: v * 1e9 / rate for k, v in gbs.items()},
-            "rss_limit_mb": round(rss_limit), "failed": failed}
+            "rss_limit_mib": round(rss_limit), "failed": failed}
 
 
 def table(rows: list[dict], setup: dict) -> str:
     lines = [f"{setup['cpu']}, {setup['threads']} threads, pp{PROMPT}/tg{DECODED}, in turns ({setup['rounds']} "
              f"rounds, best of {setup['repeats']}); read rate {setup['read_gb_s']:.1f} GB/s; runtime "
-             f"{setup['runtime_mb']:.0f} MB; llama.cpp {setup['llama_cpp_build']}; smollm2's activations "
+             f"{setup['runtime_mib']:.0f} MiB; llama.cpp {setup['llama_cpp_build']}; smollm2's activations "
              f"{setup['activations']}",
-             f"{'model, type':<15}{'file MB':>8}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
-             f"{'RSS MB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
+             f"{'model, type':<15}{'file MiB':>9}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
+             f"{'RSS MiB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
     for r in rows:
         s, l = r["smollm2"], r["llama_cpp"]
-        lines.append(f"{r['size'] + ' ' + r['type'].upper():<15}{r['file_mb']:>8.0f}"
+        lines.append(f"{r['size'] + ' ' + r['type'].upper():<15}{r['file_mib']:>9.0f}"
                      f"{s['decode_tok_s']:>8.1f}/{s['prefill_tok_s']:<7.1f}{l['decode_tok_s']:>9.1f}/"
                      f"{l['prefill_tok_s']:<8.1f}{r['decode_ratio']:>6.2f}x{r['prefill_ratio']:>6.2f}x"
-                     f"{s['peak_mb']:>9.0f} ({r['rss_per_file']:.1f}x){l['peak_mb']:>10.0f}"
+                     f"{s['peak_mib']:>9.0f} ({r['rss_per_file']:.1f}x){l['peak_mib']:>10.0f}"
                      f"{r['read_gb_s']['smollm2']:>9.1f} ({r['read_share']['smollm2']:>3.0%})"
                      f"  {s['weights_read']}{' busy' if r['busy'] else ''}"
                      f"{' FAILS ' + ','.join(r['failed']) if r['failed'] else ''}")
@@ -275,12 +275,12 @@ def main() -> int:
             p.error(f"no {tool_binary('native', tool)}: run benchmarks/llamacpp.py --build-tools")
 
     files = {size: gguf_files(size, types) for size in sizes}  # all made first: the timings then run alone
-    rate, runtime, rows = read_rate(args.threads), runtime_mb(), []
+    rate, runtime, rows = read_rate(args.threads), runtime_mib(), []
 
     def report(final: bool) -> list[dict]:  # the JSON written after each file too: a long run cut short keeps it
         done = [with_bars(row, runtime, rate) for row in rows]
         setup = {"cpu": rows[0]["llama_cpp"]["cpu"], "threads": args.threads, "rounds": args.rounds,
-                 "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mb": runtime,
+                 "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mib": runtime,
                  "llama_cpp_build": rows[0]["llama_cpp"]["build"], "torch": torch.__version__, "complete": final,
                  "activations": "int8" if args.int8_activations else "exact"}
         if args.json:
