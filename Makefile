@@ -64,16 +64,17 @@ test-fast: install-test
 
 # The kernels' numeric check on every tier, AArch64 included: cross-compiled, run under qemu (`make test` runs
 # it too, where the tools are there; CI installs them first). check-tools installs Debian's cross compiler (its
-# libgomp comes with it), qemu-user, and Clang (every x86 tier is checked to give GCC's bits built by Clang too),
-# where missing.
+# libgomp comes with it), qemu-user, and Clang with its OpenMP (every x86 tier is checked to give GCC's bits built
+# by Clang too), where missing.
 .PHONY: test-arm check-tools
 test-arm: install-test check-tools
 	$(PY) -m pytest -q tests/test_kernel_tiers.py
 
 check-tools:
-	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v clang >/dev/null || { \
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && \
+		printf '#include <omp.h>\nint main(void) { return 0; }\n' | clang -x c - -fopenmp -o /dev/null 2>/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user clang; }
+		$$SUDO apt-get update && $$SUDO apt-get install -y gcc-aarch64-linux-gnu qemu-user clang libomp-dev; }
 
 clean:
 	rm -rf $(VENV)

@@ -831,9 +831,12 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *gr
  * scalar code (a one-row Q4_K product 10-20% faster, 1 thread, Zen 4). */
 static inline __attribute__((always_inline)) void unpack_rows(const uint8_t *const *group, struct scales *s) {
     typedef uint32_t v16u32 __attribute__((vector_size(64)));
-    __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)group[0]));  /* not through memory: */
-    for (int j = 1; j < 4; j++)  /* four stores read back as one load would wait for them to retire */
-        rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[j]), j);
+    /* Not through memory: four stores read back as one load would wait for them to retire. Each quarter's index
+     * written out: the instruction takes a constant, which Clang requires of the source (GCC of the unrolled code). */
+    __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)group[0]));
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[1]), 1);
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[2]), 2);
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[3]), 3);
     const v16u32 h = (v16u32)rows;
     /* words 1-3 of a row are unpack()'s word[0..2]: into its sc_m[0..3], the four words of a quarter */
     const v16u32 a = __builtin_shufflevector(h, h, 1, 3, 2, 3, 5, 7, 6, 7, 9, 11, 10, 11, 13, 15, 14, 15),
