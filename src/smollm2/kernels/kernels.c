@@ -278,6 +278,55 @@ static inline __attribute__((always_inline)) void unpack(const uint8_t *group, i
     }
 }
 
+#if LANES == 16
+#define SCALES_OF_ROWS 1
+/* unpack() of ROWS (4) rows' Q4_K or Q5_K super-blocks at once, the same values: their 16 bytes of d, dmin and
+ * 6-bit scales in one register, each row's in a quarter of it, where unpack() takes each row's bit fields apart in
+ * scalar code (a one-row Q4_K product 10-20% faster, 1 thread, Zen 4). */
+static inline __attribute__((always_inline)) void unpack_rows(const uint8_t *const *group, struct scales *s) {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    /* Not through memory: four stores read back as one load would wait for them to retire. Each quarter's index
+     * written out: the instruction takes a constant, which Clang requires of the source (GCC of the unrolled code). */
+    __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)group[0]));
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[1]), 1);
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[2]), 2);
+    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[3]), 3);
+    const v16u32 h = (v16u32)rows;
+    /* words 1-3 of a row are unpack()'s word[0..2]: into its sc_m[0..3], the four words of a quarter */
+    const v16u32 a = __builtin_shufflevector(h, h, 1, 3, 2, 3, 5, 7, 6, 7, 9, 11, 10, 11, 13, 15, 14, 15),
+                 b = __builtin_shufflevector(h, h, 1, 1, 2, 2, 5, 5, 6, 6, 9, 9, 10, 10, 13, 13, 14, 14),
+                 shift = {0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4},
+                 mask = {0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
+                         0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                         0x3f3f3f3f, 0x0f0f0f0f},
+                 high = {0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u};
+    const __m512i sc_m = (__m512i)((a >> shift & mask) | ((b >> 6 & 0x03030303) << 4 & high));
+    const __m256 halves = _mm256_cvtph_ps((__m128i)__builtin_shufflevector(h, h, 0, 4, 8, 12));  /* d, dmin a row */
+    const vf sign = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};  /* -(dmin * m) = -dmin * m */
+#define SCALES_OF_ROW(j)                                                                                      \
+    *(vfu *)s[j].a = sign * (vf)_mm512_permutexvar_ps(_mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1,        \
+        2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,   \
+        2 * j), _mm512_castps256_ps512(halves)) *                                                             \
+        (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(sc_m, j)))
+    SCALES_OF_ROW(0), SCALES_OF_ROW(1), SCALES_OF_ROW(2), SCALES_OF_ROW(3);
+#undef SCALES_OF_ROW
+}
+#else
+#define SCALES_OF_ROWS 0
+#endif
+
+/* unpack() of ROWS rows' groups (the exact and the int8 products' loops alike). */
+static inline __attribute__((always_inline)) void unpack_each(const uint8_t *const *group, int type,
+                                                              struct scales *s) {
+#if SCALES_OF_ROWS
+    if (ROWS == 4 && (type == Q4_K || type == Q5_K)) {
+        unpack_rows(group, s);
+        return;
+    }
+#endif
+    for (int j = 0; j < ROWS; j++) unpack(group[j], type, &s[j]);
+}
+
 /* `width` bits of bytes (widened: 0-255) from bit `first` at bit `to`, the others 0: a shift, and a mask unless
  * the shift leaves none but them (the byte's top bits, brought down to bit 0). */
 static inline vi bits_of(vi bytes, int first, int width, int to) {
@@ -509,8 +558,8 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                 group[j] = (const uint8_t *)w + offset_of(j * K + k, w_type);
                 for (long at = 0; at < group_bytes(w_type); at += 64)  /* each cache line of it, ahead */
                     __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);  /* prefetcht2 */
-                unpack(group[j], w_type, &s[j]);
             }
+            unpack_each(group, w_type, s);
             const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
             for (int base = 0; base < G / BLOCK; base += parts)
 #pragma GCC unroll 4
@@ -824,42 +873,6 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *gr
     *offsets += *(const v8fu *)(s->a + SUBS) * *(const v8fu *)ds;
 }
 
-#if LANES == 16
-#define SCALES_OF_ROWS 1
-/* unpack() of ROWS (4) rows' Q4_K or Q5_K super-blocks at once, the same values: their 16 bytes of d, dmin and
- * 6-bit scales in one register, each row's in a quarter of it, where unpack() takes each row's bit fields apart in
- * scalar code (a one-row Q4_K product 10-20% faster, 1 thread, Zen 4). */
-static inline __attribute__((always_inline)) void unpack_rows(const uint8_t *const *group, struct scales *s) {
-    typedef uint32_t v16u32 __attribute__((vector_size(64)));
-    /* Not through memory: four stores read back as one load would wait for them to retire. Each quarter's index
-     * written out: the instruction takes a constant, which Clang requires of the source (GCC of the unrolled code). */
-    __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)group[0]));
-    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[1]), 1);
-    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[2]), 2);
-    rows = _mm512_inserti32x4(rows, _mm_loadu_si128((const __m128i *)group[3]), 3);
-    const v16u32 h = (v16u32)rows;
-    /* words 1-3 of a row are unpack()'s word[0..2]: into its sc_m[0..3], the four words of a quarter */
-    const v16u32 a = __builtin_shufflevector(h, h, 1, 3, 2, 3, 5, 7, 6, 7, 9, 11, 10, 11, 13, 15, 14, 15),
-                 b = __builtin_shufflevector(h, h, 1, 1, 2, 2, 5, 5, 6, 6, 9, 9, 10, 10, 13, 13, 14, 14),
-                 shift = {0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4},
-                 mask = {0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
-                         0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
-                         0x3f3f3f3f, 0x0f0f0f0f},
-                 high = {0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u, 0, ~0u};
-    const __m512i sc_m = (__m512i)((a >> shift & mask) | ((b >> 6 & 0x03030303) << 4 & high));
-    const __m256 halves = _mm256_cvtph_ps((__m128i)__builtin_shufflevector(h, h, 0, 4, 8, 12));  /* d, dmin a row */
-    const vf sign = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};  /* -(dmin * m) = -dmin * m */
-#define SCALES_OF_ROW(j)                                                                                      \
-    *(vfu *)s[j].a = sign * (vf)_mm512_permutexvar_ps(_mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1,        \
-        2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,   \
-        2 * j), _mm512_castps256_ps512(halves)) *                                                             \
-        (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(sc_m, j)))
-    SCALES_OF_ROW(0), SCALES_OF_ROW(1), SCALES_OF_ROW(2), SCALES_OF_ROW(3);
-#undef SCALES_OF_ROW
-}
-#else
-#define SCALES_OF_ROWS 0
-#endif
 
 /* a * b + c, rounded once where the tier has a fused multiply-add (as fmadd), 8 lanes. */
 static inline v8f fmadd8(v8f a, v8f b, v8f c) {
@@ -886,11 +899,7 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
             group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
             for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
         }
-#if SCALES_OF_ROWS
-        if (ROWS == 4 && (type == Q4_K || type == Q5_K)) unpack_rows(group, s);
-        else
-#endif
-            for (int j = 0; j < ROWS; j++) unpack(group[j], type, &s[j]);
+        unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++)
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + k / BLOCK;
