@@ -27,6 +27,7 @@ $XDG_CACHE_HOME/smollm2/llamacpp-<tier> (~/.cache/...). llama-cpp-python is not 
 makes that venv (pip, CMake and a C++ compiler; minutes), then a run borrows its llama_cpp:
     .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 --build
     .venv/bin/python benchmarks/llamacpp.py --tier x86-64-v3 [--json]
+It exits 1 where a prefill or decode ratio is under --at-least (1.0).
 The header prints llama.cpp's llama_print_system_info(), which names the instructions it was compiled with.
 
 --build-server builds llama.cpp's own HTTP server, llama-server, from llama-cpp-python's source distribution (of
@@ -255,6 +256,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--precisions", default="f32,f16,q8_0,q4_1", help="comma-separated subset of f32,f16,q8_0,q4_1")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--at-least", type=float, default=1.0,
+                   help="exit 1 where a prefill or decode ratio (smollm2 / llama.cpp) is under this (default 1.0)")
     args = p.parse_args()
     precisions = args.precisions.split(",")
     if unknown := set(precisions) - {*WRITTEN, ORIGINAL}:
@@ -320,9 +323,11 @@ def main() -> int:
              "threads": THREADS, "tier": args.tier, "smollm2_kernels": ours_built, "torch": torch.__version__,
              "torch_dispatch": torch_dispatch, "llama_cpp_python": llama_cpp.__version__,
              "llama_cpp_system_info": llamacpp_info}
+    under = [f"{r['precision']} {kind} {r[kind + '_ratio']:.2f}x" for r in results for kind in ("prefill", "decode")
+             if r[kind + "_ratio"] < args.at_least]
     if args.json:
         print(json.dumps({**setup, "results": results}, indent=2))
-        return 0
+        return 1 if under else 0
     print(f"pp{args.prompt_tokens}/tg{args.new_tokens}, batch 1, {THREADS} threads, best of {args.repeats}, "
           f"tier {args.tier}; tok/s, ratio = smollm2 / llama.cpp")
     print(f"smollm2:   kernels {ours_built} (torch {torch.__version__}, torch dispatch {torch_dispatch})")
@@ -333,7 +338,9 @@ def main() -> int:
         s, l = r["smollm2"], r["llama_cpp"]
         print(f"{r['precision']:<10}{s['prefill_tok_s']:>12.1f}{s['decode_tok_s']:>12.1f}{l['prefill_tok_s']:>14.1f}"
               f"{l['decode_tok_s']:>14.1f}{r['prefill_ratio']:>9.2f}x{r['decode_ratio']:>9.2f}x")
-    return 0
+    if under:
+        print(f"under {args.at_least}x: {', '.join(under)}")
+    return 1 if under else 0
 
 if __name__ == "__main__":
     sys.exit(main())
