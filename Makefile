@@ -36,9 +36,9 @@ run: install
 
 # The suite runs as two groups side by side (tests/side_by_side.sh), each on one OpenMP thread, so that neither
 # spins on a core the other needs: the compilers', converters' and subprocesses' files in one, the rest in the
-# other, about even. The replicas' test then runs in a process of its own: Ray's workers start from the driver's
+# other, about even. The replicas' test runs in a process of its own: Ray's workers start from the driver's
 # state, and after the rest of the suite they failed to import anyio there (they pass in a fresh process, as a
-# user's driver is).
+# user's driver is). It runs after the groups, beside the lower tiers below (before the first of them).
 GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harness.py tests/test_family.py \
 	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py
 # Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
@@ -50,12 +50,14 @@ LOWER_TIERS ?= x86-64-v3 x86-64
 LOWER_TIER_TESTS := -m "not compile" tests/test_kernels.py tests/test_fast_paths.py \
 	-k "not compile_for_other_x86_cpus and not reference_model" \
 	tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched
+REPLICAS := $(PY) -m pytest -q -p no:cacheprovider tests/test_replicas.py
+TIER = SMOLLM2_MARCH=$(1) $(PY) -m pytest -q -p no:cacheprovider $(subst ",\",$(LOWER_TIER_TESTS))
 test: install-test
 	OMP_NUM_THREADS=1 sh tests/side_by_side.sh "$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(GROUP_A)" \
 		"$(PY) -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_replicas.py $(GROUP_A:%=--ignore=%)"
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_replicas.py
-	@if [ "$$(uname -m)" = x86_64 ]; then OMP_NUM_THREADS=1 sh tests/side_by_side.sh $(foreach tier,$(LOWER_TIERS),\
-		"SMOLLM2_MARCH=$(tier) $(PY) -m pytest -q -p no:cacheprovider $(subst ",\",$(LOWER_TIER_TESTS))"); fi
+	@if [ "$$(uname -m)" = x86_64 ]; then OMP_NUM_THREADS=1 sh tests/side_by_side.sh \
+		"$(REPLICAS); replicas=\$$?; $(call TIER,$(firstword $(LOWER_TIERS))) && exit \$$replicas" \
+		$(foreach tier,$(wordlist 2,9,$(LOWER_TIERS)),"$(call TIER,$(tier))"); else $(REPLICAS); fi
 
 # What to run while working: everything but the tests marked slow, real_model, subprocess or compile
 # (pyproject.toml), a few minutes on 2 cores. `make test` before committing.
