@@ -1474,9 +1474,10 @@ static inline __attribute__((always_inline)) void score_tile(const float *qf, co
             if (pairs) {
                 int32_t word;
                 memcpy(&word, qf + r * W + d, sizeof word);
-                __m512bh query = (__m512bh)_mm512_set1_epi32(word);
+                __m512i query = _mm512_set1_epi32(word);
+                IN_REGISTER(query);  /* Clang 16 crashed (VectorCombine) folding this broadcast into a bf16 vector */
                 for (int c = 0; c < nv; c++)
-                    acc[r][c] = (vf)_mm512_dpbf16_ps((__m512)acc[r][c], query, (__m512bh)(__m512i)key[c]);
+                    acc[r][c] = (vf)_mm512_dpbf16_ps((__m512)acc[r][c], (__m512bh)query, (__m512bh)(__m512i)key[c]);
                 continue;
             }
 #endif
