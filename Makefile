@@ -44,11 +44,10 @@ GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harne
 # Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
 # AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch, and speculation's
 # tokens against plain decoding's, the two tiers side by side. Left to the native run: torch.compile's tests (they
-# compile the same C), and those that run no kernel of this tier (building for other CPUs, model.py's reference
-# modules alone).
+# compile the same C), and those that run no kernel of this tier (model.py's reference modules alone).
 LOWER_TIERS ?= x86-64-v3 x86-64
 LOWER_TIER_TESTS := -m "not compile" tests/test_kernels.py tests/test_fast_paths.py \
-	-k "not compile_for_other_x86_cpus and not reference_model" \
+	-k "not reference_model" \
 	tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched
 REPLICAS := $(PY) -m pytest -q -p no:cacheprovider tests/test_replicas.py
 TIER = SMOLLM2_MARCH=$(1) $(PY) -m pytest -q -p no:cacheprovider $(subst ",\",$(LOWER_TIER_TESTS))
