@@ -942,7 +942,6 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
     const long blocks = K / BLOCK;
     vf acc[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x) terms */
     v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms */
-    const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     for (long k = 0; k < K; k += SUPER) {
         const uint8_t *group[ROWS];
         struct scales s[ROWS];
@@ -961,21 +960,23 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
         for (int j = 0; j < ROWS; j++) {
             vi q[4];
             for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], type, u);
+            /* Q6_K: a of each sub-block's first 16 weights (2s), of its last 16 (2s + 1), in lanes s and s + 8 */
+            const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+            const vf first_a = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a)),
+                     last_a = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
+                                                        _mm512_loadu_ps(s[j].a));
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + k / BLOCK;
                 const int8_t *xq = x->across + (first + i) * K + k;
-                float ad[2 * SUBS] __attribute__((aligned(64)));
-                group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad, &offsets[i][j]);
-                if (type == Q6_K) {  /* ad of each 16 weights: 2s, then 2s + 1 */
-                    const __m512 scales = _mm512_load_ps(ad);
+                if (type == Q6_K) {  /* a d as group_scales computes it, in registers */
+                    const vf d = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
                     const vi first16 = dpbusd(dpbusd(minus[i][0], q[0], xq), q[1], xq + 64),
                              last16 = dpbusd(dpbusd(minus[i][1], q[2], xq + 128), q[3], xq + 192);
-                    acc[i][j] = fmadd(__builtin_convertvector(first16, vf),
-                                      (vf)_mm512_permutexvar_ps(even, scales), acc[i][j]);
-                    acc[i][j] = fmadd(__builtin_convertvector(last16, vf),
-                                      (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), scales),
-                                      acc[i][j]);
+                    acc[i][j] = fmadd(__builtin_convertvector(first16, vf), first_a * d, acc[i][j]);
+                    acc[i][j] = fmadd(__builtin_convertvector(last16, vf), last_a * d, acc[i][j]);
                 } else {
+                    float ad[2 * SUBS] __attribute__((aligned(64)));
+                    group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad, &offsets[i][j]);
                     vi sum = dpbusd((vi){0}, q[0], xq);
                     for (int u = 1; u < 4; u++) sum = dpbusd(sum, q[u], xq + 64 * u);
                     acc[i][j] = fmadd(__builtin_convertvector(sum, vf),
