@@ -1225,6 +1225,11 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     free(wide), free(xq.q);
 }
 
+/* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
+ * asks): where across_block multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
+ * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
+int int8_prompts(int w_type) { return ACROSS && is_super(w_type); }
+
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {
     const void *attn_norm, *mlp_norm;  /* (C,), in the activations' type */
