@@ -703,7 +703,7 @@ typedef int32_t v8i32 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
-#if LANES == 16 && defined(__AVX512VNNI__)
+#if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define ACROSS 1  /* the K-quants' tile below, a 32-bit lane for each sub-block (across_block) */
 #else
 #define ACROSS 0
