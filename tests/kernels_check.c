@@ -724,13 +724,13 @@ static void check_blocks(int type, int w_type, long B, long T, long D, int zero_
     check_layer(type, w_type, w_type, B, T, D, zero_o);
 }
 
-/* int8 activations (linear()'s int8: kernels.c's rows_times): 16 rows of x quantized as llama.cpp's
- * quantize_row_q8_0 (a float32 scale max |x| / 127 a block of 32, x / scale rounded to the nearest, ties to even),
- * then multiplied by the decoded weights in double: within 1e-6 of the terms' magnitudes; each row's bits the same
- * alone as among the 16. */
+/* int8 activations (linear()'s int8: kernels.c's rows_times): 70 rows of x (a prompt's: 64, then a second
+ * ROW_BLOCK) quantized as llama.cpp's quantize_row_q8_0 (a float32 scale max |x| / 127 a block of 32, x / scale
+ * rounded to the nearest, ties to even), then multiplied by the decoded weights in double: within 1e-6 of the
+ * terms' magnitudes; each row's bits the same alone (a decoding step's) as among the 70. */
 static void check_int8_linear(int w_type, long K) {
     char name[160];
-    enum { B = 16 };
+    enum { B = 70 };
     const long total = N_OF[0] + N_OF[1];
     float *xv = random_values(B * K, F32, -1, 1);
     struct weights w[COUNT];

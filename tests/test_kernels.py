@@ -807,6 +807,46 @@ def test_int8_activation_products_match_a_float64_reference(qtype, rows):
     assert (np.abs(exact.numpy() - want) / magnitude).max() > 1e-4
 
 
+def int8_prompts(qtype: Q) -> bool:
+    """Whether int8 mode multiplies a prompt's rows of qtype's blocks in integers too (kernels.c's int8_prompts)."""
+    return bool(kernels.compiled().int8_prompts(w_type=ops.WEIGHT_FORMATS.index(f"{qtype.name} packed")))
+
+
+@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+def test_int8_activations_in_a_prompts_products(qtype):
+    """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (the
+    K-quants with AVX512-VNNI), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
+    float64 reference, each row's bits those it gets alone (decoded one at a time), and in a batched prefill each
+    prompt's those it gets alone; elsewhere the exact products, to the bit."""
+    N, K = 32, 512
+    rng = np.random.default_rng(int(qtype))
+    blocks = crafted_blocks(N, K, qtype, rng)
+    w = dequantize(blocks, qtype).reshape(N, K).astype(np.float64)
+    packed = packed_layout(qtype, torch.from_numpy(blocks))
+    for rows in (64, 80):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        got, = ops.linear(INT8, torch.from_numpy(x), [torch.zeros(N, K)], packed=[packed])
+        exact, = ops.linear(ON, torch.from_numpy(x), [torch.zeros(N, K)], packed=[packed])
+        if not int8_prompts(qtype):
+            assert torch.equal(got, exact)
+            continue
+        q, d = q8_0_activations(x)
+        quantized = (q * d).reshape(rows, K).astype(np.float64)
+        want, magnitude = quantized @ w.T, np.abs(quantized) @ np.abs(w).T
+        assert (np.abs(got.numpy() - want) / magnitude).max() < 1e-6
+        assert (np.abs(exact.numpy() - want) / magnitude).max() > 1e-4
+        for b in range(rows):
+            assert torch.equal(ops.linear(INT8, torch.from_numpy(x[b:b + 1]), [torch.zeros(N, K)],
+                                          packed=[packed])[0][0], got[b])
+    if int8_prompts(qtype):
+        prompts = torch.from_numpy(rng.standard_normal((1, 75, K)).astype(np.float32))
+        with INT8.packed([35, 40]):  # two prompts' rows (one bucket, 64) in one pass: each prompt's as alone
+            together, = ops.linear(INT8, prompts, [torch.zeros(N, K)], packed=[packed])
+        for rows in (slice(0, 35), slice(35, 75)):
+            assert torch.equal(together[0, rows], ops.linear(INT8, prompts[0, rows], [torch.zeros(N, K)],
+                                                             packed=[packed])[0])
+
+
 @pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
 def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
     N, K = 32, 512
@@ -828,11 +868,12 @@ def with_int8_activations(model: SmolLM2, on: bool = True) -> SmolLM2:
     return accelerate(model, int8_activations=on)
 
 
-def q8_0_in_torch(model: SmolLM2) -> SmolLM2:
+def q8_0_in_torch(model: SmolLM2, prompts: bool = False) -> SmolLM2:
     """model (its reference modules alone) with the inputs of a decoding step's products (up to 16 rows, the head's
-    too) quantized as q8_0_activations, in torch: what the kernels' int8 activations compute, to float rounding."""
+    too), and with `prompts` a prompt's too, quantized as q8_0_activations, in torch: what the kernels' int8
+    activations compute, to float rounding."""
     def quantized(x):
-        if x.numel() // x.shape[-1] > ops.MAX_ROWS:  # a prompt's products stay exact
+        if x.numel() // x.shape[-1] > ops.MAX_ROWS and not prompts:  # a prompt's products exact
             return x
         q, d = q8_0_activations(x.reshape(-1, x.shape[-1]).numpy())
         return torch.from_numpy(q * d).reshape(x.shape)
@@ -860,7 +901,8 @@ def test_int8_activations_in_the_decoding_step(tmp_path, qtype, v_down):
     runs = model.accelerator.kernel_runs["blocks"]
     got, cache = decode(model, ids, torch.ones_like(ids), 3)
     assert model.accelerator.kernel_runs["blocks"] > runs and not torch.equal(got, exact)
-    want, _ = decode(q8_0_in_torch(load(tmp_path / "tiny.gguf", kernels=False)), ids, torch.ones_like(ids), 3)
+    reference = q8_0_in_torch(load(tmp_path / "tiny.gguf", kernels=False), prompts=int8_prompts(qtype))
+    want, _ = decode(reference, ids, torch.ones_like(ids), 3)
     assert ((got - want).abs().amax() / want.abs().amax()).item() < 1e-2
     alone, alone_cache = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 3)
     assert torch.equal(alone[0], got[1])

@@ -465,8 +465,9 @@ def parser() -> argparse.ArgumentParser:
                        help="run on smollm2's CPU kernels where they are the faster (default); --no-kernels runs "
                             "the reference model.py on torch alone")
     model.add_argument("--int8-activations", action="store_true",
-                       help="decode a GGUF file's blocks against activations quantized to 8 bits, as llama.cpp: "
-                            "faster for K-quants, not exact (README: int8 activations)")
+                       help="multiply a GGUF file's blocks by activations quantized to 8 bits, as llama.cpp, when "
+                            "decoding (and prompts where that is faster): faster for K-quants, not exact (README: "
+                            "int8 activations)")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="torch.compile the decoding step (default: on CUDA yes, on the CPU no)")
 

@@ -44,9 +44,9 @@ def load(src: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.flo
     adapter: a LoRA directory in PEFT's format, merged into the float weights as they load, before any quantizing
     or kernel sees them. quantize: "int8" for int8 weight-only linear layers in the blocks (quantize.py).
     kernels: on the CPU, accelerated (smollm2.accelerate); False: model.py's modules alone. int8_activations: the
-    kernels' decoding products of a GGUF file's blocks quantize their inputs to 8 bits, llama.cpp's way: faster
-    for the K-quants, not exact (kernels.Accelerator); off, the default, a model's results are its float32
-    weights'."""
+    kernels' decoding products of a GGUF file's blocks (a prompt's too where faster) quantize their inputs to 8
+    bits, llama.cpp's way: faster for the K-quants, not exact (kernels.Accelerator); off, the default, a model's
+    results are its float32 weights'."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SmolError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, not {quantize!r}")
     accelerated = kernels and torch.device(device).type == "cpu"

@@ -97,4 +97,5 @@ def compiled() -> SimpleNamespace | None:
         rope_rows=CFunction(lib.rope_rows, x=p, cos=p, sin=p, out=p, type=i, R=n, heads=n, D=n),
         norm_rows=CFunction(lib.norm_rows, x=p, weight=p, out=p, type=i, R=n, C=n, eps=f),
         dequantize=CFunction(lib.dequantize, w=p, w_type=i, out=p, N=n, K=n),
+        int8_prompts=CFunction(lib.int8_prompts, ctypes.c_int, w_type=i),
     )

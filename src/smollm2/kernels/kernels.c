@@ -703,10 +703,19 @@ typedef int32_t v8i32 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
-/* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q). */
+#if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define ACROSS 1  /* the K-quants' tile below, a 32-bit lane for each sub-block (across_block) */
+#else
+#define ACROSS 0
+#endif
+
+/* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q).
+ * With ACROSS, where K is whole super-blocks, `across` holds q again in across_block's order: each 256 values as 4
+ * steps of 64 bytes, step u's 32-bit lane l the 4 values 4 (2u + l / 8).. of block l % 8. */
 struct int8_rows {
     int8_t *q;
     float *d, *s;
+    int8_t *across;
 };
 
 /* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
@@ -733,6 +742,11 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         for (int l = 0; l < LANES; l++) total += sum[l];
         out->d[i] = d, out->s[i] = d * (float)total;
     }
+    if (ACROSS && out->across && K % SUPER == 0)
+        for (long at = 0; at < R * K; at += SUPER)
+            for (int u = 0; u < 4; u++)
+                for (int l = 0; l < 16; l++)
+                    memcpy(out->across + at + 64 * u + 4 * l, out->q + at + l % 8 * BLOCK + 4 * (2 * u + l / 8), 4);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -883,11 +897,118 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
 #endif
 }
 
+#if ACROSS
+/* The K-quants with AVX-512 and VNNI: a super-block's 8 sub-blocks side by side, 32-bit lane l of a 64-byte step
+ * holding 4 weights of sub-block l % 8 (int8_rows' across order), so that 4 dpbusd sum a whole super-block in
+ * integers, each lane within one sub-block, and one convert and one multiply-add by its sub-blocks' a d (twice,
+ * lanes 0-7 and 8-15) scale it: 4 + 2 vector instructions for 256 weights against an activation row, where a
+ * sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1 hold each sub-block's
+ * first 16, 2-3 its last 16, each pair summed and scaled on its own. The weights go into that order as they are
+ * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits. */
+static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* lane l: bytes 4 at[l].. of p (< 128) */
+    const vi bytes = (vi)_mm512_permutex2var_epi32(_mm512_loadu_si512(p), (__m512i)at, _mm512_loadu_si512(p + 64));
+    return (vi)_mm512_srlv_epi32((__m512i)bytes, (__m512i)shift) & mask;
+}
+
+/* Step u of a K-quant super-block's integers (of weights a (u - o) + b): lane l the 4 of sub-block l % 8 from its
+ * weight 4 (2u + l / 8) (load_block's layouts). */
+static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group, const int type, const int u) {
+    const vi l = __builtin_convertvector(iota(), vi), sub = l & 7, at = 2 * u + (l >> 3);
+    if (type == Q6_K) {  /* low 4 bits: 32 bytes at 64 (s / 4) + 32 (s % 2), at bit 4 (s % 4 / 2); high 2 bits: 32
+                          * bytes at 128 + 32 (s / 4), at bit 2 (s % 4) */
+        const vi low = lane_ints(group, (sub >> 2) * 16 + (sub & 1) * 8 + at, (sub & 3) >> 1 << 2, 0x0f0f0f0f);
+        const vi high = (vi)_mm512_srlv_epi32(_mm512_permutexvar_epi32((__m512i)((sub >> 2) * 8 + at),
+                                                                       _mm512_loadu_si512(group + 128)),
+                                              (__m512i)((sub & 3) << 1)) & 0x03030303;
+        return low | high << 4;
+    }
+    /* Q4_K, Q5_K: sub-blocks 2p and 2p + 1 share 32 bytes, the low and the high 4 bits */
+    vi q = lane_ints(group + (type == Q4_K ? 16 : 48), (sub >> 1) * 8 + at, (sub & 1) << 2, 0x0f0f0f0f);
+    if (type == Q5_K) {  /* bit s of byte j of 32 at 16: weight j's fifth bit of sub-block s */
+        const vi fifth = (vi)_mm512_permutexvar_epi32(
+            (__m512i)at, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group + 16))));
+        q |= ((vi)_mm512_srlv_epi32((__m512i)fifth, (__m512i)sub) & 0x01010101) << 4;
+    }
+    return q;
+}
+
+static inline vi dpbusd(vi acc, vi u, const int8_t *x) {  /* acc + 4 products of unsigned u and signed x a lane */
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_loadu_si512(x));
+}
+
+/* int8_block for a K-quant (its contract). */
+static inline __attribute__((always_inline)) void across_block(const struct int8_rows *x, long first, const int c,
+                                                               const void *w, const int type, long K, float *sums) {
+    const long blocks = K / BLOCK;
+    vf acc[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x) terms */
+    v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms */
+    for (long k = 0; k < K; k += SUPER) {
+        const uint8_t *group[ROWS];
+        struct scales s[ROWS];
+        for (int j = 0; j < ROWS; j++) {
+            group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
+            for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+        }
+        unpack_each(group, type, s);
+        vi minus[COLS][2];  /* Q6_K: - 32 (sum x) of steps 0-1 and 2-3, once for every weight row */
+        for (int i = 0; type == Q6_K && i < c; i++) {
+            const int8_t *xq = x->across + (first + i) * K + k;
+            const vi o = (vi)_mm512_set1_epi8(32);
+            minus[i][0] = -dpbusd(dpbusd((vi){0}, o, xq), o, xq + 64);
+            minus[i][1] = -dpbusd(dpbusd((vi){0}, o, xq + 128), o, xq + 192);
+        }
+        for (int j = 0; j < ROWS; j++) {
+            vi q[4];
+            for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], type, u);
+            /* Q6_K: a of each sub-block's first 16 weights (2s), of its last 16 (2s + 1), in lanes s and s + 8 */
+            const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+            const vf first_a = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a)),
+                     last_a = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
+                                                        _mm512_loadu_ps(s[j].a));
+            for (int i = 0; i < c; i++) {
+                const long at = (first + i) * blocks + k / BLOCK;
+                const int8_t *xq = x->across + (first + i) * K + k;
+                if (type == Q6_K) {  /* a d as group_scales computes it, in registers */
+                    const vf d = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
+                    const vi first16 = dpbusd(dpbusd(minus[i][0], q[0], xq), q[1], xq + 64),
+                             last16 = dpbusd(dpbusd(minus[i][1], q[2], xq + 128), q[3], xq + 192);
+                    acc[i][j] = fmadd(__builtin_convertvector(first16, vf), first_a * d, acc[i][j]);
+                    acc[i][j] = fmadd(__builtin_convertvector(last16, vf), last_a * d, acc[i][j]);
+                } else {
+                    float ad[2 * SUBS] __attribute__((aligned(64)));
+                    group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad, &offsets[i][j]);
+                    vi sum = dpbusd((vi){0}, q[0], xq);
+                    for (int u = 1; u < 4; u++) sum = dpbusd(sum, q[u], xq + 64 * u);
+                    acc[i][j] = fmadd(__builtin_convertvector(sum, vf),
+                                      (vf)_mm512_broadcast_f32x8(_mm256_load_ps(ad)), acc[i][j]);
+                }
+            }
+        }
+    }
+#if SUM_ALL
+    if (c == COLS) {  /* all at once: the same additions as sum_lanes */
+        const vf all = sum_lanes_of((const vf *)acc);
+        for (int i = 0; i < c; i++)
+            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j] + sum8(offsets[i][j]);
+        return;
+    }
+#endif
+    for (int i = 0; i < c; i++)
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[i][j]) + sum8(offsets[i][j]);
+}
+#endif
+
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
  * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
  * Inlined with constant c and type. */
 static inline __attribute__((always_inline)) void int8_block(const struct int8_rows *x, long first, const int c,
                                                              const void *w, const int type, long K, float *sums) {
+#if ACROSS
+    if (is_super(type)) {
+        across_block(x, first, c, w, type, K, sums);
+        return;
+    }
+#endif
     const int is_signed = signed_weights(type), o = int8_offset(type);
     v8f acc[COLS][ROWS] = {{{0}}}, offsets[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x), b d (sum q_x) terms */
     const long G = group_size(type), blocks = K / BLOCK;
@@ -974,14 +1095,16 @@ static const struct int8_rows *quantized(const struct int8_rows *xq, const void 
 
 /* Room for R rows of K quantized (struct int8_rows) in one allocation, or NULL out of memory. */
 static struct int8_rows int8_rows_for(long R, long K) {
-    char *room = malloc(R * K + 2 * sizeof(float) * R * (K / BLOCK));
-    return (struct int8_rows){(int8_t *)room, room ? (float *)(room + R * K) : NULL,
-                              room ? (float *)(room + R * K) + R * (K / BLOCK) : NULL};
+    char *room = malloc(R * K * (1 + ACROSS) + 2 * sizeof(float) * R * (K / BLOCK));
+    float *scales = room ? (float *)(room + R * K * (1 + ACROSS)) : NULL;
+    return (struct int8_rows){(int8_t *)room, scales, scales ? scales + R * (K / BLOCK) : NULL,
+                              ACROSS && room ? (int8_t *)room + R * K : NULL};
 }
 
 /* Rows first.. of quantized rows of K. */
 static struct int8_rows int8_rows_from(const struct int8_rows *x, long first, long K) {
-    return (struct int8_rows){x->q + first * K, x->d + first * (K / BLOCK), x->s + first * (K / BLOCK)};
+    return (struct int8_rows){x->q + first * K, x->d + first * (K / BLOCK), x->s + first * (K / BLOCK),
+                              x->across ? x->across + first * K : NULL};
 }
 
 /* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
@@ -1101,6 +1224,11 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     }
     free(wide), free(xq.q);
 }
+
+/* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
+ * asks): where across_block multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
+ * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
+int int8_prompts(int w_type) { return ACROSS && is_super(w_type); }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {

@@ -101,8 +101,9 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
     Torch multiplies (torch_linear) where the kernel cannot or is the slower. With choices.int8_activations, a
     decoding step's few rows are quantized to 8 bits against packed blocks (kernels.c's rows_times); a prompt's
-    many rows stay exact. Few or many as the row's own prompt has them (choices.bucket): in a batched prefill, each
-    row's products are those it gets alone."""
+    many rows too where the integer products are the cheaper (kernels.c's int8_prompts: the K-quants with
+    AVX512-VNNI), else they stay exact. Few or many as the row's own prompt has them (choices.bucket): in a batched
+    prefill, each row's products are those it gets alone."""
     scales = scales or [None] * len(weights)
     packed = packed or [None] * len(weights)
     K, rows, w_type = x.shape[-1], x.numel() // x.shape[-1], weights[0].dtype
@@ -119,6 +120,8 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     sizes = [w.shape[0] for w in weights]
     weight_type, addresses = streamed(weights, packed)
     float_scales = [None if s is None else s.float().contiguous() for s in scales]
+    int8 = choices.int8_activations and (choices.bucket(rows) <= MAX_ROWS
+                                         or bool(compiled().int8_prompts(w_type=weight_type)))
 
     def kernel():
         contiguous = x.contiguous()
@@ -127,7 +130,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
                           w=(ctypes.c_void_p * len(addresses))(*addresses), w_type=weight_type,
                           scale=pointers(float_scales), y=y.data_ptr(), B=rows,
                           N=(ctypes.c_long * len(sizes))(*sizes), K=K,
-                          int8=choices.int8_activations and choices.bucket(rows) <= MAX_ROWS)
+                          int8=int8)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
     return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
