@@ -344,19 +344,23 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
 @dataclass(frozen=True)
 class GGUFRows:
     """A tensor of the mapped file, read when asked: its rows in the model's order (llama.cpp's q/k permutation
-    undone, where `heads` is given). Each read copies what it needs off the file and drops the file's pages from
-    this process's resident memory."""
+    undone, where `heads` is given). A read that copies or decodes drops the file's pages it read from this
+    process's resident memory; one that maps the file's pages (blocks, values) reads none."""
     reader: GGUFFile
     tensor: GGUFTensor
     path: Path
     heads: int | None
 
     def blocks(self) -> torch.Tensor:
-        """Its bytes, uint8 (rows, bytes a row)."""
+        """Its bytes, uint8 (rows, bytes a row, as tensor_data shapes blocks). Where the model takes its rows in
+        the file's order, the file's own pages, mapped copy-on-write as values() maps float32 ones: nothing read
+        until used. q's and k's rows, which llama.cpp permuted, are a copy in the model's order."""
         t = self.tensor
-        data = torch.from_numpy(np.array(t.data))  # a copy: (rows, bytes a row), as tensor_data shapes blocks
+        if self.heads is None:
+            return torch.from_numpy(np.memmap(self.path, np.uint8, "c", t.offset, t.data.shape))
+        data = torch.from_numpy(np.array(t.data))
         self.reader.release_pages()
-        return data if self.heads is None else unpermute(data, self.heads)
+        return unpermute(data, self.heads)
 
     def values(self, rows: slice | None = None) -> torch.Tensor:
         """Its values, float32, in its shape (outermost first); or those of the file's `rows` (outermost),
