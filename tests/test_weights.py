@@ -21,7 +21,7 @@ from test_adapters import decode, loaded, served  # noqa: F401 (served: a fixtur
 from test_kernels import SCALES_AT, WIDE, crafted_blocks, crafted_gguf_model
 
 from smollm2 import SmolError, generate, kernels, load, save
-from smollm2.checkpoints.gguf import open_gguf
+from smollm2.checkpoints.gguf import gguf_name, open_gguf, rotary_heads, unpermute
 from smollm2.kernels.held import HeldWeight
 from smollm2.kernels.packed import packed_layout, unpacked
 from smollm2.lora import with_adapter
@@ -242,3 +242,19 @@ def test_a_float32_gguf_matrix_is_the_files_own_pages(tmp_path):
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(2)
     assert torch.equal(load(path).model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
+def test_a_quantized_gguf_matrix_is_the_files_own_bytes(tmp_path, qtype):
+    """A held matrix's blocks are the file's bytes, as the file holds them: its own pages, mapped (nothing copied
+    at load, shared with every process mapping the file), but for q and k, whose rows llama.cpp permutes: a
+    copy, each row the file's row's bytes."""
+    path = tmp_path / "tiny.gguf"
+    model = crafted_gguf_model(path, qtype)
+    file = {t.name: t for t in open_gguf(path).tensors}
+    for name, p in matrices(model).items():
+        permuted = name.endswith(("q_proj.weight", "k_proj.weight"))
+        assert (mapping_of(p.packed.data) == str(path)) != permuted, name
+        blocks = torch.from_numpy(np.array(file[gguf_name(name)].data))
+        want = unpermute(blocks, rotary_heads(name, model.config)) if permuted else blocks
+        assert torch.equal(p.packed.data, want), name

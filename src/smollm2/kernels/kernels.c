@@ -250,11 +250,19 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* A block of 32's parts (the layouts above): its scale a, its offset b (Q4_1, Q5_1; else 0), where its q start, and
- * where its word of fifth bits is (Q5_0, Q5_1). */
-static inline float scale_of(const uint8_t *block) { return half_to_float(block); }
-static inline float offset_of_block(const uint8_t *block, int type) {
-    return type == Q4_1 || type == Q5_1 ? half_to_float(block + 2) : 0.0f;
+/* A block of 32's parts (the layouts above): its scale a and offset b (Q4_1, Q5_1; else 0), where its q start, and
+ * where its word of fifth bits is (Q5_0, Q5_1). With F16C a block's two float16s are converted by one instruction
+ * (every block has 4 bytes past its start). */
+static inline void block_scales(const uint8_t *block, int type, float *a, float *b) {
+    const int has_b = type == Q4_1 || type == Q5_1;
+#if defined(__F16C__)
+    int32_t both;
+    memcpy(&both, block, 4);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+    *a = _mm_cvtss_f32(v), *b = has_b ? _mm_cvtss_f32(_mm_movehdup_ps(v)) : 0.0f;
+#else
+    *a = half_to_float(block), *b = has_b ? half_to_float(block + 2) : 0.0f;
+#endif
 }
 static inline int quants_at(int type) {
     switch (type) {
@@ -363,7 +371,7 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *bloc
     const int sub = base + part;  /* base a multiple of 4: part, a constant, gives the shifts */
     float a, b;
     if (is_super(type)) a = s->a[type == Q6_K ? 0 : sub], b = s->a[SUBS + (type == Q6_K ? 0 : sub)];
-    else a = scale_of(block), b = offset_of_block(block, type);
+    else block_scales(block, type, &a, &b);
     if (type == Q8_0) {
         for (int v = 0; v < BLOCK / LANES; v++)
             out[v] = splat(a) * load_i8((const int8_t *)block + quants_at(type) + v * LANES);
@@ -873,8 +881,10 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *gr
                                                                const struct scales *s, const float *d,
                                                                const float *ds, float *ad, v8f *offsets) {
     if (!is_super(type)) {
-        ad[0] = scale_of(group) * d[0];
-        if (type == Q4_1 || type == Q5_1) (*offsets)[0] += offset_of_block(group, type) * ds[0];
+        float a, b;
+        block_scales(group, type, &a, &b);
+        ad[0] = a * d[0];
+        if (type == Q4_1 || type == Q5_1) (*offsets)[0] += b * ds[0];
         return;
     }
     const v8f dv = *(const v8fu *)d;
