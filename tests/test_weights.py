@@ -151,6 +151,7 @@ import json, re, sys
 from pathlib import Path
 from smollm2 import generate, load
 model = load(sys.argv[1])
+generate(model, [[1]], 1)  # every weight read once: the file's mapped pages resident, as once serving
 loaded = Path("/proc/self/status").read_text()
 for prompt in json.loads(sys.argv[2]):
     generate(model, [prompt], 32)
@@ -161,8 +162,9 @@ print(json.dumps({key: int(re.search(key + r":\\s+(\\d+)", text).group(1)) * 102
 
 
 def resident(path, prompts: list[list[int]]) -> dict[str, int]:
-    """Bytes resident once `path` is loaded (VmRSS), and at the peak of its load and the generation of 32 tokens
-    after each of `prompts` in turn (VmHWM), in a process of its own."""
+    """Bytes resident once `path` is loaded and has decoded a token (VmRSS: its mapped weights read once), and at
+    the peak of its load and the generation of 32 tokens after each of `prompts` in turn (VmHWM), in a process of
+    its own."""
     done = subprocess.run([sys.executable, "-c", PEAK, str(path), json.dumps(prompts)], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
