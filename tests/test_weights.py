@@ -182,10 +182,10 @@ def test_a_loaded_model_costs_its_file_and_the_runtime(embedded_path, tmp_path):
     interpreter, torch and what smollm2 imports, the compiled kernels, the tokenizer read from the file's
     metadata, RoPE tables for 8192 positions, a load and a 32-token generation) run on a model of a few hundred KB
     of the same types with the embedded file's tokenizer metadata. Each figure is compared with the runtime's same
-    figure: resident once loaded with resident once loaded, the peak (load and generation) with the peak. The 1.2
-    is the kernels' layout (packed.py: Q4_1 6 bits a weight where the file has 5) with what the KV cache and
-    activations take (on a 2-core AMD EPYC VM: runtime 254 MiB loaded, 259 at the peak; the model 363 and 367;
-    the file 94 MiB, so the model costs 1.16x it)."""
+    figure: resident once loaded (and a token decoded) with the same, the peak (load and generation) with the
+    peak. The blocks are the file's bytes (packed.py); the 1.2 leaves room for what the KV cache and activations
+    take (on a 2-core AMD EPYC VM: runtime 251 MiB loaded, 251 at the peak; the model 345 and 347; the file 94
+    MiB, so the model costs 1.03x it; 1.16x when the kernels laid Q4_1 out again at 6 bits a weight)."""
     runtime, model = (resident(path, [[1, 504, 3458, 282]]) for path in (runtime_file(embedded_path, tmp_path),
                                                                           embedded_path))
     for figure in ("VmRSS", "VmHWM"):
@@ -248,9 +248,9 @@ def test_a_float32_gguf_matrix_is_the_files_own_pages(tmp_path):
 
 @pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
 def test_a_quantized_gguf_matrix_is_the_files_own_bytes(tmp_path, qtype):
-    """A held matrix's blocks are the file's bytes, as the file holds them: its own pages, mapped (nothing copied
-    at load, shared with every process mapping the file), but for q and k, whose rows llama.cpp permutes: a
-    copy, each row the file's row's bytes."""
+    """A held matrix's blocks are the file's bytes, as the file holds them: under HUGE_PAGED (as all of this tiny
+    model's are) its own pages, mapped (nothing copied at load, shared with every process mapping the file), but
+    for q and k, whose rows llama.cpp permutes: a copy, each row the file's row's bytes."""
     path = tmp_path / "tiny.gguf"
     model = crafted_gguf_model(path, qtype)
     file = {t.name: t for t in open_gguf(path).tensors}

@@ -343,8 +343,8 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
 
 # A matrix of quantized blocks this large or larger is held as a copy in huge pages (numpy's, from 4 MiB), not
 # mapped: the decoding step streams every held matrix once a token, and the file's pages are 4 KiB ones (the page
-# cache's), whose TLB misses cost the embedded model's decoding ~5% of its CPU time with its 30 MiB of embeddings
-# mapped (2 threads, a 2-core AMD EPYC).
+# cache's): with its 30 MiB of embeddings mapped, the embedded model decoded with ~5% more CPU time (measured once,
+# 2 threads, a 2-core AMD EPYC).
 HUGE_PAGED = 4 << 20
 
 
