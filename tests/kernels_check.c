@@ -21,7 +21,7 @@
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
 enum { BLOCK = 32, SUPER = 256, TYPES = 11 };
 /* by type: bytes a block of 32 (a K-quant's super-block of 256, as GGUF's files hold them); 0: not blocks */
-static const long BLOCK_BYTES[] = {0, 0, 0, 24, 36, 20, 144, 176, 210, 24, 28};
+static const long BLOCK_BYTES[] = {0, 0, 0, 20, 34, 18, 144, 176, 210, 22, 24};
 static int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 static long block_size(int type) { return is_super(type) ? SUPER : BLOCK; }
 
@@ -161,6 +161,14 @@ struct weights {
     float *scale;  /* I8's per output channel, else NULL */
 };
 
+/* sign (1024 + mantissa) 2^exponent, a normal float16's value (exponent -24 to 5), as its float16 bits at `at`;
+ * returns the value. */
+static float put_half(uint8_t *at, float sign, int mantissa, int exponent) {
+    const uint16_t h = (uint16_t)((sign < 0 ? 0x8000 : 0) | (exponent + 25) << 10 | mantissa);
+    memcpy(at, &h, 2);
+    return sign * ldexpf((float)(1024 + mantissa), exponent);
+}
+
 static struct weights random_weights(int w_type, long N, long K) {
     struct weights w = {NULL, malloc(sizeof(float) * N * K), NULL};
     if (w_type == F32 || w_type == BF16) {
@@ -219,9 +227,9 @@ static struct weights random_weights(int w_type, long N, long K) {
         }
         w.data = blocks;
     } else {
-        /* Blocks in kernels.c's layout, their scales float32 as packed.py makes them: a float16's value (11
-         * significant bits, either sign). Each value is decoded as gguf.quants.dequantize does in float32: Q4_1,
-         * Q5_1 d * q + m; Q8_0 d * q; Q4_0 d * (q - 8); Q5_0 d * (q - 16). */
+        /* GGUF's blocks of 32 as the file holds them: float16 scale d (Q4_1, Q5_1: and min m), Q5_0's and Q5_1's
+         * word of fifth bits, then the q; d and m of either sign. Each value is decoded as gguf.quants.dequantize
+         * does in float32: Q4_1, Q5_1 d * q + m; Q8_0 d * q; Q4_0 d * (q - 8); Q5_0 d * (q - 16). */
         const long bytes = BLOCK_BYTES[w_type];
         uint8_t *blocks = calloc(N * K / BLOCK, bytes);
         for (long b = 0; b < N * K / BLOCK; b++) {
@@ -229,11 +237,10 @@ static struct weights random_weights(int w_type, long N, long K) {
             float *values = w.values + b * BLOCK;
             const float sign = next_random() % 2 ? 1.0f : -1.0f;
             if (w_type == Q8_0) {
-                float d = ldexpf((float)(1024 + next_random() % 1024), -17);
-                memcpy(block, &d, 4);
+                const float d = put_half(block, 1.0f, (int)(next_random() % 1024), -17);
                 for (int j = 0; j < BLOCK; j++) {
                     int8_t q = (int8_t)(next_random() % 256 - 128);
-                    block[4 + j] = (uint8_t)q;
+                    block[2 + j] = (uint8_t)q;
                     values[j] = d * (float)q;
                 }
                 continue;
@@ -241,28 +248,26 @@ static struct weights random_weights(int w_type, long N, long K) {
             int q[BLOCK];
             const int levels = w_type == Q5_0 || w_type == Q5_1 ? 32 : 16;
             for (int j = 0; j < BLOCK; j++) q[j] = (int)(next_random() % levels);
-            uint8_t *nibbles = block + (w_type == Q4_0 || w_type == Q5_0 ? 4 : 8);
+            uint8_t *nibbles = block + (w_type == Q4_0 ? 2 : w_type == Q4_1 ? 4 : w_type == Q5_0 ? 6 : 8);
             uint32_t fifth = 0;
             for (int j = 0; j < BLOCK / 2; j++)  /* byte j: weight j in its low half, j + 16 in its high */
                 nibbles[j] = (uint8_t)((q[j] & 15) | (q[j + BLOCK / 2] & 15) << 4);
             for (int j = 0; j < BLOCK; j++) fifth |= (uint32_t)(q[j] >> 4 & 1) << j;  /* bit j: weight j's fifth */
             if (w_type == Q4_1) {
-                float d = ldexpf((float)(1024 + next_random() % 1024), -16);
-                float m = -ldexpf((float)(1024 + next_random() % 1024), -13);
-                memcpy(block, &d, 4), memcpy(block + 4, &m, 4);
+                const float d = put_half(block, 1.0f, (int)(next_random() % 1024), -16);
+                const float m = put_half(block + 2, -1.0f, (int)(next_random() % 1024), -13);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
             } else if (w_type == Q4_0) {
-                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -16);
-                memcpy(block, &d, 4);
+                const float d = put_half(block, sign, (int)(next_random() % 1024), -16);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 8);
             } else if (w_type == Q5_0) {
-                float d = sign * ldexpf((float)(1024 + next_random() % 1024), -17);
-                memcpy(block, &d, 4), memcpy(nibbles + 16, &fifth, 4);
+                const float d = put_half(block, sign, (int)(next_random() % 1024), -17);
+                memcpy(block + 2, &fifth, 4);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)(q[j] - 16);
             } else if (w_type == Q5_1) {
-                float d = ldexpf((float)(1024 + next_random() % 1024), -17);
-                float m = sign * ldexpf((float)(1024 + next_random() % 1024), -13);
-                memcpy(block, &d, 4), memcpy(block + 4, &m, 4), memcpy(nibbles + 16, &fifth, 4);
+                const float d = put_half(block, 1.0f, (int)(next_random() % 1024), -17);
+                const float m = put_half(block + 2, sign, (int)(next_random() % 1024), -13);
+                memcpy(block + 4, &fifth, 4);
                 for (int j = 0; j < BLOCK; j++) values[j] = d * (float)q[j] + m;
             }
         }

@@ -99,9 +99,8 @@ def version(t: torch.Tensor) -> int:
 
 
 def held(blocks: GGUFBlocks) -> nn.Parameter:
-    """A GGUF file's matrix as a model's parameter: where the kernels stream its type, its blocks alone, repacked
-    once into their layout (packed.py: ~1.1x the file's bytes, ~0.5 s for the 135M model's 98 MB); else its
-    float32 values."""
+    """A GGUF file's matrix as a model's parameter: where the kernels stream its type, its blocks alone, the
+    file's own mapped pages (q's and k's a copy: GGUFRows.blocks); else its float32 values."""
     packed = packed_layout(blocks.type, blocks.read())
     weight = None if packed is None else parameter(packed, blocks.shape)
     return weight if weight is not None and streams(weight, packed) else nn.Parameter(blocks.dequantize())

@@ -1,7 +1,7 @@
-"""A float32 matrix held as the GGUF blocks it was read from (packed.py's layout), and nothing else.
+"""A float32 matrix held as the GGUF blocks it was read from (packed.py), and nothing else.
 
-A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks: 5-9 bits a
-weight where a float32 copy would take 32. The matrix stays a float32 parameter to everything else (its shape,
+A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks, the file's own
+mapped pages: 4.5-8.5 bits a weight where a float32 copy would take 32. The matrix stays a float32 parameter to everything else (its shape,
 dtype and device are the float32 matrix's, and torch code computes with it as with any tensor) because each
 torch operation given it decodes the blocks into a new float32 tensor first, used once and not kept: the
 reference path and the inspection hooks (a layer's product at a time), state_dict and saving, LoRA merging,
@@ -117,9 +117,9 @@ def held_weights(module: nn.Module):
 
 
 def release_freed_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): a matrix's passing
-    copies (read off the file, repacked) leave freed holes between the blocks kept, which glibc would keep
-    resident (~45 MB of the 135M model's ~150 MB, loaded)."""
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): passing copies (rows
+    decoded to be checked, q's and k's blocks read before their rows are put in order) leave freed holes between
+    what is kept, which glibc would keep resident."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
@@ -136,8 +136,8 @@ def heap_for_loading():
     Process-wide, as glibc's heap is; elsewhere nothing.
 
     Why: glibc raises that threshold to the size of each large block freed, up to 32 MiB. Loading frees many (the
-    rows decoded to be checked, each matrix's copies off the file, repacked), so by default the blocks kept were
-    laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
+    rows decoded to be checked, q's and k's blocks read before their rows are put in order), so by default the
+    blocks kept were laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
     then landed in those holes one after another, and every hole they touched stayed resident: +45 MiB on the
     360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while loading, nothing
     is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the 1.7B's MLP over a

@@ -50,13 +50,14 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 
 /* Element types, as the Python side numbers them. The block types hold GGUF's quantized weights. The K-quants
  * (Q4_K, Q5_K, Q6_K) are read as the file holds them, super-blocks of 256 weights (8 sub-blocks of 32; float16
- * scales, 6- or 8-bit sub-block scales), their scales unpacked once a super-block (unpack()). The others are blocks
- * of 32 in a layout of ours (packed.py), every scale a float32 of the float16's value:
- *   Q4_1: scale a, offset b, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * q + b
- *   Q8_0: scale a, 32 int8 q; a * q
- *   Q4_0: scale a, 16 bytes as Q4_1's; a * (q - 8)
- *   Q5_1: as Q4_1, then 32 bits: bit j is weight j's fifth bit of q; a * q + b
- *   Q5_0: scale a, 16 bytes as Q4_1's, 32 bits as Q5_1's; a * (q - 16)
+ * scales, 6- or 8-bit sub-block scales), their scales unpacked once a super-block (unpack()). The others are GGUF's
+ * blocks of 32, as the file holds them too (18-34 bytes, read unaligned), each opening with a float16 scale a
+ * (read by half_to_float, exactly: every float16 is a float32):
+ *   Q4_0: a, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * (q - 8)
+ *   Q4_1: a, float16 offset b, 16 bytes as Q4_0's; a * q + b
+ *   Q5_0: a, 32 bits (bit j: weight j's fifth bit of q), 16 bytes as Q4_0's; a * (q - 16)
+ *   Q5_1: a, b, 32 bits as Q5_0's, 16 bytes as Q4_0's; a * q + b
+ *   Q8_0: a, 32 int8 q; a * q
  * and a K-quant's sub-block: Q4_K, Q5_K (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32), sc of 16 weights.
  * A weight is computed exactly as the float32 value the loader decoded (gguf.quants.dequantize): the products
  * a * q of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K need at most 22 bits and a * q of Q8_0 19, so they are exact, and so
@@ -67,7 +68,7 @@ enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K =
 enum { WIDE = 11 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
 #define SUPER 256  /* and a K-quant's super-block */
-enum { Q4_1_BYTES = 24, Q8_0_BYTES = 36, Q4_0_BYTES = 20, Q5_0_BYTES = 24, Q5_1_BYTES = 28,
+enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_BYTES = 24,
        Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };  /* a block's, a super-block's */
 
 static inline int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -249,13 +250,44 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+/* A block of 32's parts (the layouts above): its scale a and offset b (Q4_1, Q5_1; else 0), where its q start, and
+ * where its word of fifth bits is (Q5_0, Q5_1). A block's float16s are looked up in HALVES, every float16's float32
+ * value (half_to_float's), filled once as the library loads: converted as read, by F16C's instruction, the exact
+ * one-row Q4_1 product was 30% slower with AVX-512 (1 thread, Zen 4), its scales' conversion ~2.5 cycles a block
+ * and row, where a lookup is two loads, and as fast as float32 scales were. The table is 256 KiB; a matrix's scales,
+ * of a few exponents, touch a few KiB of it. */
+static float HALVES[1 << 16];
+
+__attribute__((constructor)) static void fill_halves(void) {
+    for (uint32_t h = 0; h < 1 << 16; h++) {
+        const uint16_t bits = (uint16_t)h;
+        HALVES[h] = half_to_float((const uint8_t *)&bits);
+    }
+}
+
+static inline void block_scales(const uint8_t *block, int type, float *a, float *b) {
+    uint16_t h[2];
+    memcpy(h, block, 4);
+    *a = HALVES[h[0]], *b = type == Q4_1 || type == Q5_1 ? HALVES[h[1]] : 0.0f;
+}
+
+static inline int quants_at(int type) {
+    switch (type) {
+    case Q4_1: return 4;
+    case Q5_0: return 6;
+    case Q5_1: return 8;
+    default: return 2;  /* Q4_0, Q8_0 */
+    }
+}
+static inline int fifth_at(int type) { return type == Q5_1 ? 4 : 2; }
+
 /* A K-quant super-block's scales, unpacked once: a of each sub-block of 32, then b of each (Q6_K: a of each 16
  * weights), as gguf computes them in float32 (d * sc, -(dmin * m)), a vector at a time. */
 enum { SUBS = SUPER / BLOCK };
 struct scales { float a[2 * SUBS]; };  /* b of sub-block i: a[SUBS + i] */
 
 static inline __attribute__((always_inline)) void unpack(const uint8_t *group, int type, struct scales *s) {
-    if (!is_super(type)) return;  /* a block's float32 scales are read as they are */
+    if (!is_super(type)) return;  /* a block's scales are read with its q (load_block) */
     if (type == Q6_K) {  /* 16 int8 scales from byte 192, times the float16 d at 208 */
         const vf d = splat(half_to_float(group + 208));
         for (int i = 0; i < SUPER / 16; i += LANES) *(vfu *)(s->a + i) = d * load_i8((const int8_t *)group + 192 + i);
@@ -335,7 +367,7 @@ static inline vi bits_of(vi bytes, int first, int width, int to) {
 }
 
 /* Sub-block `base + part` of a group (a block: 0 + 0) as BLOCK / LANES vectors of its 32 weights, its scales s
- * unpacked (the layouts above). Our blocks' bytes of 4-bit q hold weights j (low 4 bits) and j + 16 (high): a
+ * unpacked (the layouts above). A block's bytes of 4-bit q hold weights j (low 4 bits) and j + 16 (high): a
  * vector of bytes gives LANES weights of each half. Q4_0's and Q4_1's (Q4_K's) weights take only 16 values, so with
  * AVX-512 each weight is a lane permutation of those values by its q. Q5_0's and Q5_1's fifth bits are tested lane
  * by lane against the word of bits (a mask, then the bit's value: no variable shifts, which SSE2 lacks). A
@@ -346,13 +378,14 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *bloc
     const int sub = base + part;  /* base a multiple of 4: part, a constant, gives the shifts */
     float a, b;
     if (is_super(type)) a = s->a[type == Q6_K ? 0 : sub], b = s->a[SUBS + (type == Q6_K ? 0 : sub)];
-    else memcpy(&a, block, 4), memcpy(&b, block + 4, 4);
+    else block_scales(block, type, &a, &b);
     if (type == Q8_0) {
-        for (int v = 0; v < BLOCK / LANES; v++) out[v] = splat(a) * load_i8((const int8_t *)block + 4 + v * LANES);
+        for (int v = 0; v < BLOCK / LANES; v++)
+            out[v] = splat(a) * load_i8((const int8_t *)block + quants_at(type) + v * LANES);
         return;
     }
     if (type == Q4_0 || type == Q4_1) {
-        const uint8_t *q = block + (type == Q4_0 ? 4 : 8);
+        const uint8_t *q = block + quants_at(type);
 #if LANES == 16
         __m512 values = (__m512)(type == Q4_0 ? splat(a) * (iota() - 8.0f) : splat(a) * iota() + b);
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
@@ -400,9 +433,9 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *bloc
         }
         return;
     }
-    const uint8_t *q = block + (type == Q5_0 ? 4 : 8);  /* Q5_0, Q5_1 */
+    const uint8_t *q = block + quants_at(type);  /* Q5_0, Q5_1 */
     uint32_t fifth;
-    memcpy(&fifth, q + 16, 4);
+    memcpy(&fifth, block + fifth_at(type), 4);
     for (int v = 0; v < 16 / LANES; v++) {
         vi bytes = load_u8(q + v * LANES), low = bytes & 15, high = bytes >> 4;
         const vi low_bits = lane_bits(v * LANES), high_bits = lane_bits(16 + v * LANES);
@@ -807,7 +840,7 @@ static inline float sum8(v8f v) {  /* halves first, as sum_lanes */
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-/* 16 bytes of two 4-bit q each (our layout's): the low ones (weights 0-15), then the high ones (16-31). */
+/* 16 bytes of two 4-bit q each (GGUF's layout): the low ones (weights 0-15), then the high ones (16-31). */
 static inline v32u8 nibbles(const uint8_t *p) {
     const v16u8 b = *(const v16u8u *)p;
     return __builtin_shufflevector(b & 15, b >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
@@ -848,11 +881,9 @@ static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group,
                                                            const int part) {
     const int sub = base + part;
     switch (type) {
-    case Q8_0: return VNNI ? (v32i8)(load32(group + 4) ^ 128) : *(const v32i8u *)(group + 4);
-    case Q4_0: return (v32i8)nibbles(group + 4);
-    case Q4_1: return (v32i8)nibbles(group + 8);
-    case Q5_0: return (v32i8)(nibbles(group + 4) | fifth_bits(group + 20));
-    case Q5_1: return (v32i8)(nibbles(group + 8) | fifth_bits(group + 24));
+    case Q8_0: return VNNI ? (v32i8)(load32(group + 2) ^ 128) : *(const v32i8u *)(group + 2);  /* past a */
+    case Q4_0: case Q4_1: return (v32i8)nibbles(group + quants_at(type));
+    case Q5_0: case Q5_1: return (v32i8)(nibbles(group + quants_at(type)) | fifth_bits(group + fifth_at(type)));
     case Q4_K: return (v32i8)(load32(group + 16 + sub / 2 * 32) >> (part % 2 * 4) & 15);
     case Q5_K:  /* bit sub of each byte to bit 4: one 16-bit shift, no byte's bit crossing into the other */
         return (v32i8)((load32(group + 48 + sub / 2 * 32) >> (part % 2 * 4) & 15) |
@@ -872,9 +903,9 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *gr
                                                                const float *ds, float *ad, v8f *offsets) {
     if (!is_super(type)) {
         float a, b;
-        memcpy(&a, group, 4);
+        block_scales(group, type, &a, &b);
         ad[0] = a * d[0];
-        if (type == Q4_1 || type == Q5_1) memcpy(&b, group + 4, 4), (*offsets)[0] += b * ds[0];
+        if (type == Q4_1 || type == Q5_1) (*offsets)[0] += b * ds[0];
         return;
     }
     const v8f dv = *(const v8fu *)d;
@@ -1735,7 +1766,7 @@ void norm_rows(const void *x, const void *weight, void *out, int type, long R, l
     rms_norm(x, weight, out, type, type, R, C, eps);
 }
 
-/* out (N, K) = the float32 weights of w's blocks of w_type (kernels.c's layouts), each the value the products use
+/* out (N, K) = the float32 weights of w's blocks of w_type (GGUF's layouts), each the value the products use
  * (load_block), which is gguf.quants.dequantize's bit for bit: what torch code reads from a weight held as its
  * blocks (held.py), decoded a vector at a time, not in torch's several passes of a few operations each. */
 static inline __attribute__((always_inline)) void dequantize_as(const void *w, const int w_type, float *out, long N,
