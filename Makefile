@@ -34,29 +34,29 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: install
 	$(VENV)/bin/smollm2 chat --temperature 0 -p "$(PROMPT)"
 
-# The suite runs as two groups side by side (tests/side_by_side.sh), each on one OpenMP thread, so that neither
-# spins on a core the other needs: the compilers', converters' and subprocesses' files in one, the rest in the
-# other, about even. The replicas' test runs in a process of its own: Ray's workers start from the driver's
+# The suite runs in two lanes side by side (tests/side_by_side.sh), each on one OpenMP thread, so that neither
+# spins on a core the other needs, each lane's commands one after another: a group of test files (the compilers',
+# converters' and subprocesses' files in one, the rest in the other), then the kernels as CPUs of lower tiers run
+# them, then, last in its lane, the replicas' test, in a process of its own: Ray's workers start from the driver's
 # state, and after the rest of the suite they failed to import anyio there (they pass in a fresh process, as a
-# user's driver is). It runs after the groups, beside the lower tiers below (before the first of them).
+# user's driver is). The lanes are about even (12-14 minutes on 2 cores).
 GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harness.py tests/test_family.py \
-	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py
-# Then the kernels as CPUs of lower tiers run them (an x86-64 CPU executes every lower tier's code): built for
-# AVX2 and for baseline x86-64 too, their numeric and token-equality tests against torch, and speculation's
-# tokens against plain decoding's, the two tiers side by side. Left to the native run: torch.compile's tests (they
-# compile the same C), and those that run no kernel of this tier (model.py's reference modules alone).
-LOWER_TIERS ?= x86-64-v3 x86-64
-LOWER_TIER_TESTS := -m "not compile" tests/test_kernels.py tests/test_fast_paths.py \
-	-k "not reference_model" \
+	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py \
+	tests/test_grammar.py
+# The lower tiers (an x86-64 CPU executes every lower tier's code): the kernels built for AVX2 and for baseline
+# x86-64 too, their numeric and token-equality tests against torch, and speculation's tokens against plain
+# decoding's. Left to the native run: torch.compile's tests (they compile the same C), and those that run no kernel
+# of this tier (model.py's reference modules alone).
+LOWER_TIER_TESTS := -m "not compile" tests/test_kernels.py tests/test_fast_paths.py -k "not reference_model" \
 	tests/test_speculative.py::test_tokens_equal_decoding_without_speculation_alone_and_batched
-REPLICAS := $(PY) -m pytest -q -p no:cacheprovider tests/test_replicas.py
 TIER = SMOLLM2_MARCH=$(1) $(PY) -m pytest -q -p no:cacheprovider $(subst ",\",$(LOWER_TIER_TESTS))
+X86 := $(filter x86_64,$(shell uname -m))
+LANE_A := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(GROUP_A)$(if $(X86), ;; $(call TIER,x86-64))
+LANE_B := $(PY) -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_replicas.py \
+	$(GROUP_A:%=--ignore=%)$(if $(X86), ;; $(call TIER,x86-64-v3)) ;; $(PY) -m pytest -q -p no:cacheprovider \
+	tests/test_replicas.py
 test: install-test
-	OMP_NUM_THREADS=1 sh tests/side_by_side.sh "$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(GROUP_A)" \
-		"$(PY) -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_replicas.py $(GROUP_A:%=--ignore=%)"
-	@if [ "$$(uname -m)" = x86_64 ]; then OMP_NUM_THREADS=1 sh tests/side_by_side.sh \
-		"$(REPLICAS); replicas=\$$?; $(call TIER,$(firstword $(LOWER_TIERS))) && exit \$$replicas" \
-		$(foreach tier,$(wordlist 2,9,$(LOWER_TIERS)),"$(call TIER,$(tier))"); else $(REPLICAS); fi
+	OMP_NUM_THREADS=1 sh tests/side_by_side.sh "$(LANE_A)" "$(LANE_B)"
 
 # What to run while working: everything but the tests marked slow, real_model, subprocess or compile
 # (pyproject.toml), a few minutes on 2 cores. `make test` before committing.
