@@ -39,7 +39,7 @@ run: install
 # converters' and subprocesses' files in one, the rest in the other), then the kernels as CPUs of lower tiers run
 # them, then, last in its lane, the replicas' test, in a process of its own: Ray's workers start from the driver's
 # state, and after the rest of the suite they failed to import anyio there (they pass in a fresh process, as a
-# user's driver is). The lanes are about even (12-14 minutes on 2 cores).
+# user's driver is). The lanes are about even: 11-12 minutes each on 2 cores.
 GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harness.py tests/test_family.py \
 	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py \
 	tests/test_grammar.py
