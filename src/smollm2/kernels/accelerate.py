@@ -63,8 +63,8 @@ class Accelerator:
 
     int8_activations: the decoding products of a GGUF file's blocks (and with AVX512-VNNI a prompt's of K-quant
     blocks) quantize their inputs to 8 bits in blocks of 32 and multiply in integers, as llama.cpp does: faster
-    where decoding the blocks to float32 bounds a step (the K-quants), and not exact (README's "int8 activations" states the tolerance tested). Off by default: the model's
-    results are then its float32 weights', bit for bit."""
+    where decoding the blocks to float32 bounds a step (the K-quants), and not exact (README's "int8 activations"
+    states the tolerance tested). Off by default: the model's results are then its float32 weights', bit for bit."""
 
     def __init__(self, mode: str | None = None, file: Callable[[], Path] = choices_file,
                  int8_activations: bool = False):

@@ -1,12 +1,12 @@
 """A float32 matrix held as the GGUF blocks it was read from (packed.py), and nothing else.
 
-A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks, the file's own
-mapped pages: 4.5-8.5 bits a weight where a float32 copy would take 32. The matrix stays a float32 parameter to everything else (its shape,
-dtype and device are the float32 matrix's, and torch code computes with it as with any tensor) because each
-torch operation given it decodes the blocks into a new float32 tensor first, used once and not kept: the
-reference path and the inspection hooks (a layer's product at a time), state_dict and saving, LoRA merging,
-int8 quantizing. That costs a decode each time: kernels.c's dequantize (~0.2 ns a weight on 2 cores, writing
-float32 at memory speed; packed.unpacked's torch and numpy code, 3-14 ns, where no C compiler is), where the
+A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks as the file holds
+them (under 4 MiB, the file's own mapped pages): 4.5-8.5 bits a weight where a float32 copy would take 32. The matrix stays a float32 parameter to
+everything else (its shape, dtype and device are the float32 matrix's, and torch code computes with it as with any
+tensor) because each torch operation given it decodes the blocks into a new float32 tensor first, used once and not
+kept: the reference path and the inspection hooks (a layer's product at a time), state_dict and saving, LoRA
+merging, int8 quantizing. That costs a decode each time: kernels.c's dequantize (~0.2 ns a weight on 2 cores,
+writing float32 at memory speed; packed.unpacked's torch and numpy code, 3-14 ns, where no C compiler is), where the
 kernels read the blocks as they are. An embedding lookup decodes just the rows it looks up.
 
 torch routes operations on such a tensor through its Python dispatch, whose first use in a process imports
@@ -137,12 +137,12 @@ def heap_for_loading():
 
     Why: glibc raises that threshold to the size of each large block freed, up to 32 MiB. Loading frees many (the
     rows decoded to be checked, q's and k's blocks read before their rows are put in order), so by default the
-    blocks kept were laid out on the heap between freed holes, whose pages release_freed_memory gives back; a prompt's activations
-    then landed in those holes one after another, and every hole they touched stayed resident: +45 MiB on the
-    360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while loading, nothing
-    is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the 1.7B's MLP over a
-    128-token prompt: 12 MiB) from pages it keeps, as glibc's default does by then: blocks of their own would
-    fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill)."""
+    blocks kept were laid out on the heap between freed holes, whose pages release_freed_memory gives back; a
+    prompt's activations then landed in those holes one after another, and every hole they touched stayed resident:
+    +45 MiB on the 360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while
+    loading, nothing is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the
+    1.7B's MLP over a 128-token prompt: 12 MiB) from pages it keeps, as glibc's default does by then: blocks of
+    their own would fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
