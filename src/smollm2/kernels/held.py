@@ -1,13 +1,14 @@
 """A float32 matrix held as the GGUF blocks it was read from (packed.py), and nothing else.
 
 A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks as the file holds
-them (under 4 MiB, the file's own mapped pages): 4.5-8.5 bits a weight where a float32 copy would take 32. The matrix stays a float32 parameter to
-everything else (its shape, dtype and device are the float32 matrix's, and torch code computes with it as with any
-tensor) because each torch operation given it decodes the blocks into a new float32 tensor first, used once and not
-kept: the reference path and the inspection hooks (a layer's product at a time), state_dict and saving, LoRA
-merging, int8 quantizing. That costs a decode each time: kernels.c's dequantize (~0.2 ns a weight on 2 cores,
-writing float32 at memory speed; packed.unpacked's torch and numpy code, 3-14 ns, where no C compiler is), where the
-kernels read the blocks as they are. An embedding lookup decodes just the rows it looks up.
+them (under 4 MiB, the file's own mapped pages): 4.5-8.5 bits a weight where a float32 copy would take 32. The
+matrix stays a float32 parameter to everything else (its shape, dtype and device are the float32 matrix's, and torch
+code computes with it as with any tensor) because each torch operation given it decodes the blocks into a new
+float32 tensor first, used once and not kept: the reference path and the inspection hooks (a layer's product at a
+time), state_dict and saving, LoRA merging, int8 quantizing. That costs a decode each time: kernels.c's dequantize
+(~0.2 ns a weight on 2 cores, writing float32 at memory speed; packed.unpacked's torch and numpy code, 3-14 ns,
+where no C compiler is), where the kernels read the blocks as they are. An embedding lookup decodes just the rows it
+looks up.
 
 torch routes operations on such a tensor through its Python dispatch, whose first use in a process imports
 torch.distributed.tensor (~45 MB and ~1.5 s, once). Inference on the kernels never takes that route: the held
