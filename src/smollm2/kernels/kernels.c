@@ -52,7 +52,7 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
  * (Q4_K, Q5_K, Q6_K) are read as the file holds them, super-blocks of 256 weights (8 sub-blocks of 32; float16
  * scales, 6- or 8-bit sub-block scales), their scales unpacked once a super-block (unpack()). The others are GGUF's
  * blocks of 32, as the file holds them too (18-34 bytes, read unaligned), each opening with a float16 scale a
- * (read by half_to_float, exactly: every float16 is a float32):
+ * (its float32 value, exact: every float16 is one, looked up in HALVES below):
  *   Q4_0: a, 16 bytes of 4-bit q (byte j: weight j low, j + 16 high); a * (q - 8)
  *   Q4_1: a, float16 offset b, 16 bytes as Q4_0's; a * q + b
  *   Q5_0: a, 32 bits (bit j: weight j's fifth bit of q), 16 bytes as Q4_0's; a * (q - 16)
