@@ -20,7 +20,7 @@ from conftest import TINY, hf_copy, tiny_model
 from smollm2 import SmolError, Tokenizer, cli, load
 from smollm2.training import TrainConfig, train
 from smollm2.training.data import PreferenceData
-from smollm2.training.dpo import DPOLoss, dpo_loss, reference_logps, sequence_logps
+from smollm2.training.dpo import DPOLoss, DPOSettings, dpo_loss, reference_logps, sequence_logps
 from smollm2.training.loss import IGNORE
 
 def pair(a: int, b: int) -> dict:
@@ -140,7 +140,7 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, loss_type, label_smoo
     inputs, labels = as_rows(examples)
     with torch.no_grad():
         reference_logps = sequence_logps(reference, inputs.flatten(0, 1), labels.flatten(0, 1)).view(-1, 2)
-    loss_sums = DPOLoss(model, beta=0.1, label_smoothing=label_smoothing)(inputs, labels, reference_logps)
+    loss_sums = DPOLoss(model, DPOSettings(beta=0.1, label_smoothing=label_smoothing))(inputs, labels, reference_logps)
     ours = loss_sums["loss"] / pairs
     ours.backward()
     theirs_grads = dict(policy.named_parameters())
@@ -192,7 +192,7 @@ def test_held_out_reward_accuracy_rises(tiny_dir, tmp_path):
         reference_logps(model, pairs)
     before = preference_accuracy(model, held_out)
     c = TrainConfig(steps=16, batch_size=6, seq_len=128, lr=1e-3, warmup=2, eval_every=20, eval_batches=3)
-    train(model, tokenizer, train_pairs, held_out, c, tmp_path / "run", objective=DPOLoss(model, beta=0.1))
+    train(model, tokenizer, train_pairs, held_out, c, tmp_path / "run", objective=DPOLoss(model, DPOSettings(beta=0.1)))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin"} <= records[0].keys()
     assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy starts as the reference: log 2

@@ -393,8 +393,11 @@ def lora_settings(args):
     from .training import LoRASettings
 
     if args.lora_r is None:
+        if args.quantize:
+            raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
         return None
-    return LoRASettings(args.lora_r, args.lora_alpha, tuple(args.lora_targets.split(",")), args.lora_dropout)
+    return LoRASettings(args.lora_r, args.lora_alpha, tuple(args.lora_targets.split(",")), args.lora_dropout,
+                        args.quantize)
 
 
 def train(args):
@@ -417,8 +420,7 @@ def finetune(args):
     from . import training
 
     final = training.finetune(args.data, args.out, training_config(args), model=args.model, val_data=args.val_data,
-                              lora=lora_settings(args), quantize=args.quantize, device=args.device,
-                              resume=args.resume)
+                              lora=lora_settings(args), device=args.device, resume=args.resume)
     print_final(args, final, "fine-tuned")
 
 
@@ -427,9 +429,9 @@ def dpo(args):
     reference, its log-probabilities computed once before training (training.train_dpo)."""
     from . import training
 
+    dpo = training.DPOSettings(args.beta, args.label_smoothing)  # checked before the data and the model load
     final = training.train_dpo(args.data, args.out, training_config(args), model=args.model, val_data=args.val_data,
-                               lora=lora_settings(args), quantize=args.quantize, beta=args.beta,
-                               label_smoothing=args.label_smoothing, device=args.device, resume=args.resume)
+                               lora=lora_settings(args), dpo=dpo, device=args.device, resume=args.resume)
     print_final(args, final, "DPO-trained")
 
 

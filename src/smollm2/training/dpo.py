@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -21,11 +22,16 @@ from .loss import IGNORE
 from .tuning import process_device
 
 
-def check_settings(beta: float, label_smoothing: float) -> None:
-    if not (beta > 0 and math.isfinite(beta)):
-        raise SmolError(f"--beta must be a number > 0, got {beta}")
-    if not 0 <= label_smoothing < 0.5:
-        raise SmolError(f"--label-smoothing must be in [0, 0.5), got {label_smoothing}")
+@dataclass(frozen=True)
+class DPOSettings:
+    beta: float = 0.1  # how far the policy may move from the reference
+    label_smoothing: float = 0.0  # the share of pairs assumed mislabelled (conservative DPO)
+
+    def __post_init__(self):
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise SmolError(f"--beta must be a number > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise SmolError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
 def sequence_logps(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -59,10 +65,9 @@ class DPOLoss(nn.Module):
     metrics = ("loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin")
     perplexity = False  # exp of a DPO loss is no perplexity
 
-    def __init__(self, model, beta: float = 0.1, label_smoothing: float = 0.0):
+    def __init__(self, model, settings: DPOSettings = DPOSettings()):
         super().__init__()
-        check_settings(beta, label_smoothing)
-        self.model, self.beta, self.label_smoothing = model, beta, label_smoothing
+        self.model, self.beta, self.label_smoothing = model, settings.beta, settings.label_smoothing
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor) -> dict[str, torch.Tensor]:
         """inputs, labels: (B, 2, T), [:, 0] the chosen side, [:, 1] the rejected; reference: (B, 2) their
@@ -106,13 +111,12 @@ def reference_logps(model, data, batch_size: int = 8, device: str | torch.device
 
 
 def dpo_objective(model, data, val_data, batch_size: int, device: str = "cpu", dtype: torch.dtype | None = None,
-                  beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+                  settings: DPOSettings = DPOSettings()) -> DPOLoss:
     """DPO's setup: the reference log-probabilities of every pair of `data` and `val_data` (None: none) under
     `model` as it is now, the starting model, computed on this process's device (under torchrun, each process on
     its own GPU, as it will train there); then the objective that train() takes. dtype: the training's autocast
     dtype. Call it before train() loads a checkpoint to resume from: the reference is always the starting model."""
-    check_settings(beta, label_smoothing)
     for pairs in (data, val_data) if val_data is not None else (data,):
         reference_logps(model, pairs, batch_size, process_device(device), dtype)
-    return DPOLoss(model, beta, label_smoothing)
+    return DPOLoss(model, settings)
 

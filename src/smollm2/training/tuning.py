@@ -22,25 +22,25 @@ class LoRASettings:
     alpha: float | None = None  # the update is scaled by alpha / r; None: r (a scale of 1)
     targets: tuple[str, ...] = DEFAULT_TARGETS
     dropout: float = 0.0
+    quantize: str | None = None  # the frozen base's weights: "int8" for QLoRA
 
-    def as_run(self, quantize: str | None) -> dict:
+    def __post_init__(self):
+        if self.quantize not in (None, "int8"):
+            raise SmolError(f"quantize must be None or 'int8', got {self.quantize!r}")
+
+    def as_run(self) -> dict:
         """What run.json records of the adapter, so that --resume refuses other settings."""
         return {**dataclasses.asdict(self), "alpha": self.r if self.alpha is None else self.alpha,
-                "targets": list(self.targets), "quantize": quantize}
+                "targets": list(self.targets)}
 
 
-def model_to_tune(src=None, lora: LoRASettings | None = None, quantize: str | None = None,
-                  seed: int = 0) -> SmolLM2:
+def model_to_tune(src=None, lora: LoRASettings | None = None, seed: int = 0) -> SmolLM2:
     """src (as smollm2.load takes it) in float32 on the reference modules, ready to train: every weight, or with `lora`
-    a fresh adapter alone over frozen weights (quantize="int8": an int8 base, QLoRA). The adapter's initial A
+    a fresh adapter alone over frozen weights (lora.quantize="int8": an int8 base, QLoRA). The adapter's initial A
     follows `seed`."""
-    if quantize is not None and lora is None:
-        raise SmolError("--quantize int8 freezes the weights: it needs --lora-r (QLoRA), which trains an adapter")
-    if quantize not in (None, "int8"):
-        raise SmolError(f"quantize must be None or 'int8', got {quantize!r}")
     model = load(src, kernels=False)
     if lora is not None:
-        if quantize == "int8":
+        if lora.quantize == "int8":
             quantize_int8(model)
         torch.manual_seed(seed)
         add_lora(model, lora.r, lora.r if lora.alpha is None else lora.alpha, lora.targets, lora.dropout)
