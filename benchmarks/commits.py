@@ -62,7 +62,8 @@ def main() -> None:
     print(f"{'figure':<40}{'base':>10}{'head':>10}{'head/base':>11}")
     for name, value in best["head"].items():
         before = best["base"].get(name)
-        print(f"{name:<40}{before or float('nan'):>10.1f}{value:>10.1f}{value / before if before else float('nan'):>10.3f}x")
+        ratio = value / before if before else float("nan")
+        print(f"{name:<40}{before or float('nan'):>10.1f}{value:>10.1f}{ratio:>10.3f}x")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ if TYPE_CHECKING:
 
 THREADS = 2
 CHECK_IDS = [1, 504, 3458, 282, 4760, 314, 216, 1345]  # a few tokens whose logits the written files must give back
-TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0, "q4_1": 2.0}  # max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
+# max |logit diff| (logits span ~40; a wrong q/k order gives ~27)
+TOLERANCE = {"f32": 0.0, "f16": 0.25, "q8_0": 2.0, "q4_1": 2.0}
 WRITTEN = ("f32", "f16", "q8_0")  # the precisions written as GGUF files
 ORIGINAL = "q4_1"  # the embedded file as it is
 
@@ -102,7 +103,8 @@ def check(who: str, got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> s
 
 @torch.inference_mode()
 def validate(model: SmolLM2, path: Path, precision: str) -> str:
-    """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within rounding."""
+    """The written file, loaded back by smollm2, gives the original's logits: F32 exactly, the others within
+    rounding."""
     from smollm2 import load
     from smollm2.kernels import accelerate
 

@@ -12,9 +12,9 @@ to 1 replica and then to 2, the same load; the figure is generated tokens per se
 Prefix routing: on --routing-replicas replicas, --conversations chats at once, each of --turns turns in order
 (each turn the whole history again, answers included), each chat with a system prompt of its own longer than one
 prefill chunk (PREFILL_CHUNK tokens), as a conversation with an agent's long instructions: after a chat's first
-turn, each later turn can find that chunk in the cache of the replica that computed it. Run twice on replicas started afresh: routed by the
-prompt's first chunk (PrefixRouter) and by Ray Serve's own router (two replicas at random, the one with fewer
-requests). The figure is the prefix cache's hit rate, hit tokens over the prompt tokens looked up, summed over the
+turn, each later turn can find that chunk in the cache of the replica that computed it. Run twice on replicas
+started afresh: routed by the prompt's first chunk (PrefixRouter) and by Ray Serve's own router (two replicas at
+random, the one with fewer requests). The figure is the prefix cache's hit rate, hit tokens over the prompt tokens looked up, summed over the
 replicas (each replica's /metrics, which the x-smollm2-replica header tells apart), and the time the chats took.
 """
 
@@ -145,8 +145,9 @@ def main():
             seconds = asyncio.run(conversations(url, args.conversations, args.turns))
             queried, hit = prefix_counts(url, args.routing_replicas)
             serve.delete("smollm2")
-            print(f"{routing} routing, {args.routing_replicas} replicas: prefix cache hit rate {hit / queried:.1%} ({hit:.0f} of {queried:.0f} prompt "
-                  f"tokens), {args.conversations} chats of {args.turns} turns in {seconds:.1f} s", flush=True)
+            print(f"{routing} routing, {args.routing_replicas} replicas: prefix cache hit rate {hit / queried:.1%} "
+                  f"({hit:.0f} of {queried:.0f} prompt tokens), {args.conversations} chats of {args.turns} turns in "
+                  f"{seconds:.1f} s", flush=True)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:
         serve.shutdown()

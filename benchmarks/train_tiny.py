@@ -37,7 +37,8 @@ def unigram_entropy(directory: Path, manifest: dict) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def transformers_loop(initial_state: dict, data: TokenData, c: TrainConfig, steps: int) -> tuple[list[float], list[float]]:
+def transformers_loop(initial_state: dict, data: TokenData, c: TrainConfig,
+                      steps: int) -> tuple[list[float], list[float]]:
     """(losses, tokens/s per step) of a plain loop over LlamaForCausalLM: what one writes without smollm2."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

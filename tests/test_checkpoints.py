@@ -768,7 +768,8 @@ def retype_safetensors(path, name: str, dtype: str) -> None:
     header = json.loads(data[8:8 + length])
     entry = header[name]
     assert entry["dtype"] == "F32"
-    entry["dtype"], entry["shape"] = dtype, [*entry["shape"][:-1], entry["shape"][-1] * 4 // SAFETENSORS_NOT_WEIGHTS[dtype]]
+    width = entry["shape"][-1] * 4 // SAFETENSORS_NOT_WEIGHTS[dtype]
+    entry["dtype"], entry["shape"] = dtype, [*entry["shape"][:-1], width]
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])

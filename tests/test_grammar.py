@@ -262,7 +262,8 @@ def test_a_bad_response_format_is_a_400_naming_it_and_the_server_goes_on(tiny_di
         assert r.json()["error"]["param"] == "response_format"
         assert client.post("/v1/chat/completions", json=body).json()["choices"] == before["choices"]
         # A constrained answer from a random model: still JSON, cut short only by max_tokens.
-        r = client.post("/v1/chat/completions", json=dict(body, max_tokens=200, response_format={"type": "json_object"}))
+        r = client.post("/v1/chat/completions",
+                        json=dict(body, max_tokens=200, response_format={"type": "json_object"}))
         choice = r.json()["choices"][0]
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(choice["message"]["content"]), dict)

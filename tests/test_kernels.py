@@ -454,14 +454,16 @@ def test_decoding_gives_the_reference_tokens(model, reference_model, kind):
         fast = accelerated(plain)
     prompts = [[1, 504, 3458, 282]] if kind in ("fp32", "int8") else [[1, 504, 3458, 282, 4649, 314], [1, 28, 17, 30]]
     if not kind.endswith("cache"):
-        assert torch.equal(generate(fast, prompts, 24, eos_token_id=None), generate(plain, prompts, 24, eos_token_id=None))
+        assert torch.equal(generate(fast, prompts, 24, eos_token_id=None),
+                           generate(plain, prompts, 24, eos_token_id=None))
         return
     # torch's results move with the batch by float rounding, which a cache's rounding can turn into a whole step
     # of its values: the reference runs each row alone, and the kernels give a row its bits in any batch.
     kv_cache_dtype = kind.removesuffix(" cache")
     batched = generate(fast, prompts, 24, eos_token_id=None, kv_cache_dtype=kv_cache_dtype)[:, -24:]
     for prompt, got in zip(prompts, batched):
-        assert torch.equal(got, generate(plain, [prompt], 24, eos_token_id=None, kv_cache_dtype=kv_cache_dtype)[0, -24:])
+        alone = generate(plain, [prompt], 24, eos_token_id=None, kv_cache_dtype=kv_cache_dtype)[0, -24:]
+        assert torch.equal(got, alone)
 
 
 def teacher_forced_logits(model, tokens, prompt=8):

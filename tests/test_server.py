@@ -137,8 +137,8 @@ def test_stop_strings_cut_the_answer_streamed_or_not(tiny):
     with running(create_app(model, tokenizer, model_name=NAME)) as url, httpx.Client(base_url=url) as client:
         full = completion(client, PROMPTS[2], 20)
         stop = full[len(full) // 2:len(full) // 2 + 3]
-        for stream in (False, True):
-            assert completion(client, PROMPTS[2], 20, stream, stop=[stop, "never appears"]) == full[:full.find(stop)]
+        for streamed in (False, True):
+            assert completion(client, PROMPTS[2], 20, streamed, stop=[stop, "never appears"]) == full[:full.find(stop)]
 
 
 def test_concurrent_greedy_requests_equal_the_same_served_alone(tiny, monkeypatch):
@@ -671,7 +671,8 @@ def test_a_completions_prompt_as_text_token_ids_or_a_list_of_them(tiny):
             assert completion(client, prompt, 6) == want
         body = dict(model=NAME, max_tokens=5, temperature=0.9, seed=11, n=2, echo=True, logprobs=1)
         batch = client.post("/v1/completions", json=dict(body, prompt=[PROMPTS[0], ids, PROMPTS[3]])).json()
-        alone = [client.post("/v1/completions", json=dict(body, prompt=p)).json() for p in (PROMPTS[0], ids, PROMPTS[3])]
+        alone = [client.post("/v1/completions", json=dict(body, prompt=p)).json()
+                 for p in (PROMPTS[0], ids, PROMPTS[3])]
         assert [c["index"] for c in batch["choices"]] == list(range(6))
         assert batch["choices"] == [dict(c, index=2 * p + i) for p, one in enumerate(alone)
                                     for i, c in enumerate(one["choices"])]
@@ -711,6 +712,7 @@ def test_requests_cancelled_together_each_end_once(tiny):
         requests[0].cancelled = requests[2].cancelled = True
         with torch.inference_mode():
             sched._step()
-        assert [sched.requests[row] for row in sched.engine.decoding] == [requests[1]] and sorted(map(id, ended)) == sorted(map(id, [requests[0], requests[2]]))
+        assert [sched.requests[row] for row in sched.engine.decoding] == [requests[1]]
+        assert sorted(map(id, ended)) == sorted(map(id, [requests[0], requests[2]]))
 
     asyncio.run(run())

@@ -129,7 +129,8 @@ def test_token_data_windows(tmp_path, tokenizer, english, monkeypatch):
         paths.append(tmp_path / f"{i}.txt")
         paths[-1].write_text(english[i * 300:(i + 1) * 300] + "\n" + english[-(i + 1) * 300:], encoding="utf-8")
     prepare(paths, tmp_path / "out", tokenizer, val_fraction=0.5, progress=False)
-    train_ids, val_ids = torch.from_numpy(stream(tmp_path / "out", "train").astype(np.int64)), stream(tmp_path / "out", "val")
+    train_ids = torch.from_numpy(stream(tmp_path / "out", "train").astype(np.int64))
+    val_ids = stream(tmp_path / "out", "val")
     assert len(json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"]) > 2
 
     train = TokenData(tmp_path / "out", "train", seq_len=16, seed=3)

@@ -511,11 +511,12 @@ def parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", action="store_true", help="answer with a JSON object (constrained decoding)")
     structured.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON schema")
 
-    c = commands.add_parser("generate", parents=[model, cache, speculate, sample], help="complete a raw prompt, streamed")
+    generating = [model, cache, speculate, sample]
+    c = commands.add_parser("generate", parents=generating, help="complete a raw prompt, streamed")
     c.add_argument("prompt")
     c.set_defaults(run=generate)
 
-    c = commands.add_parser("chat", parents=[model, cache, speculate, sample], help="chat with the model (chat template)")
+    c = commands.add_parser("chat", parents=generating, help="chat with the model (chat template)")
     c.add_argument("-p", "--prompt", help="answer this one message and exit")
     c.add_argument("--system", help="a system message (default: the template's own)")
     c.set_defaults(run=chat)

@@ -306,7 +306,7 @@ def graph_json(graph: Graph, decode: abc.Callable[[list[int]], str], slug: str =
     edges). decode: the text of a list of token ids (Tokenizer.decode); scan: the transcoders' name (Neuronpedia
     looks features up by it)."""
     pruned = prune(graph, node_threshold, edge_threshold)
-    F, T, n, layers = len(graph.features), len(graph.tokens), len(graph.logits), graph.layers
+    F, T, layers = len(graph.features), len(graph.tokens), graph.layers
     nodes = {}
     for i in pruned.nodes.nonzero()[:, 0].tolist():
         share = float(pruned.influence[i])

@@ -38,7 +38,8 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once
     frequency_penalty: float = 0.0  # OpenAI's: subtracted from each token generated so far, once per time
     logit_bias: abc.Mapping[int, float] | None = None  # token id -> added to its logit (-100 bans it in practice)
-    min_new_tokens: int = 0  # until the row has generated this many, its EOS and stop ids are banned (stop strings pass)
+    # until the row has generated this many, its EOS and stop ids are banned (stop strings pass)
+    min_new_tokens: int = 0
     seed: int | None = None
 
     def __post_init__(self):

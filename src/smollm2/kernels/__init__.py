@@ -6,9 +6,9 @@ what they keep (an Accelerator).
 Decoding streams fp32, bf16 and int8 weights at close to the memory's speed, where torch's BLAS calls reach a
 fraction of it, with no Python and no thread wake-ups between the ~10 operations of each layer; a float32
 model read from a quantized GGUF file (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) holds those blocks alone, no float32
-copy (held.py), and streams them, to the same bits; torch code decodes them on demand (dequantize() for good). A row's result
-does not depend on how many rows share the call, a prompt's included. A prompt's attention computes only the
-causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C
+copy (held.py), and streams them, to the same bits; torch code decodes them on demand (dequantize() for good). A
+row's result does not depend on how many rows share the call, a prompt's included. A prompt's attention computes
+only the causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C
 source is compiled for this machine on first use (a few seconds) into the user's cache; without a working C
 compiler everything runs on torch's own kernels, only slower. Everything else (a bf16 prompt's products,
 gradients, torch.compile, other devices) runs on torch as well.
