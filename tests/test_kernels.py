@@ -941,6 +941,19 @@ def test_int8_activations_on_the_embedded_model(model):
         assert greedy == tokens[:len(greedy)]
 
 
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_int8_activations_leave_other_weights_exact(weights):
+    """Only GGUF blocks are multiplied in integers: a float32 model's, and an int8-weight model's, decoding steps and
+    prompts give the same bits with int8 activations as without."""
+    plain = tiny_model(TINY["gqa"])
+    model = accelerate(quantize_int8(plain) if weights == "int8" else plain)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 40))
+    exact, exact_cache = decode(model, ids, torch.ones_like(ids), 3)
+    with_int8_activations(model)
+    got, cache = decode(model, ids, torch.ones_like(ids), 3)
+    assert torch.equal(got, exact) and all(torch.equal(a, b) for a, b in zip(cache, exact_cache))
+
+
 def test_int8_activations_are_the_kernels():
     with pytest.raises(SmolError, match="int8 activations run on the CPU kernels"):
         load(kernels=False, int8_activations=True)

@@ -45,7 +45,7 @@ MEASUREMENTS = 3  # a thin choice is measured at most this many times in all (ea
 class Key(NamedTuple):
     """A kind of operation: calls of one kind run alike, so one measurement decides them all."""
     op: str  # linear, blocks (a decoding step), prompt_attention, rms_norm, rope or silu_mul
-    dtype: str  # the activations'
+    dtype: str  # the activations' ("float32 as int8": quantized to 8 bits for the products)
     weights: str | None  # the format a product's weights are streamed in (ops.WEIGHT_FORMATS)
     rows: int  # rows (tokens; a prompt's attention: its length), as rows_bucket() groups them
     threads: int  # torch.get_num_threads()

@@ -120,8 +120,9 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     sizes = [w.shape[0] for w in weights]
     weight_type, addresses = streamed(weights, packed)
     float_scales = [None if s is None else s.float().contiguous() for s in scales]
-    int8 = choices.int8_activations and (choices.bucket(rows) <= MAX_ROWS
-                                         or bool(compiled().int8_prompts(w_type=weight_type)))
+    # Only GGUF blocks are multiplied in integers: float32, bf16 and int8 weights stay exact, their inputs unquantized.
+    int8 = choices.int8_activations and weight_type > TYPES[torch.int8] and (
+        choices.bucket(rows) <= MAX_ROWS or bool(compiled().int8_prompts(w_type=weight_type)))
 
     def kernel():
         contiguous = x.contiguous()
@@ -133,7 +134,9 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
                           int8=int8)
         return [part.view(*x.shape[:-1], n) for part, n in zip(y.split([rows * n for n in sizes]), sizes)]
 
-    return choices.pick(Key("linear", DTYPES[x.dtype], WEIGHT_FORMATS[weight_type], choices.bucket(rows),
+    # Quantized inputs are another kind: the kernel's time differs, and so may the winner.
+    activations = DTYPES[x.dtype] + (" as int8" if int8 else "")
+    return choices.pick(Key("linear", activations, WEIGHT_FORMATS[weight_type], choices.bucket(rows),
                             torch.get_num_threads(), (K, *sizes)), kernel, plain, measured=not held)
 
 
@@ -211,7 +214,7 @@ def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask:
                              cache=ctypes.byref(cache_layers),
                              mask=None if full_mask is None else full_mask.data_ptr(), lowrank=lowrank,
                              adapter=None if adapter is None else adapter.data_ptr(),
-                             int8=choices.int8_activations):
+                             int8=choices.int8_activations and max(w.w_type) > TYPES[torch.int8]):
             raise MemoryError("out of memory in the decoding kernel")
         return y
 
