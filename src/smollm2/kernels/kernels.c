@@ -1029,6 +1029,88 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
 }
 #endif
 
+#if LANES == 16 && defined(__AVX512VNNI__)
+#define PAIRS 1
+/* The blocks of 32 with AVX-512 and VNNI: two weight rows' blocks side by side in one register, row j's 8 lanes then
+ * row j + 1's, each lane the very int32 and float32 steps of int8_block's 8 (the same products into the same lane,
+ * the same scale, one multiply-add a block in the blocks' order): the same bits, from half the instructions, where
+ * a row at a time left half of each 512-bit unit idle (the one-row Q4_0 product ~40% faster, 1 thread, Zen 4). The
+ * four rows' float16 scales are converted at once (F16C: a float16's one float32 value, as HALVES holds it). */
+static inline __attribute__((always_inline)) vi pair_ints(const uint8_t *a, const uint8_t *b, const int type) {
+    if (type == Q8_0)  /* as ints_of: q + 128, unsigned */
+        return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
+                                      _mm256_loadu_si256((const __m256i *)(b + 2)), 1) ^ (int32_t)0x80808080;
+    /* the 16 bytes of q of each, [a, a, b, b] by 128 bits, then the low 4 bits of the first of each pair and the
+     * high 4 of the second: nibbles() of each row */
+    const int at = quants_at(type);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
+                                                 _mm_loadu_si128((const __m128i *)(b + at)), 1);
+    const __m512i four = _mm512_shuffle_i64x2(_mm512_castsi256_si512(both), _mm512_castsi256_si512(both),
+                                              _MM_SHUFFLE(1, 1, 0, 0));
+    vi q = (vi)_mm512_srlv_epi64(four, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)) & 0x0f0f0f0f;
+    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of the two words sets byte j */
+        uint32_t fifth[2];
+        memcpy(fifth, a + fifth_at(type), 4), memcpy(fifth + 1, b + fifth_at(type), 4);
+        q |= (vi)_mm512_movm_epi8((uint64_t)fifth[1] << 32 | fifth[0]) & 0x10101010;
+    }
+    return q;
+}
+
+/* int8_block for a block of 32 (its contract). */
+static inline __attribute__((always_inline)) void pairs_block(const struct int8_rows *x, long first, const int c,
+                                                              const void *w, const int type, long K, float *sums) {
+    _Static_assert(ROWS == 4, "four rows' scales in one conversion");
+    const int o = int8_offset(type), has_b = type == Q4_1 || type == Q5_1;
+    const long blocks = K / BLOCK, bytes = group_bytes(type);
+    vf acc[COLS][ROWS / 2] = {{{0}}};  /* the a d (sum q_w q_x) terms, rows 2p and 2p + 1 */
+    v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms, lane 0 */
+    const __m512i halves[2] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                               _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
+    for (long k = 0; k < blocks; k++) {
+        const uint8_t *group[ROWS];
+        uint16_t h[ROWS];
+        for (int j = 0; j < ROWS; j++) {
+            group[j] = (const uint8_t *)w + (j * blocks + k) * bytes;
+            __builtin_prefetch(group[j] + PREFETCH, 0, 1);  /* prefetcht2 */
+            memcpy(h + j, group[j], 2);
+        }
+        const __m512 a = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h[3], h[2], h[1], h[0])));
+        vi xq[COLS], minus[COLS];
+        vf d[COLS];
+        for (int i = 0; i < c; i++) {
+            const long at = (first + i) * blocks + k;
+            xq[i] = (vi)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + at * BLOCK)));
+            minus[i] = o ? -(vi)_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)o), (__m512i)xq[i])
+                         : (vi){0};
+            d[i] = splat(x->d[at]);
+        }
+        for (int p = 0; p < ROWS / 2; p++) {
+            const vi q = pair_ints(group[2 * p], group[2 * p + 1], type);
+            const vf scale = (vf)_mm512_permutexvar_ps(halves[p], a);
+            for (int i = 0; i < c; i++)
+                acc[i][p] = fmadd(__builtin_convertvector((vi)_mm512_dpbusd_epi32((__m512i)minus[i], (__m512i)q,
+                                                                                  (__m512i)xq[i]), vf),
+                                  scale * d[i], acc[i][p]);
+        }
+        for (int j = 0; has_b && j < ROWS; j++)
+            for (int i = 0; i < c; i++) {
+                uint16_t b;
+                memcpy(&b, group[j] + 2, 2);
+                offsets[i][j][0] += HALVES[b] * x->s[(first + i) * blocks + k];
+            }
+    }
+    for (int i = 0; i < c; i++)
+        for (int p = 0; p < ROWS / 2; p++) {
+            sums[i * LANES + 2 * p] = sum8(__builtin_shufflevector(acc[i][p], acc[i][p], 0, 1, 2, 3, 4, 5, 6, 7)) +
+                                      sum8(offsets[i][2 * p]);
+            sums[i * LANES + 2 * p + 1] = sum8(__builtin_shufflevector(acc[i][p], acc[i][p], 8, 9, 10, 11, 12, 13,
+                                                                       14, 15)) + sum8(offsets[i][2 * p + 1]);
+        }
+}
+#else
+#define PAIRS 0
+#endif
+
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
  * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
  * Inlined with constant c and type. */
@@ -1037,6 +1119,12 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
 #if ACROSS
     if (is_super(type)) {
         across_block(x, first, c, w, type, K, sums);
+        return;
+    }
+#endif
+#if PAIRS
+    if (!is_super(type)) {
+        pairs_block(x, first, c, w, type, K, sums);
         return;
     }
 #endif
