@@ -751,9 +751,28 @@ struct int8_rows {
     int8_t *across;
 };
 
-/* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
- * of its own (a few microseconds): threads that split a product's outputs then need no barrier to wait on. */
-static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out) {
+#if ACROSS
+/* n quantized values (whole super-blocks) into across_block's order: of each 256, 64 words of 4 (block b's at 8b..),
+ * step u's lane l the word 8 (l % 8) + 2u + l / 8, blocks 0-3 from the first 128 bytes and 4-7 from the last 128,
+ * a permutation of each and a blend (a 4-byte copy at a time was most of a one-row quantization). */
+static void across_order(const int8_t *q, long n, int8_t *across) {
+    const vi l = __builtin_convertvector(iota(), vi), first = (l & 3) * 8 + (l >> 3);
+    for (long at = 0; at < n; at += SUPER) {
+        const __m512i a0 = _mm512_loadu_si512(q + at), a1 = _mm512_loadu_si512(q + at + 64),
+                      a2 = _mm512_loadu_si512(q + at + 128), a3 = _mm512_loadu_si512(q + at + 192);
+        for (int u = 0; u < 4; u++) {
+            const __m512i word = (__m512i)(first + 2 * u);
+            _mm512_storeu_si512(across + at + 64 * u,
+                                _mm512_mask_blend_epi32(0xf0f0, _mm512_permutex2var_epi32(a0, word, a1),
+                                                        _mm512_permutex2var_epi32(a2, word, a3)));
+        }
+    }
+}
+#endif
+
+/* x (R, K) of x_type into `out`, a block of 32 at a time; with `across` (weights that across_block multiplies),
+ * and where K is whole super-blocks, q in its order too. */
+static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out, int across) {
     const vf magic = splat(0x1.8p23f);  /* v + magic - magic: v rounded to the nearest integer, ties to even */
     for (long i = 0; i < R * K / BLOCK; i++) {
         vf v[BLOCK / LANES], most = {0};
@@ -775,11 +794,11 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         for (int l = 0; l < LANES; l++) total += sum[l];
         out->d[i] = d, out->s[i] = d * (float)total;
     }
-    if (ACROSS && out->across && K % SUPER == 0)
-        for (long at = 0; at < R * K; at += SUPER)
-            for (int u = 0; u < 4; u++)
-                for (int l = 0; l < 16; l++)
-                    memcpy(out->across + at + 64 * u + 4 * l, out->q + at + l % 8 * BLOCK + 4 * (2 * u + l / 8), 4);
+#if ACROSS
+    if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across);
+#else
+    (void)across;
+#endif
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -1204,11 +1223,20 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     }
 }
 
-/* xq, x (R, K) quantized into it, or NULL where not asked (xq NULL) or K is not whole blocks (then no weights of a
- * block type either). */
-static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K) {
+/* Whether any of `count` weight types is multiplied by across_block (its inputs' q wanted in its order too). */
+static int any_across(const int *w_type, int count) {
+    int any = 0;
+    for (int m = 0; m < count; m++) any |= ACROSS && is_super(w_type[m]);
+    return any;
+}
+
+/* xq, x (R, K) quantized into it for `count` weights of w_type, or NULL where not asked (xq NULL) or K is not whole
+ * blocks (then no weights of a block type either). In a decoding step each thread quantizes a product's whole
+ * input (a few rows) into a copy of its own: the threads that split the product's outputs then need no barrier. */
+static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K,
+                                         const int *w_type, int count) {
     if (!xq || K % BLOCK) return NULL;
-    quantize_rows(x, x_type, R, K, xq);
+    quantize_rows(x, x_type, R, K, xq, any_across(w_type, count));
     return xq;
 }
 
@@ -1325,18 +1353,25 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     const int x_type = wide ? F32 : type;
     int types[count];
     for (int m = 0; m < count; m++) types[m] = w_type;
-    const int threads = omp_get_max_threads();  /* each its own copy of x quantized */
-    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(threads * B, K) : (struct int8_rows){NULL};
+    /* x quantized once, each thread its share of the rows (a prompt's many: each thread quantizing all of them was
+     * a tenth of a 512-row product's time), then a barrier */
+    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(B, K) : (struct int8_rows){NULL};
+    const int across = any_across(&w_type, 1);
 #pragma omp parallel
     {
-        const struct int8_rows mine = xq.q ? int8_rows_from(&xq, omp_get_thread_num() * B, K) : xq;
-        if (xq.q) quantize_rows(x, type, B, K, &mine);
+        if (xq.q) {
+#pragma omp for schedule(static)
+            for (long r = 0; r < B; r++) {
+                const struct int8_rows row = int8_rows_from(&xq, r, K);
+                quantize_rows((const char *)x + r * K * size_of(type), type, 1, K, &row, across);
+            }
+        }
         for (long b = 0; b < B; b += ROW_BLOCK) {
             const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
             void *ys[count];
             for (int m = 0, before = 0; m < count; before += N[m++])
                 ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-            const struct int8_rows part = xq.q ? int8_rows_from(&mine, b, K) : xq;
+            const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
             products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
                      scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
         }
@@ -1576,7 +1611,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C));
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C, w->w_type, 3));
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -1618,10 +1653,10 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3], quantized(xq, m->att, in, R, H * D));
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3], quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1));
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
     if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
-    const struct int8_rows *hq = quantized(xq, m->h, in, R, C);
+    const struct int8_rows *hq = quantized(xq, m->h, in, R, C, w->w_type + 4, 2);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
@@ -1644,7 +1679,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I));
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I, w->w_type + 6, 1));
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
