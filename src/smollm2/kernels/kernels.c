@@ -1049,42 +1049,50 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
 #endif
 
 #if LANES == 16 && defined(__AVX512VNNI__)
-#define PAIRS 1
-/* The blocks of 32 with AVX-512 and VNNI: two weight rows' blocks side by side in one register, row j's 8 lanes then
- * row j + 1's, each lane the very int32 and float32 steps of int8_block's 8 (the same products into the same lane,
- * the same scale, one multiply-add a block in the blocks' order): the same bits, from half the instructions, where
- * a row at a time left half of each 512-bit unit idle (the one-row Q4_0 product ~40% faster, 1 thread, Zen 4). The
- * four rows' float16 scales are converted at once (F16C: a float16's one float32 value, as HALVES holds it). */
-static inline __attribute__((always_inline)) vi pair_ints(const uint8_t *a, const uint8_t *b, const int type) {
-    if (type == Q8_0)  /* as ints_of: q + 128, unsigned */
-        return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
-                                      _mm256_loadu_si256((const __m256i *)(b + 2)), 1) ^ (int32_t)0x80808080;
-    /* the 16 bytes of q of each, [a, a, b, b] by 128 bits, then the low 4 bits of the first of each pair and the
-     * high 4 of the second: nibbles() of each row */
-    const int at = quants_at(type);
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
-                                                 _mm_loadu_si128((const __m128i *)(b + at)), 1);
-    const __m512i four = _mm512_shuffle_i64x2(_mm512_castsi256_si512(both), _mm512_castsi256_si512(both),
-                                              _MM_SHUFFLE(1, 1, 0, 0));
-    vi q = (vi)_mm512_srlv_epi64(four, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)) & 0x0f0f0f0f;
-    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of the two words sets byte j */
-        uint32_t fifth[2];
-        memcpy(fifth, a + fifth_at(type), 4), memcpy(fifth + 1, b + fifth_at(type), 4);
-        q |= (vi)_mm512_movm_epi8((uint64_t)fifth[1] << 32 | fifth[0]) & 0x10101010;
+#define QUADS 1
+/* The blocks of 32 with AVX-512 and VNNI: four weight rows' blocks in one register, each 128 bits one row's 16
+ * weights of a half of its block (weights 0-15, then 16-31), against the activations' half in every 128 bits: the
+ * lanes hold the very int32 and float32 steps of int8_block's 8 a row (the same products into the same lane, the
+ * same scale, one multiply-add a block in the blocks' order), so the same bits, from fewer instructions: a Q4_0
+ * row's 16 bytes give both halves (a mask, a shift), the four rows' float16 scales convert at once (F16C, the
+ * float32 value HALVES holds) and one vector applies them to both halves. */
+static inline __attribute__((always_inline)) void quad_ints(const uint8_t *const *group, const int type, vi *half) {
+#define ROWS_AT(at)                                                                                               \
+    _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(                                                     \
+        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(group[0] + (at)))),                              \
+        _mm_loadu_si128((const __m128i *)(group[1] + (at))), 1), _mm_loadu_si128((const __m128i *)(group[2] + (at))), \
+        2), _mm_loadu_si128((const __m128i *)(group[3] + (at))), 3)
+    if (type == Q8_0) {  /* as ints_of: q + 128, unsigned; two rows' 32 bytes a register, then their halves */
+#define TWO_ROWS(j) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group[j] + 2))),                                         _mm256_loadu_si256((const __m256i *)(group[j + 1] + 2)), 1)
+        const __m512i rows01 = TWO_ROWS(0), rows23 = TWO_ROWS(2);
+#undef TWO_ROWS
+        half[0] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(2, 0, 2, 0)) ^ (int32_t)0x80808080;
+        half[1] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(3, 1, 3, 1)) ^ (int32_t)0x80808080;
+        return;
     }
-    return q;
+    const vi bytes = (vi)ROWS_AT(quants_at(type));  /* nibbles() of each row: low 4 bits, then high */
+    half[0] = bytes & 0x0f0f0f0f, half[1] = (vi)_mm512_srli_epi16((__m512i)bytes, 4) & 0x0f0f0f0f;
+    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a row's word sets its byte j */
+        uint64_t low = 0, high = 0;
+        for (int j = 0; j < ROWS; j++) {
+            uint32_t fifth;
+            memcpy(&fifth, group[j] + fifth_at(type), 4);
+            low |= (uint64_t)(fifth & 0xffff) << 16 * j, high |= (uint64_t)(fifth >> 16) << 16 * j;
+        }
+        half[0] |= (vi)_mm512_movm_epi8(low) & 0x10101010, half[1] |= (vi)_mm512_movm_epi8(high) & 0x10101010;
+    }
+#undef ROWS_AT
 }
 
 /* int8_block for a block of 32 (its contract). */
-static inline __attribute__((always_inline)) void pairs_block(const struct int8_rows *x, long first, const int c,
+static inline __attribute__((always_inline)) void quads_block(const struct int8_rows *x, long first, const int c,
                                                               const void *w, const int type, long K, float *sums) {
-    _Static_assert(ROWS == 4, "four rows' scales in one conversion");
+    _Static_assert(ROWS == 4, "four rows a register");
     const int o = int8_offset(type), has_b = type == Q4_1 || type == Q5_1;
     const long blocks = K / BLOCK, bytes = group_bytes(type);
-    vf acc[COLS][ROWS / 2] = {{{0}}};  /* the a d (sum q_w q_x) terms, rows 2p and 2p + 1 */
+    vf acc[COLS][2] = {{{0}}};  /* the a d (sum q_w q_x) terms: row j's lanes 4j.. of each half */
     v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms, lane 0 */
-    const __m512i halves[2] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                               _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
+    const __m512i each_row = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     for (long k = 0; k < blocks; k++) {
         const uint8_t *group[ROWS];
         uint16_t h[ROWS];
@@ -1093,23 +1101,22 @@ static inline __attribute__((always_inline)) void pairs_block(const struct int8_
             __builtin_prefetch(group[j] + PREFETCH, 0, 1);  /* prefetcht2 */
             memcpy(h + j, group[j], 2);
         }
-        const __m512 a = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h[3], h[2], h[1], h[0])));
-        vi xq[COLS], minus[COLS];
-        vf d[COLS];
+        const vf a = (vf)_mm512_permutexvar_ps(each_row, _mm512_castps128_ps512(_mm_cvtph_ps(
+                         _mm_set_epi16(0, 0, 0, 0, (short)h[3], (short)h[2], (short)h[1], (short)h[0]))));
+        vi q[2];
+        quad_ints(group, type, q);
         for (int i = 0; i < c; i++) {
             const long at = (first + i) * blocks + k;
-            xq[i] = (vi)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->q + at * BLOCK)));
-            minus[i] = o ? -(vi)_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)o), (__m512i)xq[i])
-                         : (vi){0};
-            d[i] = splat(x->d[at]);
-        }
-        for (int p = 0; p < ROWS / 2; p++) {
-            const vi q = pair_ints(group[2 * p], group[2 * p + 1], type);
-            const vf scale = (vf)_mm512_permutexvar_ps(halves[p], a);
-            for (int i = 0; i < c; i++)
-                acc[i][p] = fmadd(__builtin_convertvector((vi)_mm512_dpbusd_epi32((__m512i)minus[i], (__m512i)q,
-                                                                                  (__m512i)xq[i]), vf),
-                                  scale * d[i], acc[i][p]);
+            const vf scale = a * splat(x->d[at]);
+            for (int part = 0; part < 2; part++) {
+                const __m512i xq = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x->q + at * BLOCK +
+                                                                                           16 * part)));
+                const __m512i minus = o ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+                                              _mm512_setzero_si512(), _mm512_set1_epi8((char)o), xq))
+                                        : _mm512_setzero_si512();
+                acc[i][part] = fmadd(__builtin_convertvector((vi)_mm512_dpbusd_epi32(minus, (__m512i)q[part], xq),
+                                                             vf), scale, acc[i][part]);
+            }
         }
         for (int j = 0; has_b && j < ROWS; j++)
             for (int i = 0; i < c; i++) {
@@ -1118,16 +1125,17 @@ static inline __attribute__((always_inline)) void pairs_block(const struct int8_
                 offsets[i][j][0] += HALVES[b] * x->s[(first + i) * blocks + k];
             }
     }
-    for (int i = 0; i < c; i++)
-        for (int p = 0; p < ROWS / 2; p++) {
-            sums[i * LANES + 2 * p] = sum8(__builtin_shufflevector(acc[i][p], acc[i][p], 0, 1, 2, 3, 4, 5, 6, 7)) +
-                                      sum8(offsets[i][2 * p]);
-            sums[i * LANES + 2 * p + 1] = sum8(__builtin_shufflevector(acc[i][p], acc[i][p], 8, 9, 10, 11, 12, 13,
-                                                                       14, 15)) + sum8(offsets[i][2 * p + 1]);
-        }
+    for (int i = 0; i < c; i++) {
+        const vf low = acc[i][0], high = acc[i][1];
+#define ROW_SUM(j) sum8(__builtin_shufflevector(low, high, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3, 16 + 4 * j,      \
+                                                17 + 4 * j, 18 + 4 * j, 19 + 4 * j)) + sum8(offsets[i][j])
+        sums[i * LANES + 0] = ROW_SUM(0), sums[i * LANES + 1] = ROW_SUM(1);
+        sums[i * LANES + 2] = ROW_SUM(2), sums[i * LANES + 3] = ROW_SUM(3);
+#undef ROW_SUM
+    }
 }
 #else
-#define PAIRS 0
+#define QUADS 0
 #endif
 
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
@@ -1141,9 +1149,9 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
         return;
     }
 #endif
-#if PAIRS
+#if QUADS
     if (!is_super(type)) {
-        pairs_block(x, first, c, w, type, K, sums);
+        quads_block(x, first, c, w, type, K, sums);
         return;
     }
 #endif
