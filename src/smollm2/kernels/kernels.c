@@ -1057,13 +1057,14 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
  * row's 16 bytes give both halves (a mask, a shift), the four rows' float16 scales convert at once (F16C, the
  * float32 value HALVES holds) and one vector applies them to both halves. */
 static inline __attribute__((always_inline)) void quad_ints(const uint8_t *const *group, const int type, vi *half) {
+#define ROW_AT(j, at) _mm_loadu_si128((const __m128i *)(group[j] + (at)))
 #define ROWS_AT(at)                                                                                               \
-    _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(                                                     \
-        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(group[0] + (at)))),                              \
-        _mm_loadu_si128((const __m128i *)(group[1] + (at))), 1), _mm_loadu_si128((const __m128i *)(group[2] + (at))), \
-        2), _mm_loadu_si128((const __m128i *)(group[3] + (at))), 3)
+    _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(ROW_AT(0, at)), ROW_AT(1, at), \
+                                                             1), ROW_AT(2, at), 2), ROW_AT(3, at), 3)
     if (type == Q8_0) {  /* as ints_of: q + 128, unsigned; two rows' 32 bytes a register, then their halves */
-#define TWO_ROWS(j) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group[j] + 2))),                                         _mm256_loadu_si256((const __m256i *)(group[j + 1] + 2)), 1)
+#define TWO_ROWS(j)                                                                                             \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group[j] + 2))),              \
+                       _mm256_loadu_si256((const __m256i *)(group[j + 1] + 2)), 1)
         const __m512i rows01 = TWO_ROWS(0), rows23 = TWO_ROWS(2);
 #undef TWO_ROWS
         half[0] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(2, 0, 2, 0)) ^ (int32_t)0x80808080;
@@ -1082,6 +1083,7 @@ static inline __attribute__((always_inline)) void quad_ints(const uint8_t *const
         half[0] |= (vi)_mm512_movm_epi8(low) & 0x10101010, half[1] |= (vi)_mm512_movm_epi8(high) & 0x10101010;
     }
 #undef ROWS_AT
+#undef ROW_AT
 }
 
 /* int8_block for a block of 32 (its contract). */
@@ -1661,7 +1663,8 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3], quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1));
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3],
+             quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1));
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
     if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
     const struct int8_rows *hq = quantized(xq, m->h, in, R, C, w->w_type + 4, 2);
