@@ -25,7 +25,7 @@ from smollm2.checkpoints.gguf import gguf_name, open_gguf, rotary_heads, unpermu
 from smollm2.kernels.held import HeldWeight
 from smollm2.kernels.packed import packed_layout, unpacked
 from smollm2.lora import with_adapter
-from smollm2.quantize import quantize_int8
+from smollm2.quantize import Int8Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
 
@@ -100,6 +100,21 @@ def test_torch_code_decodes_held_weights_on_demand(q4_1):
     assert not any(isinstance(p, HeldWeight) for p in bf16.parameters())
     assert all(torch.equal(a, b) for a, b in zip(bf16.state_dict().values(),
                                                   plain.to(torch.bfloat16).state_dict().values()))
+
+
+def test_an_int8_weight_model_keeps_its_files_blocks_beside_the_int8_layers(q4_1):
+    """--quantize int8 makes the blocks' linear layers int8 from their float32 values; the embeddings and output
+    projection stay the file's blocks (no float32 copy: a decoding step reads them, a fifth of the bytes), with the
+    values, and so the results, of the int8 model made from the float32 one."""
+    model, plain = load(q4_1, quantize="int8"), load(q4_1, quantize="int8", kernels=False)
+    assert isinstance(model.model.embed_tokens.weight, HeldWeight)
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int8Linear)
+    state, want = model.state_dict(), plain.state_dict()
+    assert state.keys() == want.keys()
+    assert all(torch.equal(bits(w.decoded() if isinstance(w, HeldWeight) else w), bits(want[name]))
+               for name, w in state.items())
+    with torch.inference_mode(), model.accelerator.choices.torch_only():
+        assert torch.equal(bits(model(IDS)), bits(plain(IDS)))
 
 
 def test_held_weights_change_only_once_dequantized(q4_1):

@@ -751,9 +751,28 @@ struct int8_rows {
     int8_t *across;
 };
 
-/* x (R, K) of x_type into `out`, a block of 32 at a time. Each thread quantizes a product's whole input into a copy
- * of its own (a few microseconds): threads that split a product's outputs then need no barrier to wait on. */
-static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out) {
+#if ACROSS
+/* n quantized values (whole super-blocks) into across_block's order: of each 256, 64 words of 4 (block b's at 8b..),
+ * step u's lane l the word 8 (l % 8) + 2u + l / 8, blocks 0-3 from the first 128 bytes and 4-7 from the last 128:
+ * a permutation of each and a blend a step, where it was 16 copies of 4 bytes. */
+static void across_order(const int8_t *q, long n, int8_t *across) {
+    const vi l = __builtin_convertvector(iota(), vi), first = (l & 3) * 8 + (l >> 3);
+    for (long at = 0; at < n; at += SUPER) {
+        const __m512i a0 = _mm512_loadu_si512(q + at), a1 = _mm512_loadu_si512(q + at + 64),
+                      a2 = _mm512_loadu_si512(q + at + 128), a3 = _mm512_loadu_si512(q + at + 192);
+        for (int u = 0; u < 4; u++) {
+            const __m512i word = (__m512i)(first + 2 * u);
+            _mm512_storeu_si512(across + at + 64 * u,
+                                _mm512_mask_blend_epi32(0xf0f0, _mm512_permutex2var_epi32(a0, word, a1),
+                                                        _mm512_permutex2var_epi32(a2, word, a3)));
+        }
+    }
+}
+#endif
+
+/* x (R, K) of x_type into `out`, a block of 32 at a time; with `across` (weights that across_block multiplies),
+ * and where K is whole super-blocks, q in its order too. */
+static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out, int across) {
     const vf magic = splat(0x1.8p23f);  /* v + magic - magic: v rounded to the nearest integer, ties to even */
     for (long i = 0; i < R * K / BLOCK; i++) {
         vf v[BLOCK / LANES], most = {0};
@@ -775,11 +794,11 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         for (int l = 0; l < LANES; l++) total += sum[l];
         out->d[i] = d, out->s[i] = d * (float)total;
     }
-    if (ACROSS && out->across && K % SUPER == 0)
-        for (long at = 0; at < R * K; at += SUPER)
-            for (int u = 0; u < 4; u++)
-                for (int l = 0; l < 16; l++)
-                    memcpy(out->across + at + 64 * u + 4 * l, out->q + at + l % 8 * BLOCK + 4 * (2 * u + l / 8), 4);
+#if ACROSS
+    if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across);
+#else
+    (void)across;
+#endif
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -1029,6 +1048,98 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
 }
 #endif
 
+#if LANES == 16 && defined(__AVX512VNNI__)
+#define QUADS 1
+/* The blocks of 32 with AVX-512 and VNNI: four weight rows' blocks in one register, each 128 bits one row's 16
+ * weights of a half of its block (weights 0-15, then 16-31), against the activations' half in every 128 bits: the
+ * lanes hold the very int32 and float32 steps of int8_block's 8 a row (the same products into the same lane, the
+ * same scale, one multiply-add a block in the blocks' order), so the same bits, from fewer instructions: a Q4_0
+ * row's 16 bytes give both halves (a mask, a shift), the four rows' float16 scales convert at once (F16C, the
+ * float32 value HALVES holds) and one vector applies them to both halves. */
+static inline __attribute__((always_inline)) void quad_ints(const uint8_t *const *group, const int type, vi *half) {
+#define ROW_AT(j, at) _mm_loadu_si128((const __m128i *)(group[j] + (at)))
+#define ROWS_AT(at)                                                                                               \
+    _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(ROW_AT(0, at)), ROW_AT(1, at), \
+                                                             1), ROW_AT(2, at), 2), ROW_AT(3, at), 3)
+    if (type == Q8_0) {  /* as ints_of: q + 128, unsigned; two rows' 32 bytes a register, then their halves */
+#define TWO_ROWS(j)                                                                                             \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group[j] + 2))),              \
+                       _mm256_loadu_si256((const __m256i *)(group[j + 1] + 2)), 1)
+        const __m512i rows01 = TWO_ROWS(0), rows23 = TWO_ROWS(2);
+#undef TWO_ROWS
+        half[0] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(2, 0, 2, 0)) ^ (int32_t)0x80808080;
+        half[1] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(3, 1, 3, 1)) ^ (int32_t)0x80808080;
+        return;
+    }
+    const vi bytes = (vi)ROWS_AT(quants_at(type));  /* nibbles() of each row: low 4 bits, then high */
+    half[0] = bytes & 0x0f0f0f0f, half[1] = (vi)_mm512_srli_epi16((__m512i)bytes, 4) & 0x0f0f0f0f;
+    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a row's word sets its byte j */
+        uint64_t low = 0, high = 0;
+        for (int j = 0; j < ROWS; j++) {
+            uint32_t fifth;
+            memcpy(&fifth, group[j] + fifth_at(type), 4);
+            low |= (uint64_t)(fifth & 0xffff) << 16 * j, high |= (uint64_t)(fifth >> 16) << 16 * j;
+        }
+        half[0] |= (vi)_mm512_movm_epi8(low) & 0x10101010, half[1] |= (vi)_mm512_movm_epi8(high) & 0x10101010;
+    }
+#undef ROWS_AT
+#undef ROW_AT
+}
+
+/* int8_block for a block of 32 (its contract). */
+static inline __attribute__((always_inline)) void quads_block(const struct int8_rows *x, long first, const int c,
+                                                              const void *w, const int type, long K, float *sums) {
+    _Static_assert(ROWS == 4, "four rows a register");
+    const int o = int8_offset(type), has_b = type == Q4_1 || type == Q5_1;
+    const long blocks = K / BLOCK, bytes = group_bytes(type);
+    vf acc[COLS][2] = {{{0}}};  /* the a d (sum q_w q_x) terms: row j's lanes 4j.. of each half */
+    v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms, lane 0 */
+    const __m512i each_row = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (long k = 0; k < blocks; k++) {
+        const uint8_t *group[ROWS];
+        uint16_t h[ROWS];
+        for (int j = 0; j < ROWS; j++) {
+            group[j] = (const uint8_t *)w + (j * blocks + k) * bytes;
+            __builtin_prefetch(group[j] + PREFETCH, 0, 1);  /* prefetcht2 */
+            memcpy(h + j, group[j], 2);
+        }
+        const vf a = (vf)_mm512_permutexvar_ps(each_row, _mm512_castps128_ps512(_mm_cvtph_ps(
+                         _mm_set_epi16(0, 0, 0, 0, (short)h[3], (short)h[2], (short)h[1], (short)h[0]))));
+        vi q[2];
+        quad_ints(group, type, q);
+        for (int i = 0; i < c; i++) {
+            const long at = (first + i) * blocks + k;
+            const vf scale = a * splat(x->d[at]);
+            for (int part = 0; part < 2; part++) {
+                const __m512i xq = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x->q + at * BLOCK +
+                                                                                           16 * part)));
+                const __m512i minus = o ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+                                              _mm512_setzero_si512(), _mm512_set1_epi8((char)o), xq))
+                                        : _mm512_setzero_si512();
+                acc[i][part] = fmadd(__builtin_convertvector((vi)_mm512_dpbusd_epi32(minus, (__m512i)q[part], xq),
+                                                             vf), scale, acc[i][part]);
+            }
+        }
+        for (int j = 0; has_b && j < ROWS; j++)
+            for (int i = 0; i < c; i++) {
+                uint16_t b;
+                memcpy(&b, group[j] + 2, 2);
+                offsets[i][j][0] += HALVES[b] * x->s[(first + i) * blocks + k];
+            }
+    }
+    for (int i = 0; i < c; i++) {
+        const vf low = acc[i][0], high = acc[i][1];
+#define ROW_SUM(j) sum8(__builtin_shufflevector(low, high, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3, 16 + 4 * j,      \
+                                                17 + 4 * j, 18 + 4 * j, 19 + 4 * j)) + sum8(offsets[i][j])
+        sums[i * LANES + 0] = ROW_SUM(0), sums[i * LANES + 1] = ROW_SUM(1);
+        sums[i * LANES + 2] = ROW_SUM(2), sums[i * LANES + 3] = ROW_SUM(3);
+#undef ROW_SUM
+    }
+}
+#else
+#define QUADS 0
+#endif
+
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
  * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
  * Inlined with constant c and type. */
@@ -1037,6 +1148,12 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
 #if ACROSS
     if (is_super(type)) {
         across_block(x, first, c, w, type, K, sums);
+        return;
+    }
+#endif
+#if QUADS
+    if (!is_super(type) && c == 1) {  /* COLS rows' loop below was as fast (Q4_0) or faster (Q8_0) than it */
+        quads_block(x, first, c, w, type, K, sums);
         return;
     }
 #endif
@@ -1116,11 +1233,20 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     }
 }
 
-/* xq, x (R, K) quantized into it, or NULL where not asked (xq NULL) or K is not whole blocks (then no weights of a
- * block type either). */
-static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K) {
+/* Whether any of `count` weight types is multiplied by across_block (its inputs' q wanted in its order too). */
+static int any_across(const int *w_type, int count) {
+    int any = 0;
+    for (int m = 0; m < count; m++) any |= ACROSS && is_super(w_type[m]);
+    return any;
+}
+
+/* xq, x (R, K) quantized into it for `count` weights of w_type, or NULL where not asked (xq NULL) or K is not whole
+ * blocks (then no weights of a block type either). In a decoding step each thread quantizes a product's whole
+ * input (a few rows) into a copy of its own: the threads that split the product's outputs then need no barrier. */
+static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K,
+                                         const int *w_type, int count) {
     if (!xq || K % BLOCK) return NULL;
-    quantize_rows(x, x_type, R, K, xq);
+    quantize_rows(x, x_type, R, K, xq, any_across(w_type, count));
     return xq;
 }
 
@@ -1237,18 +1363,25 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     const int x_type = wide ? F32 : type;
     int types[count];
     for (int m = 0; m < count; m++) types[m] = w_type;
-    const int threads = omp_get_max_threads();  /* each its own copy of x quantized */
-    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(threads * B, K) : (struct int8_rows){NULL};
+    /* x quantized once, each thread its share of the rows (a prompt's many: each thread quantizing all of them was
+     * a tenth of a 512-row product's time), then a barrier */
+    const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(B, K) : (struct int8_rows){NULL};
+    const int across = any_across(&w_type, 1);
 #pragma omp parallel
     {
-        const struct int8_rows mine = xq.q ? int8_rows_from(&xq, omp_get_thread_num() * B, K) : xq;
-        if (xq.q) quantize_rows(x, type, B, K, &mine);
+        if (xq.q) {
+#pragma omp for schedule(static)
+            for (long r = 0; r < B; r++) {
+                const struct int8_rows row = int8_rows_from(&xq, r, K);
+                quantize_rows((const char *)x + r * K * size_of(type), type, 1, K, &row, across);
+            }
+        }
         for (long b = 0; b < B; b += ROW_BLOCK) {
             const long rows = B - b < ROW_BLOCK ? B - b : ROW_BLOCK;
             void *ys[count];
             for (int m = 0, before = 0; m < count; before += N[m++])
                 ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
-            const struct int8_rows part = xq.q ? int8_rows_from(&mine, b, K) : xq;
+            const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
             products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
                      scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
         }
@@ -1488,7 +1621,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C));
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C, w->w_type, 3));
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -1530,10 +1663,11 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3], quantized(xq, m->att, in, R, H * D));
+             (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3],
+             quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1));
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
     if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
-    const struct int8_rows *hq = quantized(xq, m->h, in, R, C);
+    const struct int8_rows *hq = quantized(xq, m->h, in, R, C, w->w_type + 4, 2);
 
     /* SwiGLU: gate and up streamed together, silu(gate) * up rounded where torch rounds. */
 #pragma omp for schedule(static)
@@ -1556,7 +1690,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I));
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I, w->w_type + 6, 1));
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of
