@@ -774,18 +774,20 @@ def test_quantized_blocks_finite_exactly_where_their_scales_are(qtype):
     assert scales_finite(blocks[finite], qtype) and not scales_finite(blocks, qtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q3_K], ids=lambda q: q.name)
 def test_non_finite_quantized_weights_named(tmp_path, qtype):
-    """A matrix held as its blocks (the kernels' load) with one infinite scale is refused by name, as a float one
-    is; its file loads without it."""
+    """A matrix read as its blocks (the kernels' load) with one infinite scale is refused by name, as a float one
+    is: checked from the scales (Q8_0, Q4_K) or, of a type the kernels do not stream (Q3_K), its decoded values.
+    Its file loads without it."""
     from test_kernels import WIDE, crafted_blocks
 
     rng, tensors = np.random.default_rng(0), {}
+    craft = craft_blocks if qtype in K_LAYOUT else crafted_blocks
     for name, t in tiny_model(WIDE).state_dict().items():
-        tensors[gguf_name(name)] = (t.numpy(), None) if t.dim() == 1 else (crafted_blocks(*t.shape, qtype, rng), qtype)
+        tensors[gguf_name(name)] = (t.numpy(), None) if t.dim() == 1 else (craft(*t.shape, qtype, rng), qtype)
     write_gguf(tmp_path / "fine.gguf", WIDE, tensors)
     smollm2.load(tmp_path / "fine.gguf")
-    at = SCALES[qtype][-1]
+    at = K_LAYOUT.get(qtype, SCALES.get(qtype))[-1]
     tensors["blk.1.ffn_down.weight"][0][3, at:at + 2] = np.array([np.inf], np.float16).view(np.uint8)
     write_gguf(tmp_path / "inf.gguf", WIDE, tensors)
     with pytest.raises(SmolError, match=r"inf\.gguf \(blk\.1\.ffn_down\.weight\).*NaN or infinite"):

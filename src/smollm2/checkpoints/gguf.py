@@ -343,9 +343,9 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
 
 # Where a block's float16 scales sit (byte offsets), for the types whose values are all finite exactly when these
 # are: each value is a scale times small integers (a K-quant's sub-block scale, then its quant), plus a minimum
-# (Q4_1, Q5_1) or minus a second scale times an integer (Q4_K, Q5_K), in float32, which these cannot overflow
-# (65504 * 128 * 32 < 2**28), and an infinite or NaN scale makes every value it scales infinite or NaN (infinity
-# times 0 is NaN).
+# (Q4_1, Q5_1) or minus a second scale times an integer (Q4_K, Q5_K), in float32, which finite ones cannot
+# overflow (65504 * 128 * 32 < 2**28), and an infinite or NaN scale makes every value it scales infinite or NaN
+# (infinity times 0 is NaN). Other types' values are decoded to be checked.
 SCALES = {GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q8_0: (0,),
           GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q4_K: (0, 2),
           GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
