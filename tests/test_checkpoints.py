@@ -26,7 +26,7 @@ import smollm2
 from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer, save
 from smollm2.checkpoints import load_checkpoint, parameter_shapes
 from smollm2.checkpoints.checkpoint import all_finite
-from smollm2.checkpoints.gguf import dequantized, gguf_config, open_gguf
+from smollm2.checkpoints.gguf import SCALES, dequantized, gguf_config, open_gguf, scales_finite
 
 GQA = TINY["gqa"]
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize can
@@ -752,6 +752,46 @@ def test_non_finite_weights_named(tmp_path, hf_dir, gguf_parts):
     tensors["blk.0.attn_v.weight"][0][0, 0] = np.inf
     write_gguf(tmp_path / "inf.gguf", config, tensors)
     raises(tmp_path / "inf.gguf", "inf.gguf", "blk.0.attn_v.weight", "NaN or infinite")
+
+
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
+def test_quantized_blocks_finite_exactly_where_their_scales_are(qtype):
+    """A block's values (gguf's dequantization) are all finite exactly when its float16 scales are, which is what
+    loading checks of the types in SCALES instead of decoding every value: random bytes, 1 scale in 32 infinite
+    or NaN (float16's top exponent), over 4096 blocks each, and blocks made non-finite at each scale."""
+    from gguf import GGML_QUANT_SIZES
+
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = np.random.default_rng(int(qtype)).integers(0, 256, (4096, size), dtype=np.uint8)
+    for i, at in enumerate(SCALES[qtype]):  # an infinity, then a NaN, at each scale of a block
+        blocks[2 * i, at:at + 2] = np.array([np.inf], np.float16).view(np.uint8)
+        blocks[2 * i + 1, at:at + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    with np.errstate(all="ignore"):
+        finite = np.isfinite(dequantize(blocks, qtype).reshape(len(blocks), -1)).all(axis=1)
+    found = np.array([scales_finite(block, qtype) for block in blocks])
+    assert np.array_equal(found, finite)
+    assert 0 < finite.sum() < len(blocks) - 2 * len(SCALES[qtype])  # both kinds, beyond those made non-finite
+    assert scales_finite(blocks[finite], qtype) and not scales_finite(blocks, qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q3_K], ids=lambda q: q.name)
+def test_non_finite_quantized_weights_named(tmp_path, qtype):
+    """A matrix read as its blocks (the kernels' load) with one infinite scale is refused by name, as a float one
+    is: checked from the scales (Q8_0, Q4_K) or, of a type the kernels do not stream (Q3_K), its decoded values.
+    Its file loads without it."""
+    from test_kernels import WIDE, crafted_blocks
+
+    rng, tensors = np.random.default_rng(0), {}
+    craft = craft_blocks if qtype in K_LAYOUT else crafted_blocks
+    for name, t in tiny_model(WIDE).state_dict().items():
+        tensors[gguf_name(name)] = (t.numpy(), None) if t.dim() == 1 else (craft(*t.shape, qtype, rng), qtype)
+    write_gguf(tmp_path / "fine.gguf", WIDE, tensors)
+    smollm2.load(tmp_path / "fine.gguf")
+    at = K_LAYOUT.get(qtype, SCALES.get(qtype))[-1]
+    tensors["blk.1.ffn_down.weight"][0][3, at:at + 2] = np.array([np.inf], np.float16).view(np.uint8)
+    write_gguf(tmp_path / "inf.gguf", WIDE, tensors)
+    with pytest.raises(SmolError, match=r"inf\.gguf \(blk\.1\.ffn_down\.weight\).*NaN or infinite"):
+        smollm2.load(tmp_path / "inf.gguf")
 
 
 # Every integer and boolean type a safetensors header can name (and the floats a weight is never stored as), each

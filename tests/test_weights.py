@@ -25,6 +25,7 @@ from smollm2.checkpoints.gguf import gguf_name, open_gguf, rotary_heads, unpermu
 from smollm2.kernels.held import HeldWeight
 from smollm2.kernels.packed import packed_layout, unpacked
 from smollm2.lora import with_adapter
+from smollm2.model import rope_tables
 from smollm2.quantize import Int8Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(kernels.compiled() is None, reason="no C compiler")
@@ -196,7 +197,7 @@ def test_a_loaded_model_costs_its_file_and_the_runtime(embedded_path, tmp_path):
     """The embedded model (98 MB of Q4_1 and Q8_0 blocks), loaded and generating, holds at most 1.2x its file
     beside the runtime. The runtime is measured, not assumed: the same script in a process of its own (the
     interpreter, torch and what smollm2 imports, the compiled kernels, the tokenizer read from the file's
-    metadata, RoPE tables for 8192 positions, a load and a 32-token generation) run on a model of a few hundred KB
+    metadata, RoPE tables for 1024 positions, a load and a 32-token generation) run on a model of a few hundred KB
     of the same types with the embedded file's tokenizer metadata. Each figure is compared with the runtime's same
     figure: resident once loaded (and a token decoded) with the same, the peak (load and generation) with the
     peak. The blocks are the file's bytes (packed.py); the 1.2 leaves room for what the KV cache and activations
@@ -276,3 +277,30 @@ def test_a_quantized_gguf_matrix_is_the_files_own_bytes(tmp_path, qtype):
         blocks = torch.from_numpy(np.array(file[gguf_name(name)].data))
         want = unpermute(blocks, rotary_heads(name, model.config)) if permuted else blocks
         assert torch.equal(p.packed.data, want), name
+
+
+def test_rope_tables_are_built_for_the_caches_made():
+    """A model holds RoPE tables for 1024 positions up front (0.5 MiB at head_dim 64), not its context window's
+    (8192: 4 MiB), and grows them to each cache's length as it is made: the same values, bit for bit, as tables
+    built for the whole window."""
+    config = dataclasses.replace(TINY["gqa"], max_position_embeddings=8192, head_dim=64)
+    model, (cos, sin) = tiny_model(config), rope_tables(config)
+    assert model.rope_cos.shape == (1024, 64)
+    model.new_cache(1, 3000)
+    n = model.rope_cos.shape[0]
+    assert 3000 <= n <= 8192
+    assert torch.equal(bits(model.rope_cos), bits(cos[:n])) and torch.equal(bits(model.rope_sin), bits(sin[:n]))
+
+
+@pytest.mark.subprocess
+def test_running_a_model_imports_no_tokenizer_or_grammar_engine():
+    """What a process that loads a model and generates from ids (smollm2 bench's) imports: not the tokenizer's
+    jinja2 and tokenizers, nor llguidance, which a grammar imports at its first use (~8 MB resident between them)."""
+    script = ("import sys, torch, smollm2.bench, smollm2.loading\n"
+              "from smollm2.generation import stream\n"
+              "from smollm2.generation.speculative import speculation\n"
+              "assert speculation(None, None) is None and speculation('ngram', None) == 'ngram'\n"
+              "print(sorted({'jinja2', 'tokenizers', 'llguidance', 'smollm2.tokenizer'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]"]

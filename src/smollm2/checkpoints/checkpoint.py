@@ -31,12 +31,8 @@ class GGUFBlocks(NamedTuple):
     shape: torch.Size  # the matrix's (rows, columns)
     read: Callable[[], torch.Tensor]  # its blocks, uint8 (rows, bytes a row), rows in the tensor's order (q, k
     # un-permuted)
-    # its float32 values, gguf.quants.dequantize's, rows as read's; given a slice, those of the file's rows
-    # (in the file's order), for checking a part at a time
-    dequantize: Callable[..., torch.Tensor]
-
-
-CHECKED_ROWS = 2048  # a part of a matrix the file quantized, decoded to be checked (4.5 MB of the 135M's embeddings)
+    dequantize: Callable[[], torch.Tensor]  # its float32 values, gguf.quants.dequantize's, rows as read's
+    finite: Callable[[], bool]  # whether every value is finite (no NaN or infinity)
 
 
 @dataclass
@@ -50,8 +46,7 @@ class Checkpoint:
     quantized: dict[str, GGUFBlocks] = field(default_factory=dict)
 
     def check(self, expected: dict[str, torch.Size]) -> None:
-        """Every tensor the model needs is here with the right shape and finite values, and nothing else is. The
-        blocks' values are decoded to be checked, CHECKED_ROWS rows at a time."""
+        """Every tensor the model needs is here with the right shape and finite values, and nothing else is."""
         for name in sorted(expected.keys() - self.tensors.keys() - self.quantized.keys()):
             raise SmolError(f"{self.source}: missing tensor {name}")
         for name in sorted((self.tensors.keys() | self.quantized.keys()) - expected.keys()):
@@ -67,9 +62,7 @@ class Checkpoint:
                                 f"but the config needs {tuple(shape)}")
         for name in expected:
             blocks = self.quantized.get(name)
-            parts = ([self.tensors[name]] if blocks is None else
-                     (blocks.dequantize(slice(i, i + CHECKED_ROWS)) for i in range(0, blocks.shape[0], CHECKED_ROWS)))
-            if not all(not part.is_floating_point() or all_finite(part) for part in parts):
+            if not (blocks.finite() if blocks is not None else all_finite(self.tensors[name])):
                 raise SmolError(f"{self.files.get(name, self.source)}: tensor {name} holds NaN or infinite values")
 
     def weight(self, name: str) -> torch.Tensor:

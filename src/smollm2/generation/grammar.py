@@ -39,7 +39,6 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import llguidance
 import numpy as np
 import torch
 
@@ -117,7 +116,7 @@ class Grammar:
                 raise SmolError(f'response_format regex needs "pattern": a regular expression of 1 to '
                                 f"{MAX_PATTERN_CHARS} characters")
             return cls._get(tokenizer, "regex " + pattern, "response_format regex",
-                            lambda: _lark(f"start: /{llguidance.regex_to_lark(pattern)}/"))
+                            lambda: _lark(f"start: /{_llguidance().regex_to_lark(pattern)}/"))
         raise SmolError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema', "
                         f"'choice', 'regex'")
 
@@ -321,12 +320,19 @@ class Vocab:
         return self._fits[room]
 
 
+def _llguidance():
+    """llguidance, imported at a grammar's first use: ~3 MB resident in every process that never constrains."""
+    import llguidance
+
+    return llguidance
+
+
 def _vocab(tokenizer) -> Vocab:
     vocab = _vocabs.get(tokenizer)
     if vocab is None:
         # Special tokens (<|im_start|>, <filename>, ...) are not their spelling: llguidance reads them from the
         # tokenizer.json as special and never allows them in text (EOS is allowed where the grammar ends).
-        tables = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+        tables = _llguidance().LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
                                         eos_token=tokenizer.eos_token_id)
         token_bytes = [tables.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
         leading = np.array([len(b) - len(b.lstrip(b"0123456789")) for b in token_bytes], dtype=np.int64)
@@ -337,7 +343,7 @@ def _vocab(tokenizer) -> Vocab:
 def _compile(vocab: Vocab, grammar: str, what: str):
     """An llguidance matcher at the grammar's start, its first mask computed (some errors, a lexer past its fuel,
     show only there; and each sequence's copy starts with the lexer states it built); SmolError naming what."""
-    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+    matcher = _llguidance().LLMatcher(vocab.tokenizer, grammar, log_level=0)
     if not matcher.is_error():
         bitmask = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
@@ -358,7 +364,7 @@ def _lark(grammar: str) -> str:
     """llguidance's grammar from Lark's text, with no_forcing: the model writes a stretch of text the grammar fixes
     in any tokens that spell it. Else llguidance allows only its own tokens there, chosen before the text after the
     stretch is known: `"` then `}}` where the model (and the tokenizer) would write `"}` then `},`."""
-    return llguidance.LLMatcher.grammar_from_lark('%llguidance {"no_forcing": true}\n' + grammar)
+    return _llguidance().LLMatcher.grammar_from_lark('%llguidance {"no_forcing": true}\n' + grammar)
 
 
 def _json_grammar(schema) -> str:

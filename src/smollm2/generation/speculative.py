@@ -177,12 +177,13 @@ def speculation(text: str | None, tokenizer, **options) -> SmolLM2 | str | None:
     embedded model), loaded as load() loads it with `options` (dtype, device, quantize, kernels). A draft's
     tokenizer must be `tokenizer`, the model's, every token at the same id: its guesses are token ids, which the
     model reads as its own; the vocabulary's size alone (check_speculative) would let another tokenizer through."""
-    # Imported here: generation itself needs neither the loader nor the tokenizer (jinja2, tokenizers).
+    if text in (None, "off", "ngram"):
+        return None if text == "off" else text
+    # Imported here, for a draft alone: generation itself needs neither the loader nor the tokenizer (jinja2,
+    # tokenizers: ~5 MB resident).
     from ..loading import load
     from ..tokenizer import Tokenizer
 
-    if text in (None, "off", "ngram"):
-        return None if text == "off" else text
     kind, _, src = text.partition(":")
     if kind != "draft":
         raise SmolError(f"speculative must be ngram, off, draft or draft:SRC, got {text!r}")

@@ -112,7 +112,7 @@ def prefill_rows(model, chunks: list[Chunk], cache) -> torch.Tensor:
                 qs = q[:, begin:end]
                 if last:
                     qs, mask = qs[:, -1:], None if mask is None else mask[:, :, -1:]
-                ys.append(attn.attend(qs.clone(), ks, vs, mask, mask is None and not last))  # (1, n, H, D)
+                ys.append(attn.attend(qs, ks, vs, mask, mask is None and not last))  # (1, n, H, D)
                 begin = end
             y = attn.o_proj(torch.cat(ys, dim=1).reshape(1, -1, attn.n_heads * attn.head_dim))
             x = (x[:, ends] if last else x) + y
