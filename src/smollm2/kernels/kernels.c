@@ -775,11 +775,19 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         for (int l = 0; l < LANES; l++) total += sum[l];
         out->d[i] = d, out->s[i] = d * (float)total;
     }
-    if (ACROSS && out->across && K % SUPER == 0)
-        for (long at = 0; at < R * K; at += SUPER)
-            for (int u = 0; u < 4; u++)
-                for (int l = 0; l < 16; l++)
-                    memcpy(out->across + at + 64 * u + 4 * l, out->q + at + l % 8 * BLOCK + 4 * (2 * u + l / 8), 4);
+#if ACROSS
+    if (out->across && K % SUPER == 0)
+        for (long at = 0; at < R * K; at += SUPER) {  /* lane l of step u: 4 bytes 4 (2u + l / 8).. of block l % 8 */
+            const __m512i low = _mm512_loadu_si512(out->q + at), low2 = _mm512_loadu_si512(out->q + at + 64),
+                          high = _mm512_loadu_si512(out->q + at + 128), high2 = _mm512_loadu_si512(out->q + at + 192);
+            for (int u = 0; u < 4; u++) {  /* blocks 0-3 from the first 128 bytes, 4-7 from the last */
+                const vi l = __builtin_convertvector(iota(), vi), word = (l & 3) * 8 + 2 * u + (l >> 3);
+                _mm512_storeu_si512(out->across + at + 64 * u,
+                                    _mm512_mask_blend_epi32(0xf0f0, _mm512_permutex2var_epi32(low, (__m512i)word, low2),
+                                                            _mm512_permutex2var_epi32(high, (__m512i)word, high2)));
+            }
+        }
+#endif
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -1096,9 +1104,10 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
 enum { SPAN = 2 };  /* activation rows a step: SPAN x ROWS accumulators and their inputs in registers */
 
 struct across_weights {  /* ROWS weight rows' super-blocks unpacked, each (ROWS, K / SUPER, ...) */
-    const vi *q;  /* across_ints' 4 steps */
+    const vi *q;  /* across_ints' 4 steps (Q6_K: q - 32, signed) */
     const vf *a;  /* Q4_K, Q5_K: a of sub-block l % 8 in lane l; Q6_K: a of each sub-block's first 16, last 16 */
     const vf *b;  /* Q4_K, Q5_K: b of each sub-block, two weight rows a vector ((ROWS / 2, K / SUPER)) */
+    const vi *minus;  /* Q6_K: - 128 (sum q - 32) of steps 0-1 and 2-3 (below) */
 };
 
 /* acc[i][j]: the a d (sum q_w q_x) terms of activation row first + i (i < c) against w's row j. */
@@ -1108,7 +1117,7 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
     const long supers = K / SUPER, blocks = K / BLOCK;
     vf sum_of[SPAN][ROWS] = {{{0}}};
     for (long g = 0; g < supers; g++) {
-        vi xv[SPAN][4], minus[SPAN][2];  /* the activations in registers, each weight vector loaded once for them */
+        vi xv[SPAN][4];  /* the activations in registers, each weight vector loaded once for them */
         vf d[SPAN];
         for (int i = 0; i < c; i++) {
             const int8_t *xq = x->across + (first + i) * K + g * SUPER;
@@ -1117,11 +1126,7 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
                 IN_REGISTER(xv[i][u]);
             }
             d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + (first + i) * blocks + g * SUBS));
-            if (type == Q6_K) {  /* - 32 (sum x) of steps 0-1 and 2-3, as across_block */
-                const vi o = (vi)_mm512_set1_epi8(32);
-                minus[i][0] = -dpbusd_of(dpbusd_of((vi){0}, o, xv[i][0]), o, xv[i][1]);
-                minus[i][1] = -dpbusd_of(dpbusd_of((vi){0}, o, xv[i][2]), o, xv[i][3]);
-            }
+            for (int u = 0; type == Q6_K && u < 4; u++) xv[i][u] ^= (vi)_mm512_set1_epi8(-128);  /* x + 128 */
         }
         for (int j = 0; j < ROWS; j++) {
             vi q[4];
@@ -1131,9 +1136,10 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
             }
             const vf *a = w->a + (j * supers + g) * 2;
             for (int i = 0; i < c; i++) {
-                if (type == Q6_K) {
-                    const vi first16 = dpbusd_of(dpbusd_of(minus[i][0], q[0], xv[i][0]), q[1], xv[i][1]),
-                             last16 = dpbusd_of(dpbusd_of(minus[i][1], q[2], xv[i][2]), q[3], xv[i][3]);
+                if (type == Q6_K) {  /* sum (x + 128)(q - 32) - 128 sum (q - 32): across_block's integers */
+                    const vi *minus = w->minus + (j * supers + g) * 2;
+                    const vi first16 = dpbusd_of(dpbusd_of(minus[0], xv[i][0], q[0]), xv[i][1], q[1]),
+                             last16 = dpbusd_of(dpbusd_of(minus[1], xv[i][2], q[2]), xv[i][3], q[3]);
                     sum_of[i][j] = fmadd(__builtin_convertvector(first16, vf), a[0] * d[i], sum_of[i][j]);
                     sum_of[i][j] = fmadd(__builtin_convertvector(last16, vf), a[1] * d[i], sum_of[i][j]);
                 } else {
@@ -1169,6 +1175,7 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
                                                               const int type, long K, float *sums) {
     const long supers = K / SUPER;
     vi q[ROWS * supers * 4];
+    vi minus[type == Q6_K ? ROWS * supers * 2 : 1];
     vf a[ROWS * supers * 2], b[ROWS / 2 * supers];
     for (long g = 0; g < supers; g++) {
         const uint8_t *group[ROWS];
@@ -1178,7 +1185,13 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
         for (int j = 0; j < ROWS; j++) {
             for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], type, u);
             vf *at = a + (j * supers + g) * 2;
-            if (type == Q6_K) {  /* as across_block's first_a, last_a */
+            if (type == Q6_K) {  /* q - 32, signed, against x + 128 (one sum for every activation row), and the a of
+                                  * across_block's first_a, last_a */
+                vi *at_q = q + (j * supers + g) * 4;
+                const vi o = (vi)_mm512_set1_epi8(-128);
+                for (int u = 0; u < 4; u++) at_q[u] = (vi)_mm512_sub_epi8((__m512i)at_q[u], _mm512_set1_epi8(32));
+                minus[(j * supers + g) * 2] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[0]), o, at_q[1]);
+                minus[(j * supers + g) * 2 + 1] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[2]), o, at_q[3]);
                 const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
                 at[0] = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a));
                 at[1] = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
@@ -1189,7 +1202,7 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
             }
         }
     }
-    const struct across_weights unpacked = {q, a, b};
+    const struct across_weights unpacked = {q, a, b, minus};
     long i = 0;
     for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (sum_lanes_of: the same additions as sum_lanes) */
         vf acc[COLS][ROWS];
