@@ -1,7 +1,8 @@
 /* What the kernels' products cost a weight when memory is out of it: a 512 x 2048 matrix of each block type (its
  * blocks random bytes, scales set finite), small enough to stay in L2, through linear() over and over; ns a weight
  * a row, the thread's CPU time (other processes' time on a shared machine is not counted), best of 30 calls. Rows
- * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact).
+ * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact), and 128 rows in
+ * int8 (two of linear()'s ROW_BLOCKs). Types named on the command line, else every one.
  *
  *     cc -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=off -Isrc/smollm2/kernels \
  *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs [Q5_K Q6_K ...]
