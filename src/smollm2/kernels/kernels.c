@@ -1242,7 +1242,8 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
 }
 
 /* sums (B, LANES): quantized activation rows 0..B-1 of x against weight rows n..n+LANES-1 of type W, ROWS at a time,
- * COLS activation rows at a time (the weights' block stays in L1 across them); a function for each type. */
+ * COLS activation rows at a time (the weights' block stays in L1 across them), or a prompt's tile (prompt_rows); a
+ * function for each type. */
 #define INT8_ROWS_AS(W)                                                                                        \
     static __attribute__((noinline)) void int8_rows_##W(const struct int8_rows *x, const void *w, long B,     \
                                                         long n, long K, float *sums) {                        \
@@ -1415,7 +1416,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_block multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
+ * asks): where across_rows multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
  * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
 int int8_prompts(int w_type) { return ACROSS && is_super(w_type); }
 
