@@ -1180,7 +1180,11 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
     for (long g = 0; g < supers; g++) {
         const uint8_t *group[ROWS];
         struct scales s[ROWS];
-        for (int j = 0; j < ROWS; j++) group[j] = (const uint8_t *)w + offset_of(j * K + g * SUPER, type);
+        for (int j = 0; j < ROWS; j++) {
+            group[j] = (const uint8_t *)w + offset_of(j * K + g * SUPER, type);
+            for (long at = 0; at < group_bytes(type); at += 64)  /* as across_block: rows come from memory */
+                __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+        }
         unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++) {
             for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], type, u);
