@@ -1,10 +1,11 @@
 /* What the kernels' products cost a weight when memory is out of it: a 512 x 2048 matrix of each block type (its
  * blocks random bytes, scales set finite), small enough to stay in L2, through linear() over and over; ns a weight
  * a row, the thread's CPU time (other processes' time on a shared machine is not counted), best of 30 calls. Rows
- * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact).
+ * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact), and 128 rows in
+ * int8 (two of linear()'s ROW_BLOCKs). Types named on the command line, else every one.
  *
  *     cc -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=off -Isrc/smollm2/kernels \
- *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs
+ *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs [Q5_K Q6_K ...]
  *
  * (-march=x86-64-v3 for the AVX2 build.) The build's flags are kernels/build.py's. */
 #include "kernels.c"
@@ -38,12 +39,15 @@ static double cost(const uint8_t *w, int type, long B, int int8) {
     return best * 1e9 / ((double)N * K * B);
 }
 
-int main(void) {
+int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one */
     const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1};
     const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1"};
-    printf("ns a weight a row   int8: 1 row   4 rows  16 rows   64 rows: int8 / exact\n");
+    printf("ns a weight a row   int8: 1 row   4 rows  16 rows   64 rows: int8 / exact  128 rows: int8\n");
     for (int t = 0; t < 8; t++) {
         const int type = types[t];
+        int named = argc == 1;
+        for (int a = 1; a < argc; a++) named |= strcmp(argv[a], names[t]) == 0;
+        if (!named) continue;
         const long groups = (long)N * K / group_size(type), bytes = group_bytes(type);
         uint8_t *w = malloc(groups * bytes);
         for (long i = 0; i < groups * bytes; i++) w[i] = (uint8_t)rand();
@@ -58,8 +62,8 @@ int main(void) {
                 if (type == Q4_1 || type == Q5_1) memcpy(group + 4, &scale, 4);
             }
         }
-        printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f\n", names[t], cost(w, type, 1, 1), cost(w, type, 4, 1),
-               cost(w, type, 16, 1), cost(w, type, 64, 1), cost(w, type, 64, 0));
+        printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f %9.3f\n", names[t], cost(w, type, 1, 1), cost(w, type, 4, 1),
+               cost(w, type, 16, 1), cost(w, type, 64, 1), cost(w, type, 64, 0), cost(w, type, 128, 1));
         free(w);
     }
     return 0;

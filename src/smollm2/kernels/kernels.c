@@ -982,9 +982,11 @@ static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group
     return q;
 }
 
-static inline vi dpbusd(vi acc, vi u, const int8_t *x) {  /* acc + 4 products of unsigned u and signed x a lane */
-    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_loadu_si512(x));
+static inline vi dpbusd_of(vi acc, vi u, vi x) {  /* acc + 4 products of unsigned u and signed x a lane */
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
 }
+
+static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u, (vi)_mm512_loadu_si512(x)); }
 
 /* int8_block for a K-quant (its contract). */
 static inline __attribute__((always_inline)) void across_block(const struct int8_rows *x, long first, const int c,
@@ -1201,13 +1203,166 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + sum8(offsets[i][j]);
 }
 
+#if ACROSS
+/* A prompt's rows against ROWS weight rows of a K-quant: across_block's arithmetic, each (activation row, weight
+ * row) pair's operations the same and in the same order (so the same bits as a row gets alone), but the weights'
+ * integers and scales unpacked once for all the prompt's rows, not once every COLS of them: into a scratch of
+ * ROWS x K bytes and a few floats a super-block (L1 or L2), after which each step is loads, dpbusd, a convert and
+ * a multiply-add. across_block spent most of its time unpacking (benchmarks/int8_costs.c). The b d (sum q_x)
+ * terms go in a pass of their own, so that the main loop's accumulators stay in registers. */
+enum { SPAN = 2 };  /* activation rows a step: SPAN x ROWS accumulators and their inputs in registers */
+
+struct across_weights {  /* ROWS weight rows' super-blocks unpacked, each (ROWS, K / SUPER, ...) */
+    const vi *q;  /* across_ints' 4 steps (Q6_K: q - 32, signed) */
+    const vf *a;  /* Q4_K, Q5_K: a of sub-block l % 8 in lane l; Q6_K: a of each sub-block's first 16, last 16 */
+    const vf *b;  /* Q4_K, Q5_K: b of each sub-block, two weight rows a vector ((ROWS / 2, K / SUPER)) */
+    const vi *minus;  /* Q6_K: - 128 (sum q - 32) of steps 0-1 and 2-3 (below) */
+};
+
+/* acc[i][j]: the a d (sum q_w q_x) terms of activation row first + i (i < c) against w's row j. */
+static inline __attribute__((always_inline)) void across_span(const struct int8_rows *x, long first, const int c,
+                                                              const struct across_weights *w, const int type,
+                                                              long K, vf (*acc)[ROWS]) {
+    const long supers = K / SUPER, blocks = K / BLOCK;
+    vf sum_of[SPAN][ROWS] = {{{0}}};
+    for (long g = 0; g < supers; g++) {
+        vi xv[SPAN][4];  /* the activations in registers, each weight vector loaded once for them */
+        vf d[SPAN];
+        for (int i = 0; i < c; i++) {
+            const int8_t *xq = x->across + (first + i) * K + g * SUPER;
+            for (int u = 0; u < 4; u++) {
+                xv[i][u] = (vi)_mm512_loadu_si512(xq + 64 * u);
+                IN_REGISTER(xv[i][u]);
+            }
+            d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + (first + i) * blocks + g * SUBS));
+            for (int u = 0; type == Q6_K && u < 4; u++) xv[i][u] ^= (vi)_mm512_set1_epi8(-128);  /* x + 128 */
+        }
+        for (int j = 0; j < ROWS; j++) {
+            vi q[4];
+            for (int u = 0; u < 4; u++) {
+                q[u] = w->q[(j * supers + g) * 4 + u];
+                IN_REGISTER(q[u]);
+            }
+            const vf *a = w->a + (j * supers + g) * 2;
+            for (int i = 0; i < c; i++) {
+                if (type == Q6_K) {  /* sum (x + 128)(q - 32) - 128 sum (q - 32): across_block's integers */
+                    const vi *minus = w->minus + (j * supers + g) * 2;
+                    const vi first16 = dpbusd_of(dpbusd_of(minus[0], xv[i][0], q[0]), xv[i][1], q[1]),
+                             last16 = dpbusd_of(dpbusd_of(minus[1], xv[i][2], q[2]), xv[i][3], q[3]);
+                    sum_of[i][j] = fmadd(__builtin_convertvector(first16, vf), a[0] * d[i], sum_of[i][j]);
+                    sum_of[i][j] = fmadd(__builtin_convertvector(last16, vf), a[1] * d[i], sum_of[i][j]);
+                } else {
+                    vi sum = dpbusd_of((vi){0}, q[0], xv[i][0]);
+                    for (int u = 1; u < 4; u++) sum = dpbusd_of(sum, q[u], xv[i][u]);
+                    sum_of[i][j] = fmadd(__builtin_convertvector(sum, vf), a[0] * d[i], sum_of[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < c; i++)
+        for (int j = 0; j < ROWS; j++) acc[i][j] = sum_of[i][j];
+}
+
+/* The b d (sum q_x) terms of activation row i against w's rows, each sub-block's 8 lanes added in the super-blocks'
+ * order, as across_block's offsets; two weight rows a vector. */
+static inline void across_offsets(const struct int8_rows *x, long i, const struct across_weights *w, int type,
+                                  long K, float *offsets) {
+    const long supers = K / SUPER, blocks = K / BLOCK;
+    vf pairs[ROWS / 2] = {{0}};
+    for (long g = 0; type != Q6_K && g < supers; g++) {
+        const vf ds = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + i * blocks + g * SUBS));
+        for (int p = 0; p < ROWS / 2; p++) pairs[p] += w->b[p * supers + g] * ds;
+    }
+    for (int p = 0; p < ROWS / 2; p++) {
+        offsets[2 * p] = sum8(__builtin_shufflevector(pairs[p], pairs[p], 0, 1, 2, 3, 4, 5, 6, 7));
+        offsets[2 * p + 1] = sum8(__builtin_shufflevector(pairs[p], pairs[p], 8, 9, 10, 11, 12, 13, 14, 15));
+    }
+}
+
+/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a K-quant (across_span's way). */
+static inline __attribute__((always_inline)) void across_rows(const struct int8_rows *x, long B, const void *w,
+                                                              const int type, long K, float *sums) {
+    const long supers = K / SUPER;
+    vi q[ROWS * supers * 4];
+    vi minus[type == Q6_K ? ROWS * supers * 2 : 1];
+    vf a[ROWS * supers * 2], b[ROWS / 2 * supers];
+    for (long g = 0; g < supers; g++) {
+        const uint8_t *group[ROWS];
+        struct scales s[ROWS];
+        for (int j = 0; j < ROWS; j++) {
+            group[j] = (const uint8_t *)w + offset_of(j * K + g * SUPER, type);
+            for (long at = 0; at < group_bytes(type); at += 64)  /* as across_block: rows come from memory */
+                __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+        }
+        unpack_each(group, type, s);
+        for (int j = 0; j < ROWS; j++) {
+            for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], type, u);
+            vf *at = a + (j * supers + g) * 2;
+            if (type == Q6_K) {  /* q - 32, signed, against x + 128 (one sum for every activation row), and the a of
+                                  * across_block's first_a, last_a */
+                vi *at_q = q + (j * supers + g) * 4;
+                const vi o = (vi)_mm512_set1_epi8(-128);
+                for (int u = 0; u < 4; u++) at_q[u] = (vi)_mm512_sub_epi8((__m512i)at_q[u], _mm512_set1_epi8(32));
+                minus[(j * supers + g) * 2] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[0]), o, at_q[1]);
+                minus[(j * supers + g) * 2 + 1] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[2]), o, at_q[3]);
+                const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+                at[0] = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a));
+                at[1] = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
+                                                  _mm512_loadu_ps(s[j].a));
+            } else {
+                at[0] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(s[j].a));
+                memcpy((float *)&b[j / 2 * supers + g] + j % 2 * 8, s[j].a + SUBS, sizeof(float) * 8);
+            }
+        }
+    }
+    const struct across_weights unpacked = {q, a, b, minus};
+    long i = 0;
+    for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (sum_lanes_of: the same additions as sum_lanes) */
+        vf acc[COLS][ROWS];
+        for (int at = 0; at < COLS; at += SPAN) across_span(x, i + at, SPAN, &unpacked, type, K, acc + at);
+        const vf all = sum_lanes_of((const vf *)acc);
+        for (int r = 0; r < COLS; r++) {
+            float offsets[ROWS];
+            across_offsets(x, i + r, &unpacked, type, K, offsets);
+            for (int j = 0; j < ROWS; j++) sums[(i + r) * LANES + j] = all[r * ROWS + j] + offsets[j];
+        }
+    }
+    for (; i < B; i++) {
+        vf acc[1][ROWS];
+        float offsets[ROWS];
+        across_span(x, i, 1, &unpacked, type, K, acc);
+        across_offsets(x, i, &unpacked, type, K, offsets);
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]) + offsets[j];
+    }
+}
+#endif
+
+#ifndef PROMPT_ROWS
+#define PROMPT_ROWS 8  /* rows from which across_rows' unpacking once pays */
+#endif
+/* int8_block of activation rows 0..B-1 against ROWS weight rows w of type W, where a prompt's tile multiplies them
+ * (across_rows): whether it did. */
+static inline __attribute__((always_inline)) int prompt_rows(const struct int8_rows *x, long B, const void *w,
+                                                             const int type, long K, float *sums) {
+#if ACROSS
+    if (is_super(type) && B >= PROMPT_ROWS) {
+        across_rows(x, B, w, type, K, sums);
+        return 1;
+    }
+#endif
+    (void)x, (void)B, (void)w, (void)type, (void)K, (void)sums;
+    return 0;
+}
+
 /* sums (B, LANES): quantized activation rows 0..B-1 of x against weight rows n..n+LANES-1 of type W, ROWS at a time,
- * COLS activation rows at a time (the weights' block stays in L1 across them); a function for each type. */
+ * COLS activation rows at a time (the weights' block stays in L1 across them), or a prompt's tile (prompt_rows); a
+ * function for each type. */
 #define INT8_ROWS_AS(W)                                                                                        \
     static __attribute__((noinline)) void int8_rows_##W(const struct int8_rows *x, const void *w, long B,     \
                                                         long n, long K, float *sums) {                        \
         for (int j = 0; j < LANES; j += ROWS) {                                                                \
             const void *rows = (const char *)w + offset_of((n + j) * K, W);                                    \
+            if (prompt_rows(x, B, rows, W, K, sums + j)) continue;                                             \
             long b = 0;                                                                                        \
             for (; b + COLS <= B; b += COLS) int8_block(x, b, COLS, rows, W, K, sums + b * LANES + j);         \
             for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j);                          \
@@ -1390,7 +1545,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_block multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
+ * asks): where across_rows multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
  * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
 int int8_prompts(int w_type) { return ACROSS && is_super(w_type); }
 
