@@ -418,3 +418,19 @@ def test_the_slots_rows_no_longer_hold_go_back_to_the_os(kv_cache_dtype):
         while not long_.finish_reason:
             engine.step()
     assert all(t.any() for t in held) and not any(t.any() for t in engine.cache.parts)
+
+
+def test_the_cache_a_prefill_pass_writes_counts_as_used(monkeypatch):
+    """kv_cache_usage (the server's vllm:kv_cache_usage_perc) while a prefill pass runs counts the slots its rows
+    are being given, as vLLM counts a scheduled prompt's blocks: rows out of the queue and not yet decoding hold
+    them already. Once every row has ended, nothing."""
+    model = tiny_model(TINY["gqa"])
+    engine = Engine(model, 2, 64, prefill_budget=None)
+    rows = [engine.admit(Sequence(list(range(3, 3 + n)), 2, Sampling(), eos=())) for n in (20, 30)]
+    seen = []
+    fill = engine._fill
+    monkeypatch.setattr(engine, "_fill", lambda plan: seen.append(engine.kv_cache_usage) or fill(plan))
+    while not all(row.ended for row in rows):
+        engine.step()
+    assert seen and seen[0] == (20 + 30) / (2 * engine.cache.max_len)
+    assert engine.kv_cache_usage == 0

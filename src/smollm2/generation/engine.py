@@ -119,6 +119,7 @@ class Engine:
         self.filling: Row | None = None  # the row whose prompt is being prefilled, in cache row len(decoding)
         self.filling_at = 0  # the cache row it holds (a retired row moves it to len(decoding) again)
         self.planned: list[Row] = []  # the rows of the prefill pass running now, out of the queue (load() counts them)
+        self.planned_slots: dict[int, int] = {}  # id(row): the cache slots each planned row holds once the pass ends
         self.queued: collections.deque[Row] = collections.deque()  # admitted, waiting for a cache row
         self.passes = self.decoded = 0  # decoding passes run, and the tokens they gave (more with speculation)
         self.guessed = self.kept = 0  # tokens speculating rows guessed, and those the model kept
@@ -130,10 +131,12 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The share of the cache's slots (every row's whole length) that rows hold, from 0 to 1. Read from
-        another thread too (metrics): it copies what it reads."""
-        rows = [*self.decoding, self.filling]
-        return sum(row.filled for row in rows if row is not None) / (self.cache_rows * self.cache.max_len)
+        """The share of the cache's slots (every row's whole length) that rows hold, from 0 to 1; a row of the
+        prefill pass running now holds the slots the pass writes (as vLLM counts a scheduled prompt's blocks). Read
+        from another thread too (metrics): it copies what it reads."""
+        planned = self.planned_slots  # the pass running now writes these rows' slots: they hold them already
+        rows = {id(row): row.filled for row in [*self.decoding, self.filling] if row is not None}
+        return sum({**rows, **planned}.values()) / (self.cache_rows * self.cache.max_len)
 
     @property
     def free(self) -> int:
@@ -257,6 +260,7 @@ class Engine:
         try:
             while plan := self._plan(spent):
                 self.planned = [row for row, _, _ in plan]
+                self.planned_slots = {id(row): taken[-1][1] if taken else row.filled for row, _, taken in plan}
                 spent += sum(end - begin for _, _, chunks in plan for begin, end in chunks)
                 for (row, at, _), h in zip(plan, self._fill(plan)):
                     if row.filled < len(row.sequence.prompt):  # the budget is spent: the rest is the next step's
@@ -272,7 +276,7 @@ class Engine:
                 if self.filling is not None:
                     break
         finally:
-            self.planned = []
+            self.planned, self.planned_slots = [], {}
         return ready, logits
 
     def _plan(self, spent: int) -> list[tuple[Row, int, list[tuple[int, int]]]]:
