@@ -85,7 +85,8 @@ def cpu_flags() -> set[str]:
 
 
 # What running each x86 tier needs, and the CPU models whose tuning a build for it may carry (GCC's -mtune names;
-# one a compiler does not know is left out). Tuning decides instruction choice and scheduling, and must never
+# one a compiler does not know is left out): those whose best tier it is, since a build for this machine
+# (-march=native) carries its own CPU's tuning with its own tier (an AVX-512 CPU's with x86-64-v4's code). Tuning decides instruction choice and scheduling, and must never
 # change a result's bits: it once did, where GCC fused multiply-adds differently per CPU model (-mtune=znver2 keeps
 # reduction chains unfused, for a lone row differently than for a tile of rows). With contraction off and every
 # fused multiply-add written as one, every build of a tier gives the bits of every other, whatever the tuning, the
@@ -93,8 +94,7 @@ def cpu_flags() -> set[str]:
 # their hashes of every result compared.
 X86_TIERS = {"x86-64": (set(), ["generic"]),
              "x86-64-v3": ({"avx2", "fma", "bmi2", "f16c"},
-                           ["generic", "haswell", "skylake", "icelake-server", "sapphirerapids", "alderlake", "znver1",
-                            "znver2", "znver3", "znver4"]),
+                           ["generic", "haswell", "skylake", "alderlake", "znver1", "znver2", "znver3"]),
              "x86-64-v4": ({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
                            ["generic", "skylake-avx512", "icelake-server", "sapphirerapids", "znver4"]),
              "native": (set(), ["generic", "native"])}
