@@ -51,16 +51,12 @@ int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one *
         const long groups = (long)N * K / group_size(type), bytes = group_bytes(type);
         uint8_t *w = malloc(groups * bytes);
         for (long i = 0; i < groups * bytes; i++) w[i] = (uint8_t)rand();
-        for (long g = 0; g < groups; g++) {  /* finite scales: float16 ones for the K-quants, float32 for ours */
+        for (long g = 0; g < groups; g++) {  /* finite float16 scales where GGUF's blocks have them (and minima) */
             uint8_t *group = w + g * bytes;
             const uint16_t half = 0x1000 + (rand() & 0x3ff);
-            const float scale = 1e-3f;
             if (type == Q6_K) memcpy(group + 208, &half, 2);
-            else if (is_super(type)) memcpy(group, &half, 2), memcpy(group + 2, &half, 2);
-            else {
-                memcpy(group, &scale, 4);
-                if (type == Q4_1 || type == Q5_1) memcpy(group + 4, &scale, 4);
-            }
+            else memcpy(group, &half, 2);
+            if (type == Q4_K || type == Q5_K || type == Q4_1 || type == Q5_1) memcpy(group + 2, &half, 2);
         }
         printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f %9.3f\n", names[t], cost(w, type, 1, 1), cost(w, type, 4, 1),
                cost(w, type, 16, 1), cost(w, type, 64, 1), cost(w, type, 64, 0), cost(w, type, 128, 1));
