@@ -38,6 +38,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ import torch
 from ..errors import FieldError, SmolError
 from ..json_schema import MAX_SCHEMA_CHARS, check_schema
 from ..tools import CALL_BEGIN, CALL_END, Tools
+
+if TYPE_CHECKING:  # imported at a grammar's first use (_llguidance): a model's run that uses none does not pay for it
+    import llguidance
 
 MAX_PATTERN_CHARS = 256  # a regex is a request's input too: llguidance builds its automaton as tokens come, each
 # step's share bounded by its fuel (a pattern that needs more at its start is refused at once); a longer pattern
