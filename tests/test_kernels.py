@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from gguf_files import gguf_name, gguf_tensors, write_gguf
 
 from smollm2 import SmolError, SmolLM2, Tokenizer, kernels, load
+from smollm2.checkpoints.gguf import SCALES
 from smollm2.generation import generate
 from smollm2.generation.steps import decode_step
 from smollm2.kernels import accelerate, ops
@@ -236,8 +237,7 @@ def linears(model) -> list[torch.nn.Module]:
 
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-SCALES_AT = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-             Q.Q5_0: (0,), Q.Q5_1: (0, 2)}
+SCALES_AT = SCALES  # every type the kernels stream: where its blocks' float16 scales sit
 WIDE = dataclasses.replace(TINY["gqa"], hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=1024)
 
 
