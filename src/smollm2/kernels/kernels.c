@@ -742,13 +742,25 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 #define ACROSS 0
 #endif
 
+#if LANES == 16 && defined(__AVX512VNNI__)
+#define LANE_BLOCKS 1  /* the blocks of 32's tile below, a 32-bit lane for each block (lanes_block, lanes_rows) */
+#else
+#define LANE_BLOCKS 0
+#endif
+enum { STRIPE = 16 * BLOCK };  /* LANE_BLOCKS: 16 blocks of a row, one a lane */
+static inline long stripes_of(long K) { return (K / BLOCK + 15) / 16; }
+
 /* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q).
  * With ACROSS, where K is whole super-blocks, `across` holds q again in across_block's order: each 256 values as 4
- * steps of 64 bytes, step u's 32-bit lane l the 4 values 4 (2u + l / 8).. of block l % 8. */
+ * steps of 64 bytes, step u's 32-bit lane l the 4 values 4 (2u + l / 8).. of block l % 8. With LANE_BLOCKS, `sum`
+ * holds each block's sum of q, and `lanes` q + 128 (unsigned) in lanes_rows' order: each stripe of 16 blocks (the
+ * last padded with zeros) as 8 steps of 64 bytes, step u's lane l the 4 values 4u.. of block BLOCK_OF(l). */
 struct int8_rows {
     int8_t *q;
     float *d, *s;
     int8_t *across;
+    int32_t *sum;
+    uint8_t *lanes;  /* stripes_of(K) * STRIPE bytes a row */
 };
 
 #if ACROSS
@@ -770,9 +782,61 @@ static void across_order(const int8_t *q, long n, int8_t *across) {
 }
 #endif
 
+#if LANE_BLOCKS
+/* The blocks of 32 with AVX-512 and VNNI take 16 blocks of a row (a stripe) at a time, one a 32-bit lane, so that
+ * one convert and one multiply-add scale 16 blocks' integer sums at once. Lane l holds block BLOCK_OF(l) of its
+ * stripe, the order that comes of adding each block's 4 lanes of a register of 4 blocks (block_sums) and of their
+ * transposition (to_lanes); its scales and sums are permuted to it (in_lanes). */
+#define BLOCK_OF(l) (4 * ((l) % 4) + (l) / 4)
+static inline __m512i block_order(void) { return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); }
+
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
+
+/* 16 values a block of a stripe whose first `valid` blocks are (zeros for the others, unread), into lane order. */
+static inline vi in_lanes(const void *p, int valid) {
+    return (vi)_mm512_permutexvar_epi32(block_order(), _mm512_maskz_loadu_epi32(first_lanes(valid), p));
+}
+
+/* Blocks 0..3 of quantized activations q (those from `valid` on zeros, unread) as the halves of a register of 4
+ * blocks, 128-bit lane k block k's: lo its values 0-15, hi its 16-31 (the weights' layout, quad_ints). */
+static inline void quad_halves(const int8_t *q, int valid, vi *lo, vi *hi) {
+    const __m512i two = _mm512_maskz_loadu_epi64(valid >= 2 ? 0xff : valid == 1 ? 0x0f : 0, q),
+                  next = _mm512_maskz_loadu_epi64(valid >= 4 ? 0xff : valid == 3 ? 0x0f : 0, q + 2 * BLOCK);
+    *lo = (vi)_mm512_permutex2var_epi64(two, _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0), next);
+    *hi = (vi)_mm512_permutex2var_epi64(two, _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2), next);
+}
+
+/* 4 registers of 4 blocks (r[m]'s 128-bit lane k: block 4m + k, 4 words) as 4 steps in lane order: out[s]'s lane
+ * 4k + m word s of r[m]'s lane k (a 4 x 4 transposition in each 128-bit lane). */
+static inline void to_lanes(const vi *r, vi *out) {
+    const __m512i t0 = _mm512_unpacklo_epi32((__m512i)r[0], (__m512i)r[1]),
+                  t1 = _mm512_unpackhi_epi32((__m512i)r[0], (__m512i)r[1]),
+                  t2 = _mm512_unpacklo_epi32((__m512i)r[2], (__m512i)r[3]),
+                  t3 = _mm512_unpackhi_epi32((__m512i)r[2], (__m512i)r[3]);
+    out[0] = (vi)_mm512_unpacklo_epi64(t0, t2), out[1] = (vi)_mm512_unpackhi_epi64(t0, t2);
+    out[2] = (vi)_mm512_unpacklo_epi64(t1, t3), out[3] = (vi)_mm512_unpackhi_epi64(t1, t3);
+}
+
+/* A row of K quantized values into lanes order, + 128 (unsigned, as lanes_rows multiplies them). */
+static void lanes_order(const int8_t *q, long K, uint8_t *lanes) {
+    const long blocks = K / BLOCK;
+    for (long b = 0; b < blocks; b += 16, lanes += STRIPE) {
+        vi lo[4], hi[4], steps[8];
+        for (int m = 0; m < 4; m++) {
+            const long left = blocks - b - 4 * m;
+            quad_halves(q + (b + 4 * m) * BLOCK, left < 0 ? 0 : left > 4 ? 4 : (int)left, &lo[m], &hi[m]);
+        }
+        to_lanes(lo, steps), to_lanes(hi, steps + 4);
+        for (int u = 0; u < 8; u++) _mm512_storeu_si512(lanes + 64 * u, (__m512i)(steps[u] ^ (int32_t)0x80808080));
+    }
+}
+#endif
+
 /* x (R, K) of x_type into `out`, a block of 32 at a time; with `across` (weights that across_block multiplies),
- * and where K is whole super-blocks, q in its order too. */
-static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out, int across) {
+ * and where K is whole super-blocks, q in its order too; with `lanes` (weights of 32-blocks, LANE_BLOCKS), q in
+ * lanes order. */
+static void quantize_rows(const void *x, int x_type, long R, long K, const struct int8_rows *out, int across,
+                          int lanes) {
     const vf magic = splat(0x1.8p23f);  /* v + magic - magic: v rounded to the nearest integer, ties to even */
     for (long i = 0; i < R * K / BLOCK; i++) {
         vf v[BLOCK / LANES], most = {0};
@@ -793,11 +857,18 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         int total = 0;
         for (int l = 0; l < LANES; l++) total += sum[l];
         out->d[i] = d, out->s[i] = d * (float)total;
+        if (out->sum) out->sum[i] = total;
     }
 #if ACROSS
     if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across);
 #else
     (void)across;
+#endif
+#if LANE_BLOCKS
+    for (long r = 0; lanes && out->lanes && r < R; r++)
+        lanes_order(out->q + r * K, K, out->lanes + r * stripes_of(K) * STRIPE);
+#else
+    (void)lanes;
 #endif
 }
 
@@ -1050,96 +1121,231 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
 }
 #endif
 
-#if LANES == 16 && defined(__AVX512VNNI__)
-#define QUADS 1
-/* The blocks of 32 with AVX-512 and VNNI: four weight rows' blocks in one register, each 128 bits one row's 16
- * weights of a half of its block (weights 0-15, then 16-31), against the activations' half in every 128 bits: the
- * lanes hold the very int32 and float32 steps of int8_block's 8 a row (the same products into the same lane, the
- * same scale, one multiply-add a block in the blocks' order), so the same bits, from fewer instructions: a Q4_0
- * row's 16 bytes give both halves (a mask, a shift), the four rows' float16 scales convert at once (F16C, the
- * float32 value HALVES holds) and one vector applies them to both halves. */
-static inline __attribute__((always_inline)) void quad_ints(const uint8_t *const *group, const int type, vi *half) {
-#define ROW_AT(j, at) _mm_loadu_si128((const __m128i *)(group[j] + (at)))
-#define ROWS_AT(at)                                                                                               \
-    _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(ROW_AT(0, at)), ROW_AT(1, at), \
-                                                             1), ROW_AT(2, at), 2), ROW_AT(3, at), 3)
-    if (type == Q8_0) {  /* as ints_of: q + 128, unsigned; two rows' 32 bytes a register, then their halves */
-#define TWO_ROWS(j)                                                                                             \
-    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group[j] + 2))),              \
-                       _mm256_loadu_si256((const __m256i *)(group[j + 1] + 2)), 1)
-        const __m512i rows01 = TWO_ROWS(0), rows23 = TWO_ROWS(2);
-#undef TWO_ROWS
-        half[0] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(2, 0, 2, 0)) ^ (int32_t)0x80808080;
-        half[1] = (vi)_mm512_shuffle_i64x2(rows01, rows23, _MM_SHUFFLE(3, 1, 3, 1)) ^ (int32_t)0x80808080;
+#if LANE_BLOCKS
+/* The blocks of 32 with AVX-512 and VNNI: a stripe of 16 blocks of a weight row at a time, each block's 32 products
+ * summed in one int32 lane (block BLOCK_OF(l) in lane l), then one convert and one multiply-add by the 16 blocks' a d
+ * take the stripe to float32 (Q4_1, Q5_1: and one multiply-add by their b and d (sum q_x)), lane l's float sums in
+ * the stripes' order, the lanes added at the end as sum_lanes adds them. A decoding step's row (lanes_block) reads
+ * the weights as the file holds them: 4 blocks a register, each 128 bits one block's 16 weights of a half (a Q4_0
+ * block's 16 bytes give both halves, a mask and a shift), against the activations' same halves, two dpbusd a
+ * register; then each block's 4 lanes added across the 4 registers (block_sums: a transposition's adds) and the
+ * - o (sum q_x) of each activation block (int8_rows' sum) added once for all the weight rows; the 16 blocks' float16
+ * scales are gathered and converted at once. A prompt's rows (lanes_rows) take the weights unpacked once into the
+ * lanes order, where each step is a dpbusd alone. Both give each block's exact integer sum to the same float32
+ * steps, so a row's bits are the same either way. */
+
+/* Blocks 0..3 of a weight row (those from `valid` on read as block valid - 1: their lanes are dropped later) as the
+ * integers u of their weights a (u - o) + b, o its int8_offset (ints_of's), each 128-bit lane k block k's: lo its
+ * weights 0-15, hi its 16-31. */
+static inline __attribute__((always_inline)) void quad_ints(const uint8_t *block, const int type, const int valid,
+                                                            vi *lo, vi *hi) {
+    const long bytes = group_bytes(type);
+    const uint8_t *at[4];
+    for (int k = 0; k < 4; k++) at[k] = block + (k < valid ? k : valid - 1) * bytes;
+    if (type == Q8_0) {  /* q + 128, unsigned; two blocks' 32 bytes a register, then their halves */
+#define TWO(k) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at[k] + 2))),      \
+                                  _mm256_loadu_si256((const __m256i *)(at[(k) + 1] + 2)), 1)
+        const __m512i first = TWO(0), last = TWO(2);
+#undef TWO
+        *lo = (vi)_mm512_shuffle_i64x2(first, last, _MM_SHUFFLE(2, 0, 2, 0)) ^ (int32_t)0x80808080;
+        *hi = (vi)_mm512_shuffle_i64x2(first, last, _MM_SHUFFLE(3, 1, 3, 1)) ^ (int32_t)0x80808080;
         return;
     }
-    const vi bytes = (vi)ROWS_AT(quants_at(type));  /* nibbles() of each row: low 4 bits, then high */
-    half[0] = bytes & 0x0f0f0f0f, half[1] = (vi)_mm512_srli_epi16((__m512i)bytes, 4) & 0x0f0f0f0f;
-    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a row's word sets its byte j */
+#define QUANTS(k) _mm_loadu_si128((const __m128i *)(at[k] + quants_at(type)))
+    const __m512i bytes4 = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(
+                               QUANTS(0)), QUANTS(1), 1), QUANTS(2), 2), QUANTS(3), 3);  /* nibbles() of each */
+#undef QUANTS
+    *lo = (vi)bytes4 & 0x0f0f0f0f, *hi = (vi)_mm512_srli_epi16(bytes4, 4) & 0x0f0f0f0f;
+    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a block's word sets its byte j */
         uint64_t low = 0, high = 0;
-        for (int j = 0; j < ROWS; j++) {
+        for (int k = 0; k < 4; k++) {
             uint32_t fifth;
-            memcpy(&fifth, group[j] + fifth_at(type), 4);
-            low |= (uint64_t)(fifth & 0xffff) << 16 * j, high |= (uint64_t)(fifth >> 16) << 16 * j;
+            memcpy(&fifth, at[k] + fifth_at(type), 4);
+            low |= (uint64_t)(fifth & 0xffff) << 16 * k, high |= (uint64_t)(fifth >> 16) << 16 * k;
         }
-        half[0] |= (vi)_mm512_movm_epi8(low) & 0x10101010, half[1] |= (vi)_mm512_movm_epi8(high) & 0x10101010;
+        *lo |= (vi)_mm512_movm_epi8(low) & 0x10101010, *hi |= (vi)_mm512_movm_epi8(high) & 0x10101010;
     }
-#undef ROWS_AT
-#undef ROW_AT
 }
 
-/* int8_block for a block of 32 (its contract). */
-static inline __attribute__((always_inline)) void quads_block(const struct int8_rows *x, long first, const int c,
-                                                              const void *w, const int type, long K, float *sums) {
-    _Static_assert(ROWS == 4, "four rows a register");
+/* Lane 4k + m (block BLOCK_OF of it, 4m + k): the 4 lanes of v[m]'s 128-bit lane k added. */
+static inline vi block_sums(const vi *v) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32((__m512i)v[0], (__m512i)v[1]),
+                                         _mm512_unpackhi_epi32((__m512i)v[0], (__m512i)v[1])),
+                  t23 = _mm512_add_epi32(_mm512_unpacklo_epi32((__m512i)v[2], (__m512i)v[3]),
+                                         _mm512_unpackhi_epi32((__m512i)v[2], (__m512i)v[3]));
+    return (vi)_mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+
+static inline __mmask16 valid_lanes(int valid) {  /* the lanes of a stripe's first `valid` blocks */
+    return valid >= 16 ? 0xffff : _mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid));
+}
+
+/* The a (and b: Q4_1, Q5_1) of a stripe's first `valid` blocks (from `block`) in lane order, the other lanes 0: each
+ * block's first 4 bytes gathered, their float16s converted at once (F16C: the float32 value HALVES holds). */
+static inline __attribute__((always_inline)) void stripe_scales(const uint8_t *block, const int type, int valid,
+                                                                vf *a, vf *b) {
+    const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid_lanes(valid),
+                                                      (__m512i)((vi)block_order() * (int32_t)group_bytes(type)),
+                                                      block, 1);
+    *a = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+
+static inline int quad_valid(int valid, int m) {  /* blocks of a stripe's quad m (4m..4m + 3) among its first valid */
+    return valid - 4 * m < 0 ? 0 : valid - 4 * m > 4 ? 4 : valid - 4 * m;
+}
+
+/* The stripe of blocks b.. (the first `valid` of it) of weight rows w (each its row's block b) against activation
+ * row `row`, into acc. */
+static inline __attribute__((always_inline)) void lanes_stripe(const struct int8_rows *x, long row, long b,
+                                                               const uint8_t *const *w, const int type,
+                                                               const int valid, long K, vf *acc) {
+    const long bytes = group_bytes(type), at = row * (K / BLOCK) + b;
     const int o = int8_offset(type), has_b = type == Q4_1 || type == Q5_1;
-    const long blocks = K / BLOCK, bytes = group_bytes(type);
-    vf acc[COLS][2] = {{{0}}};  /* the a d (sum q_w q_x) terms: row j's lanes 4j.. of each half */
-    v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms, lane 0 */
-    const __m512i each_row = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    for (long k = 0; k < blocks; k++) {
-        const uint8_t *group[ROWS];
-        uint16_t h[ROWS];
-        for (int j = 0; j < ROWS; j++) {
-            group[j] = (const uint8_t *)w + (j * blocks + k) * bytes;
-            __builtin_prefetch(group[j] + PREFETCH, 0, 1);  /* prefetcht2 */
-            memcpy(h + j, group[j], 2);
-        }
-        const vf a = (vf)_mm512_permutexvar_ps(each_row, _mm512_castps128_ps512(_mm_cvtph_ps(
-                         _mm_set_epi16(0, 0, 0, 0, (short)h[3], (short)h[2], (short)h[1], (short)h[0]))));
-        vi q[2];
-        quad_ints(group, type, q);
-        for (int i = 0; i < c; i++) {
-            const long at = (first + i) * blocks + k;
-            const vf scale = a * splat(x->d[at]);
-            for (int part = 0; part < 2; part++) {
-                const __m512i xq = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x->q + at * BLOCK +
-                                                                                           16 * part)));
-                const __m512i minus = o ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
-                                              _mm512_setzero_si512(), _mm512_set1_epi8((char)o), xq))
-                                        : _mm512_setzero_si512();
-                acc[i][part] = fmadd(__builtin_convertvector((vi)_mm512_dpbusd_epi32(minus, (__m512i)q[part], xq),
-                                                             vf), scale, acc[i][part]);
-            }
-        }
-        for (int j = 0; has_b && j < ROWS; j++)
-            for (int i = 0; i < c; i++) {
-                uint16_t b;
-                memcpy(&b, group[j] + 2, 2);
-                offsets[i][j][0] += HALVES[b] * x->s[(first + i) * blocks + k];
-            }
+    vi xlo[4], xhi[4];  /* the activations' halves, for every weight row */
+    for (int m = 0; m < 4; m++) {
+        quad_halves(x->q + (at + 4 * m) * BLOCK, quad_valid(valid, m), &xlo[m], &xhi[m]);
+        IN_REGISTER(xlo[m]);
+        IN_REGISTER(xhi[m]);
     }
-    for (int i = 0; i < c; i++) {
-        const vf low = acc[i][0], high = acc[i][1];
-#define ROW_SUM(j) sum8(__builtin_shufflevector(low, high, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3, 16 + 4 * j,      \
-                                                17 + 4 * j, 18 + 4 * j, 19 + 4 * j)) + sum8(offsets[i][j])
-        sums[i * LANES + 0] = ROW_SUM(0), sums[i * LANES + 1] = ROW_SUM(1);
-        sums[i * LANES + 2] = ROW_SUM(2), sums[i * LANES + 3] = ROW_SUM(3);
-#undef ROW_SUM
+    const vf d = (vf)in_lanes(x->d + at, valid), s = has_b ? (vf)in_lanes(x->s + at, valid) : (vf){0};
+    const vi minus = o ? -(in_lanes(x->sum + at, valid) << __builtin_ctz(o)) : (vi){0};  /* - o (sum q_x) */
+#pragma GCC unroll 4
+    for (int j = 0; j < ROWS; j++) {
+        const uint8_t *block = w[j] + b * bytes;
+        for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);  /* prefetcht2 */
+        vi v[4];
+        for (int m = 0; m < 4; m++) {
+            vi lo, hi;
+            v[m] = (vi){0};
+            if (!quad_valid(valid, m)) continue;
+            quad_ints(block + 4 * m * bytes, type, quad_valid(valid, m), &lo, &hi);
+            v[m] = (vi)_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), (__m512i)lo, (__m512i)xlo[m]),
+                                           (__m512i)hi, (__m512i)xhi[m]);
+        }
+        vi sum = block_sums(v) + minus;
+        if (valid < 16) sum = (vi)_mm512_maskz_mov_epi32(valid_lanes(valid), (__m512i)sum);
+        vf a, offset;
+        stripe_scales(block, type, valid, &a, &offset);
+        acc[j] = fmadd(__builtin_convertvector(sum, vf), a * d, acc[j]);
+        if (has_b) acc[j] = fmadd(offset, s, acc[j]);
     }
 }
-#else
-#define QUADS 0
+
+/* int8_block for a block of 32, activation row `row` alone (its contract). */
+static inline __attribute__((always_inline)) void lanes_block(const struct int8_rows *x, long row, const void *w,
+                                                              const int type, long K, float *sums) {
+    const long blocks = K / BLOCK;
+    const uint8_t *rows[ROWS];
+    for (int j = 0; j < ROWS; j++) rows[j] = (const uint8_t *)w + j * blocks * group_bytes(type);
+    vf acc[ROWS] = {{0}};
+    long b = 0;
+    for (; b + 16 <= blocks; b += 16) lanes_stripe(x, row, b, rows, type, 16, K, acc);
+    if (b < blocks) lanes_stripe(x, row, b, rows, type, blocks - b, K, acc);
+    for (int j = 0; j < ROWS; j++) sums[j] = sum_lanes(acc[j]);
+}
+
+/* A prompt's rows against ROWS weight rows of a block of 32: lanes_block's arithmetic, each (activation row, weight
+ * row) pair's the same (the same integer sums, the same float32 steps in the same order, so the same bits as a row
+ * gets alone), but the weights unpacked once for all the rows, into a scratch in lanes order (ROWS x K bytes and a
+ * few vectors a stripe): as signed w = u - o against the activations + 128 (int8_rows' lanes), whose sum
+ * (x + 128) w = sum x w + 128 sum w, the last a weights' term, taken out once a weight row (`start`). A stripe
+ * against a row is then 8 dpbusd, a convert, a multiply and a multiply-add. */
+enum { LANE_ROWS = 2 };  /* activation rows a step: their 8 steps of a stripe in registers */
+
+struct lane_weights {  /* ROWS weight rows' stripes unpacked, each (ROWS, stripes, ...) */
+    const vi *q;  /* 8 steps a stripe, w = u - o */
+    const vi *start;  /* - 128 (sum w) of each block */
+    const vf *a, *b;  /* each block's a, b (Q4_1, Q5_1) */
+};
+
+static inline __attribute__((always_inline)) void lanes_unpack(const void *w, const int type, long K, vi *q,
+                                                               vi *start, vf *a, vf *b) {
+    const long blocks = K / BLOCK, stripes = stripes_of(K), bytes = group_bytes(type);
+    for (int j = 0; j < ROWS; j++)
+        for (long g = 0; g < stripes; g++) {
+            const int valid = blocks - 16 * g < 16 ? (int)(blocks - 16 * g) : 16;
+            const uint8_t *block = (const uint8_t *)w + (j * blocks + 16 * g) * bytes;
+            for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);
+            vi lo[4], hi[4], *steps = q + (j * stripes + g) * 8;
+            for (int m = 0; m < 4; m++) {
+                const int n = quad_valid(valid, m);
+                lo[m] = hi[m] = (vi){0};
+                if (!n) continue;
+                quad_ints(block + 4 * m * bytes, type, n, &lo[m], &hi[m]);
+                const __m512i o = _mm512_set1_epi8((char)int8_offset(type));
+                const __mmask64 kept = n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 16 * n) - 1;  /* past valid: 0 */
+                lo[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)lo[m], o);
+                hi[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)hi[m], o);
+            }
+            to_lanes(lo, steps), to_lanes(hi, steps + 4);
+            __m512i sum = _mm512_setzero_si512();
+            for (int u = 0; u < 8; u++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8((char)0x80), (__m512i)steps[u]);
+            start[j * stripes + g] = -(vi)sum;
+            stripe_scales(block, type, valid, &a[j * stripes + g], &b[j * stripes + g]);
+        }
+}
+
+/* acc[i][j]: the float32 sums (lanes not yet added) of activation row first + i (i < c) against w's row j. */
+static inline __attribute__((always_inline)) void lanes_span(const struct int8_rows *x, long first, const int c,
+                                                             const struct lane_weights *w, const int type, long K,
+                                                             vf (*acc)[ROWS]) {
+    const long blocks = K / BLOCK, stripes = stripes_of(K);
+    const int has_b = type == Q4_1 || type == Q5_1;
+    vf sum_of[LANE_ROWS][ROWS] = {{{0}}};
+    for (long g = 0; g < stripes; g++) {
+        const int valid = blocks - 16 * g < 16 ? (int)(blocks - 16 * g) : 16;
+        vi xv[LANE_ROWS][8];  /* the activations in registers, each weight vector loaded once for them */
+        vf d[LANE_ROWS], s[LANE_ROWS];
+        for (int i = 0; i < c; i++) {
+            const uint8_t *lanes = x->lanes + ((first + i) * stripes + g) * STRIPE;
+            for (int u = 0; u < 8; u++) {
+                xv[i][u] = (vi)_mm512_loadu_si512(lanes + 64 * u);
+                IN_REGISTER(xv[i][u]);
+            }
+            const long at = (first + i) * blocks + 16 * g;
+            d[i] = (vf)in_lanes(x->d + at, valid), s[i] = has_b ? (vf)in_lanes(x->s + at, valid) : (vf){0};
+        }
+        for (int j = 0; j < ROWS; j++) {
+            const long at = j * stripes + g;
+            __m512i sum[LANE_ROWS];
+            for (int i = 0; i < c; i++) sum[i] = (__m512i)w->start[at];
+            for (int u = 0; u < 8; u++) {
+                const __m512i q = (__m512i)w->q[at * 8 + u];
+                for (int i = 0; i < c; i++) sum[i] = _mm512_dpbusd_epi32(sum[i], (__m512i)xv[i][u], q);
+            }
+            for (int i = 0; i < c; i++) {
+                sum_of[i][j] = fmadd(__builtin_convertvector((vi)sum[i], vf), w->a[at] * d[i], sum_of[i][j]);
+                if (has_b) sum_of[i][j] = fmadd(w->b[at], s[i], sum_of[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < c; i++)
+        for (int j = 0; j < ROWS; j++) acc[i][j] = sum_of[i][j];
+}
+
+/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a block of 32 (lanes_span's way). */
+static inline __attribute__((always_inline)) void lanes_rows(const struct int8_rows *x, long B, const void *w,
+                                                             const int type, long K, float *sums) {
+    const long stripes = stripes_of(K);
+    vi q[ROWS * stripes * 8], start[ROWS * stripes];
+    vf a[ROWS * stripes], b[ROWS * stripes];
+    lanes_unpack(w, type, K, q, start, a, b);
+    const struct lane_weights unpacked = {q, start, a, b};
+    long i = 0;
+    for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (sum_lanes_of: the same additions as sum_lanes) */
+        vf acc[COLS][ROWS];
+        for (int at = 0; at < COLS; at += LANE_ROWS) lanes_span(x, i + at, LANE_ROWS, &unpacked, type, K, acc + at);
+        const vf all = sum_lanes_of((const vf *)acc);
+        for (int r = 0; r < COLS; r++)
+            for (int j = 0; j < ROWS; j++) sums[(i + r) * LANES + j] = all[r * ROWS + j];
+    }
+    for (; i < B; i++) {
+        vf acc[1][ROWS];
+        lanes_span(x, i, 1, &unpacked, type, K, acc);
+        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]);
+    }
+}
 #endif
 
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
@@ -1153,9 +1359,9 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
         return;
     }
 #endif
-#if QUADS
-    if (!is_super(type) && c == 1) {  /* COLS rows' loop below was as fast (Q4_0) or faster (Q8_0) than it */
-        quads_block(x, first, c, w, type, K, sums);
+#if LANE_BLOCKS
+    if (!is_super(type)) {
+        for (int i = 0; i < c; i++) lanes_block(x, first + i, w, type, K, sums + i * LANES);
         return;
     }
 #endif
@@ -1350,6 +1556,12 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
         return 1;
     }
 #endif
+#if LANE_BLOCKS
+    if (!is_super(type) && B > 1) {  /* its unpacking once pays from 2 rows */
+        lanes_rows(x, B, w, type, K, sums);
+        return 1;
+    }
+#endif
     (void)x, (void)B, (void)w, (void)type, (void)K, (void)sums;
     return 0;
 }
@@ -1395,28 +1607,41 @@ static int any_across(const int *w_type, int count) {
     return any;
 }
 
+/* Whether R rows against any of `count` weight types go through lanes_rows (their q wanted in lanes order). */
+static int any_lanes(const int *w_type, int count, long R) {
+    int any = 0;
+    for (int m = 0; m < count; m++) any |= LANE_BLOCKS && R > 1 && group_bytes(w_type[m]) && !is_super(w_type[m]);
+    return any;
+}
+
 /* xq, x (R, K) quantized into it for `count` weights of w_type, or NULL where not asked (xq NULL) or K is not whole
  * blocks (then no weights of a block type either). In a decoding step each thread quantizes a product's whole
  * input (a few rows) into a copy of its own: the threads that split the product's outputs then need no barrier. */
 static const struct int8_rows *quantized(const struct int8_rows *xq, const void *x, int x_type, long R, long K,
                                          const int *w_type, int count) {
     if (!xq || K % BLOCK) return NULL;
-    quantize_rows(x, x_type, R, K, xq, any_across(w_type, count));
+    quantize_rows(x, x_type, R, K, xq, any_across(w_type, count), any_lanes(w_type, count, R));
     return xq;
 }
 
 /* Room for R rows of K quantized (struct int8_rows) in one allocation, or NULL out of memory. */
 static struct int8_rows int8_rows_for(long R, long K) {
-    char *room = malloc(R * K * (1 + ACROSS) + 2 * sizeof(float) * R * (K / BLOCK));
-    float *scales = room ? (float *)(room + R * K * (1 + ACROSS)) : NULL;
-    return (struct int8_rows){(int8_t *)room, scales, scales ? scales + R * (K / BLOCK) : NULL,
-                              ACROSS && room ? (int8_t *)room + R * K : NULL};
+    const long q = R * K, across = ACROSS ? R * K : 0, lanes = LANE_BLOCKS ? R * stripes_of(K) * STRIPE : 0,
+               blocks = R * (K / BLOCK);
+    char *room = malloc(q + across + lanes + (2 * sizeof(float) + (LANE_BLOCKS ? sizeof(int32_t) : 0)) * blocks);
+    if (!room) return (struct int8_rows){NULL};
+    float *scales = (float *)(room + q + across + lanes);
+    return (struct int8_rows){(int8_t *)room, scales, scales + blocks, ACROSS ? (int8_t *)room + q : NULL,
+                              LANE_BLOCKS ? (int32_t *)(scales + 2 * blocks) : NULL,
+                              LANE_BLOCKS ? (uint8_t *)room + q + across : NULL};
 }
 
 /* Rows first.. of quantized rows of K. */
 static struct int8_rows int8_rows_from(const struct int8_rows *x, long first, long K) {
     return (struct int8_rows){x->q + first * K, x->d + first * (K / BLOCK), x->s + first * (K / BLOCK),
-                              x->across ? x->across + first * K : NULL};
+                              x->across ? x->across + first * K : NULL,
+                              x->sum ? x->sum + first * (K / BLOCK) : NULL,
+                              x->lanes ? x->lanes + first * stripes_of(K) * STRIPE : NULL};
 }
 
 /* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
@@ -1521,14 +1746,14 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
     /* x quantized once, each thread its share of the rows (a prompt's many: each thread quantizing all of them was
      * a tenth of a 512-row product's time), then a barrier */
     const struct int8_rows xq = int8 && K % BLOCK == 0 ? int8_rows_for(B, K) : (struct int8_rows){NULL};
-    const int across = any_across(&w_type, 1);
+    const int across = any_across(&w_type, 1), lanes = any_lanes(&w_type, 1, B);
 #pragma omp parallel
     {
         if (xq.q) {
 #pragma omp for schedule(static)
             for (long r = 0; r < B; r++) {
                 const struct int8_rows row = int8_rows_from(&xq, r, K);
-                quantize_rows((const char *)x + r * K * size_of(type), type, 1, K, &row, across);
+                quantize_rows((const char *)x + r * K * size_of(type), type, 1, K, &row, across, lanes);
             }
         }
         for (long b = 0; b < B; b += ROW_BLOCK) {
@@ -1547,7 +1772,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
  * asks): where across_rows multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
  * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
-int int8_prompts(int w_type) { return ACROSS && is_super(w_type); }
+int int8_prompts(int w_type) { return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type); }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {
