@@ -1180,19 +1180,86 @@ static inline __mmask16 valid_lanes(int valid) {  /* the lanes of a stripe's fir
     return valid >= 16 ? 0xffff : _mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid));
 }
 
-/* The a (and b: Q4_1, Q5_1) of a stripe's first `valid` blocks (from `block`) in lane order, the other lanes 0: each
- * block's first 4 bytes gathered, their float16s converted at once (F16C: the float32 value HALVES holds). */
+/* The a (and b: Q4_1, Q5_1) of a stripe's first `valid` blocks (from `block`) in lane order, the other lanes 0:
+ * each block's first 4 bytes put in its lane's place (a gather was slower), their float16s converted at once (F16C:
+ * the float32 value HALVES holds). */
 static inline __attribute__((always_inline)) void stripe_scales(const uint8_t *block, const int type, int valid,
                                                                 vf *a, vf *b) {
-    const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid_lanes(valid),
-                                                      (__m512i)((vi)block_order() * (int32_t)group_bytes(type)),
-                                                      block, 1);
+    uint32_t each[16];
+    for (int l = 0; l < 16; l++) memcpy(each + l, block + (BLOCK_OF(l) < valid ? BLOCK_OF(l) : 0) * group_bytes(type), 4);
+    const __m512i words = _mm512_maskz_loadu_epi32(valid_lanes(valid), each);
     *a = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
 }
 
+/* Where a quad of 4 blocks fits 128 bytes (all but Q8_0), it is read as two 64-byte windows, its first 64 bytes and
+ * its last 64, and its parts picked from them by byte and word permutations: window byte t of a quad is its byte t
+ * (t < 64), else byte t - 64 + 4 bytes - 64. */
+static inline int windowed(int type) { return 4 * group_bytes(type) <= 128; }
+
+static inline int window_at(int type, int p) { return p < 64 ? p : p - (4 * (int)group_bytes(type) - 64) + 64; }
+
+/* The permutations' indices for each type, filled once as the library loads (computed where used, they were
+ * stored and loaded again every stripe). WINDOW_BYTES: byte 16k + i the window byte of the quad's block k's q byte
+ * i; WINDOW_WORDS[m]: word l (and 16 + l: b) of lane 4k + m the window word of quad m's block k's a (b). */
+typedef int8_t v64i8 __attribute__((vector_size(64)));
+typedef int16_t v32i16 __attribute__((vector_size(64)));
+static v64i8 WINDOW_BYTES[Q5_1 + 1];
+static v32i16 WINDOW_WORDS[Q5_1 + 1][4];
+
+__attribute__((constructor)) static void fill_windows(void) {
+    const int types[] = {Q4_0, Q4_1, Q5_0, Q5_1};
+    for (int i = 0; i < 4; i++) {
+        const int type = types[i], bytes = (int)group_bytes(type);
+        for (int t = 0; t < 64; t++)
+            WINDOW_BYTES[type][t] = (int8_t)window_at(type, t / 16 * bytes + quants_at(type) + t % 16);
+        for (int m = 0; m < 4; m++)
+            for (int l = m; l < 32; l += 4)
+                WINDOW_WORDS[type][m][l] = (int16_t)(window_at(type, l % 16 / 4 * bytes + l / 16 * 2) / 2);
+    }
+}
+
+/* quad_ints of the quad m of a whole stripe (from `quad`), and its a (b) into words (window_words' places). */
+static inline __attribute__((always_inline)) void quad_window(const uint8_t *quad, const int type, int m, vi *lo,
+                                                              vi *hi, __m512i *words) {
+    const long bytes = group_bytes(type);
+    const __m512i first = _mm512_loadu_si512(quad), last = _mm512_loadu_si512(quad + 4 * bytes - 64);
+    const __m512i nibbles = _mm512_permutex2var_epi8(first, (__m512i)WINDOW_BYTES[type], last);
+    *lo = (vi)nibbles & 0x0f0f0f0f, *hi = (vi)_mm512_srli_epi16(nibbles, 4) & 0x0f0f0f0f;
+    const __mmask32 lanes = (0x11111111u << m) & (type == Q4_1 || type == Q5_1 ? ~0u : 0xffffu);
+    *words = _mm512_or_si512(*words, _mm512_maskz_permutex2var_epi16(lanes, first, (__m512i)WINDOW_WORDS[type][m], last));
+    if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a block's word sets its byte j */
+        uint64_t low = 0, high = 0;
+        for (int k = 0; k < 4; k++) {
+            uint32_t fifth;
+            memcpy(&fifth, quad + k * bytes + fifth_at(type), 4);
+            low |= (uint64_t)(fifth & 0xffff) << 16 * k, high |= (uint64_t)(fifth >> 16) << 16 * k;
+        }
+        *lo |= (vi)_mm512_movm_epi8(low) & 0x10101010, *hi |= (vi)_mm512_movm_epi8(high) & 0x10101010;
+    }
+}
+
 static inline int quad_valid(int valid, int m) {  /* blocks of a stripe's quad m (4m..4m + 3) among its first valid */
     return valid - 4 * m < 0 ? 0 : valid - 4 * m > 4 ? 4 : valid - 4 * m;
+}
+
+/* The stripe of a weight row from `block` (its first `valid` blocks; 0 for the quads past them): quad_ints of its
+ * quads, and its a (and b) in lane order (stripe_scales'). */
+static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *block, const int type, const int valid,
+                                                              vi *lo, vi *hi, vf *a, vf *b) {
+    const long bytes = group_bytes(type);
+    if (valid == 16 && windowed(type)) {
+        __m512i words = _mm512_setzero_si512();
+        for (int m = 0; m < 4; m++) quad_window(block + 4 * m * bytes, type, m, &lo[m], &hi[m], &words);
+        *a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(words));
+        if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
+        return;
+    }
+    for (int m = 0; m < 4; m++) {
+        lo[m] = hi[m] = (vi){0};
+        if (quad_valid(valid, m)) quad_ints(block + 4 * m * bytes, type, quad_valid(valid, m), &lo[m], &hi[m]);
+    }
+    stripe_scales(block, type, valid, a, b);
 }
 
 /* The stripe of blocks b.. (the first `valid` of it) of weight rows w (each its row's block b) against activation
@@ -1214,19 +1281,16 @@ static inline __attribute__((always_inline)) void lanes_stripe(const struct int8
     for (int j = 0; j < ROWS; j++) {
         const uint8_t *block = w[j] + b * bytes;
         for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);  /* prefetcht2 */
-        vi v[4];
-        for (int m = 0; m < 4; m++) {
-            vi lo, hi;
-            v[m] = (vi){0};
-            if (!quad_valid(valid, m)) continue;
-            quad_ints(block + 4 * m * bytes, type, quad_valid(valid, m), &lo, &hi);
-            v[m] = (vi)_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), (__m512i)lo, (__m512i)xlo[m]),
-                                           (__m512i)hi, (__m512i)xhi[m]);
-        }
+        vi lo[4], hi[4], v[4];
+        vf a, offset;
+        stripe_ints(block, type, valid, lo, hi, &a, &offset);
+        for (int m = 0; m < 4; m++)
+            v[m] = quad_valid(valid, m) ? (vi)_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
+                                              _mm512_setzero_si512(), (__m512i)lo[m], (__m512i)xlo[m]),
+                                              (__m512i)hi[m], (__m512i)xhi[m])
+                                        : (vi){0};
         vi sum = block_sums(v) + minus;
         if (valid < 16) sum = (vi)_mm512_maskz_mov_epi32(valid_lanes(valid), (__m512i)sum);
-        vf a, offset;
-        stripe_scales(block, type, valid, &a, &offset);
         acc[j] = fmadd(__builtin_convertvector(sum, vf), a * d, acc[j]);
         if (has_b) acc[j] = fmadd(offset, s, acc[j]);
     }
@@ -1268,13 +1332,11 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
             const uint8_t *block = (const uint8_t *)w + (j * blocks + 16 * g) * bytes;
             for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);
             vi lo[4], hi[4], *steps = q + (j * stripes + g) * 8;
-            for (int m = 0; m < 4; m++) {
+            stripe_ints(block, type, valid, lo, hi, &a[j * stripes + g], &b[j * stripes + g]);
+            const __m512i o = _mm512_set1_epi8((char)int8_offset(type));
+            for (int m = 0; m < 4; m++) {  /* w = u - o, and 0 past `valid` */
                 const int n = quad_valid(valid, m);
-                lo[m] = hi[m] = (vi){0};
-                if (!n) continue;
-                quad_ints(block + 4 * m * bytes, type, n, &lo[m], &hi[m]);
-                const __m512i o = _mm512_set1_epi8((char)int8_offset(type));
-                const __mmask64 kept = n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 16 * n) - 1;  /* past valid: 0 */
+                const __mmask64 kept = n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 16 * n) - 1;
                 lo[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)lo[m], o);
                 hi[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)hi[m], o);
             }
@@ -1282,7 +1344,6 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
             __m512i sum = _mm512_setzero_si512();
             for (int u = 0; u < 8; u++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8((char)0x80), (__m512i)steps[u]);
             start[j * stripes + g] = -(vi)sum;
-            stripe_scales(block, type, valid, &a[j * stripes + g], &b[j * stripes + g]);
         }
 }
 
