@@ -892,10 +892,11 @@ def q8_0_in_torch(model: SmolLM2, prompts: bool = False) -> SmolLM2:
                          ids=lambda q: q.name if q else "")
 def test_int8_activations_in_the_decoding_step(tmp_path, qtype, v_down):
     """A GGUF model's decoding step with int8 activations (every block type; Q4_K with Q6_K, as a Q4_K_M file):
-    its logits those of the same quantization in torch (q8_0_in_torch) within 1e-2 of their largest (measured:
-    1e-7-3e-6, and up to 6e-3 where float rounding moved a value across a rounding boundary of its quantization,
-    and the error of the quantized value, up to half a step, went on through the layers); a row's logits and cache
-    the same alone as in a batch of 3; off again, the exact bits again."""
+    its logits those of the same quantization in torch (q8_0_in_torch) within 2e-2 of their largest (measured:
+    1e-7-3e-6, and up to 1.3e-2 where float rounding moved a value across a rounding boundary of its quantization,
+    and the error of the quantized value, up to half a step, went on through the layers: a chance event, more
+    likely the more products are quantized, as a prompt's are now for every type with AVX512-VNNI); a row's logits
+    and cache the same alone as in a batch of 3; off again, the exact bits again."""
     model = crafted_gguf_model(tmp_path / "tiny.gguf", qtype, v_down=v_down)
     ids = torch.randint(0, model.config.vocab_size, (3, 21))
     exact, _ = decode(model, ids, torch.ones_like(ids), 3)
@@ -905,7 +906,7 @@ def test_int8_activations_in_the_decoding_step(tmp_path, qtype, v_down):
     assert model.accelerator.kernel_runs["blocks"] > runs and not torch.equal(got, exact)
     reference = q8_0_in_torch(load(tmp_path / "tiny.gguf", kernels=False), prompts=int8_prompts(qtype))
     want, _ = decode(reference, ids, torch.ones_like(ids), 3)
-    assert ((got - want).abs().amax() / want.abs().amax()).item() < 1e-2
+    assert ((got - want).abs().amax() / want.abs().amax()).item() < 2e-2
     alone, alone_cache = decode(model, ids[1:2], torch.ones_like(ids[1:2]), 3)
     assert torch.equal(alone[0], got[1])
     assert all(torch.equal(a[:, 0], b[:, 1]) for a, b in zip(alone_cache, cache))
@@ -925,8 +926,9 @@ def test_int8_activations_on_the_embedded_model(model):
     (the default): along the exact model's greedy continuations of two prompts (32 tokens), every step's logits
     within 0.1 of the largest logit (measured: at most 0.047-0.067; what llama.cpp's quantization gives here, as
     q8_0_in_torch gives it too: 0.063-0.067), the same top token at >= 90% of the steps (measured 94-100%), and the
-    greedy tokens the same for the first 8 (measured: 12 and more; then the two continuations part where the
-    exact model's top two are close)."""
+    greedy tokens (8, a prompt's products quantized too where the CPU multiplies them in integers) the exact ones
+    until they part, if they do, where the exact model's top two were within that 0.1 of each other (measured: 3
+    and 8 tokens, parting at a gap of 0.11 against 0.1 times 21.5; q8_0_in_torch parts there too)."""
     fast = load(int8_activations=True)
     assert fast.accelerator.int8_activations and not model.accelerator.int8_activations
     tokenizer = Tokenizer.from_pretrained(None)
@@ -938,7 +940,10 @@ def test_int8_activations_on_the_embedded_model(model):
         assert ((int8 - exact).abs().amax(-1) / scale).max() < 0.1
         assert (int8.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
         greedy = generate(fast, [prompt], 8, eos_token_id=None)[0].tolist()
-        assert greedy == tokens[:len(greedy)]
+        parted = next((t for t, (a, b) in enumerate(zip(greedy, tokens)) if a != b), None)
+        if parted is not None:  # the exact logits that chose tokens[parted]
+            top = exact[parted - 1].topk(2).values
+            assert top[0] - top[1] < 0.1 * scale[parted - 1]
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
