@@ -816,8 +816,8 @@ def int8_prompts(qtype: Q) -> bool:
 
 @pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
 def test_int8_activations_in_a_prompts_products(qtype):
-    """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (the
-    K-quants with AVX512-VNNI), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
+    """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (every
+    block type with AVX512-VNNI), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
     float64 reference, each row's bits those it gets alone (decoded one at a time), and in a batched prefill each
     prompt's those it gets alone; elsewhere the exact products, to the bit."""
     N, K = 32, 512

@@ -1831,8 +1831,8 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_rows multiplies them. Elsewhere the integer products cost what the exact ones do at 64 rows
- * (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
+ * asks): where across_rows or lanes_rows multiplies them. Elsewhere the integer products cost what the exact ones do
+ * at 64 rows (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
 int int8_prompts(int w_type) { return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type); }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */

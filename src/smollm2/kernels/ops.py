@@ -101,7 +101,7 @@ def linear(choices: Choices, x: torch.Tensor, weights: list[torch.Tensor],
     Several weights of one input (gate and up) stream in one pass; weights with `packed` copies stream those.
     Torch multiplies (torch_linear) where the kernel cannot or is the slower. With choices.int8_activations, a
     decoding step's few rows are quantized to 8 bits against packed blocks (kernels.c's rows_times); a prompt's
-    many rows too where the integer products are the cheaper (kernels.c's int8_prompts: the K-quants with
+    many rows too where the integer products are the cheaper (kernels.c's int8_prompts: every block type with
     AVX512-VNNI), else they stay exact. Few or many as the row's own prompt has them (choices.bucket): in a batched
     prefill, each row's products are those it gets alone."""
     scales = scales or [None] * len(weights)
