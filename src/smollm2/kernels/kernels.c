@@ -792,6 +792,22 @@ static inline __m512i block_order(void) { return _mm512_set_epi32(15, 11, 7, 3, 
 
 static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 
+/* Stripe g of a row of `blocks` starts at block stripe_first: 16g, but a row's last stripe ends at its end,
+ * overlapping the one before where blocks is no multiple of 16 (so that every stripe is 16 blocks, read whole,
+ * but in rows of fewer than 16), its lanes of blocks before 16g left out (stripe_lanes). */
+static inline long stripe_first(long blocks, long g) { return blocks >= 16 && 16 * g + 16 > blocks ? blocks - 16 : 16 * g; }
+static inline int stripe_valid(long blocks) { return blocks < 16 ? (int)blocks : 16; }  /* blocks a stripe reads */
+
+static inline __mmask16 stripe_lanes(long blocks, long g) {  /* the lanes stripe g counts: blocks 16g.. */
+    const long first = stripe_first(blocks, g);
+    return _mm512_cmpge_epi32_mask(block_order(), _mm512_set1_epi32((int)(16 * g - first))) &
+           _mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(stripe_valid(blocks)));
+}
+
+static inline int quad_valid(int valid, int m) {  /* blocks of a stripe's quad m (4m..4m + 3) among its first valid */
+    return valid - 4 * m < 0 ? 0 : valid - 4 * m > 4 ? 4 : valid - 4 * m;
+}
+
 /* 16 values a block of a stripe whose first `valid` blocks are (zeros for the others, unread), into lane order. */
 static inline vi in_lanes(const void *p, int valid) {
     return (vi)_mm512_permutexvar_epi32(block_order(), _mm512_maskz_loadu_epi32(first_lanes(valid), p));
@@ -820,12 +836,11 @@ static inline void to_lanes(const vi *r, vi *out) {
 /* A row of K quantized values into lanes order, + 128 (unsigned, as lanes_rows multiplies them). */
 static void lanes_order(const int8_t *q, long K, uint8_t *lanes) {
     const long blocks = K / BLOCK;
-    for (long b = 0; b < blocks; b += 16, lanes += STRIPE) {
+    for (long g = 0; g < stripes_of(K); g++, lanes += STRIPE) {
         vi lo[4], hi[4], steps[8];
-        for (int m = 0; m < 4; m++) {
-            const long left = blocks - b - 4 * m;
-            quad_halves(q + (b + 4 * m) * BLOCK, left < 0 ? 0 : left > 4 ? 4 : (int)left, &lo[m], &hi[m]);
-        }
+        for (int m = 0; m < 4; m++)
+            quad_halves(q + (stripe_first(blocks, g) + 4 * m) * BLOCK, quad_valid(stripe_valid(blocks), m), &lo[m],
+                        &hi[m]);
         to_lanes(lo, steps), to_lanes(hi, steps + 4);
         for (int u = 0; u < 8; u++) _mm512_storeu_si512(lanes + 64 * u, (__m512i)(steps[u] ^ (int32_t)0x80808080));
     }
@@ -1176,10 +1191,6 @@ static inline vi block_sums(const vi *v) {
     return (vi)_mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
 }
 
-static inline __mmask16 valid_lanes(int valid) {  /* the lanes of a stripe's first `valid` blocks */
-    return valid >= 16 ? 0xffff : _mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid));
-}
-
 /* The a (and b: Q4_1, Q5_1) of a stripe's first `valid` blocks (from `block`) in lane order, the other lanes 0:
  * each block's first 4 bytes put in its lane's place (a gather was slower), their float16s converted at once (F16C:
  * the float32 value HALVES holds). */
@@ -1187,7 +1198,7 @@ static inline __attribute__((always_inline)) void stripe_scales(const uint8_t *b
                                                                 vf *a, vf *b) {
     uint32_t each[16];
     for (int l = 0; l < 16; l++) memcpy(each + l, block + (BLOCK_OF(l) < valid ? BLOCK_OF(l) : 0) * group_bytes(type), 4);
-    const __m512i words = _mm512_maskz_loadu_epi32(valid_lanes(valid), each);
+    const __m512i words = _mm512_maskz_loadu_epi32(_mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid)), each);
     *a = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
 }
@@ -1239,18 +1250,28 @@ static inline __attribute__((always_inline)) void quad_window(const uint8_t *qua
     }
 }
 
-static inline int quad_valid(int valid, int m) {  /* blocks of a stripe's quad m (4m..4m + 3) among its first valid */
-    return valid - 4 * m < 0 ? 0 : valid - 4 * m > 4 ? 4 : valid - 4 * m;
-}
-
 /* The stripe of a weight row from `block` (its first `valid` blocks; 0 for the quads past them): quad_ints of its
  * quads, and its a (and b) in lane order (stripe_scales'). */
 static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *block, const int type, const int valid,
                                                               vi *lo, vi *hi, vf *a, vf *b) {
     const long bytes = group_bytes(type);
-    if (valid == 16 && windowed(type)) {
+    if (windowed(type)) {
         __m512i words = _mm512_setzero_si512();
-        for (int m = 0; m < 4; m++) quad_window(block + 4 * m * bytes, type, m, &lo[m], &hi[m], &words);
+        for (int m = 0; m < 4; m++) {
+            const int n = quad_valid(valid, m);
+            lo[m] = hi[m] = (vi){0};
+            if (n == 4) {
+                quad_window(block + 4 * m * bytes, type, m, &lo[m], &hi[m], &words);
+                continue;
+            }
+            if (n) quad_ints(block + 4 * m * bytes, type, n, &lo[m], &hi[m]);  /* a stripe's last: no window past it */
+            for (int k = 0; k < n; k++) {  /* its a and b into words' places (window_words') */
+                uint16_t h[2];
+                memcpy(h, block + (4 * m + k) * bytes, 4);
+                words = _mm512_mask_set1_epi16(words, 1u << (4 * k + m), (short)h[0]);
+                words = _mm512_mask_set1_epi16(words, 1u << (16 + 4 * k + m), (short)h[1]);
+            }
+        }
         *a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(words));
         if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
         return;
@@ -1262,11 +1283,11 @@ static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *blo
     stripe_scales(block, type, valid, a, b);
 }
 
-/* The stripe of blocks b.. (the first `valid` of it) of weight rows w (each its row's block b) against activation
- * row `row`, into acc. */
+/* The stripe of blocks b.. (its first `valid` read; lanes `kept` counted, the others 0) of weight rows w (each its
+ * row's block 0) against activation row `row`, into acc. */
 static inline __attribute__((always_inline)) void lanes_stripe(const struct int8_rows *x, long row, long b,
                                                                const uint8_t *const *w, const int type,
-                                                               const int valid, long K, vf *acc) {
+                                                               const int valid, __mmask16 kept, long K, vf *acc) {
     const long bytes = group_bytes(type), at = row * (K / BLOCK) + b;
     const int o = int8_offset(type), has_b = type == Q4_1 || type == Q5_1;
     vi xlo[4], xhi[4];  /* the activations' halves, for every weight row */
@@ -1290,7 +1311,10 @@ static inline __attribute__((always_inline)) void lanes_stripe(const struct int8
                                               (__m512i)hi[m], (__m512i)xhi[m])
                                         : (vi){0};
         vi sum = block_sums(v) + minus;
-        if (valid < 16) sum = (vi)_mm512_maskz_mov_epi32(valid_lanes(valid), (__m512i)sum);
+        if (kept != 0xffff) {  /* as lanes_unpack leaves them: no integers, no scales */
+            sum = (vi)_mm512_maskz_mov_epi32(kept, (__m512i)sum);
+            a = (vf)_mm512_maskz_mov_ps(kept, (__m512)a), offset = (vf)_mm512_maskz_mov_ps(kept, (__m512)offset);
+        }
         acc[j] = fmadd(__builtin_convertvector(sum, vf), a * d, acc[j]);
         if (has_b) acc[j] = fmadd(offset, s, acc[j]);
     }
@@ -1303,9 +1327,10 @@ static inline __attribute__((always_inline)) void lanes_block(const struct int8_
     const uint8_t *rows[ROWS];
     for (int j = 0; j < ROWS; j++) rows[j] = (const uint8_t *)w + j * blocks * group_bytes(type);
     vf acc[ROWS] = {{0}};
-    long b = 0;
-    for (; b + 16 <= blocks; b += 16) lanes_stripe(x, row, b, rows, type, 16, K, acc);
-    if (b < blocks) lanes_stripe(x, row, b, rows, type, blocks - b, K, acc);
+    if (blocks < 16) lanes_stripe(x, row, 0, rows, type, (int)blocks, stripe_lanes(blocks, 0), K, acc);
+    else  /* whole stripes: constant shapes */
+        for (long g = 0; g < stripes_of(K); g++)
+            lanes_stripe(x, row, stripe_first(blocks, g), rows, type, 16, stripe_lanes(blocks, g), K, acc);
     for (int j = 0; j < ROWS; j++) sums[j] = sum_lanes(acc[j]);
 }
 
@@ -1328,22 +1353,22 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
     const long blocks = K / BLOCK, stripes = stripes_of(K), bytes = group_bytes(type);
     for (int j = 0; j < ROWS; j++)
         for (long g = 0; g < stripes; g++) {
-            const int valid = blocks - 16 * g < 16 ? (int)(blocks - 16 * g) : 16;
-            const uint8_t *block = (const uint8_t *)w + (j * blocks + 16 * g) * bytes;
+            const uint8_t *block = (const uint8_t *)w + (j * blocks + stripe_first(blocks, g)) * bytes;
+            const long at = j * stripes + g;
+            const __mmask16 kept = stripe_lanes(blocks, g);
             for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);
-            vi lo[4], hi[4], *steps = q + (j * stripes + g) * 8;
-            stripe_ints(block, type, valid, lo, hi, &a[j * stripes + g], &b[j * stripes + g]);
-            const __m512i o = _mm512_set1_epi8((char)int8_offset(type));
-            for (int m = 0; m < 4; m++) {  /* w = u - o, and 0 past `valid` */
-                const int n = quad_valid(valid, m);
-                const __mmask64 kept = n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 16 * n) - 1;
-                lo[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)lo[m], o);
-                hi[m] = (vi)_mm512_maskz_sub_epi8(kept, (__m512i)hi[m], o);
-            }
+            vi lo[4], hi[4], *steps = q + at * 8;
+            stripe_ints(block, type, stripe_valid(blocks), lo, hi, &a[at], &b[at]);
             to_lanes(lo, steps), to_lanes(hi, steps + 4);
             __m512i sum = _mm512_setzero_si512();
-            for (int u = 0; u < 8; u++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8((char)0x80), (__m512i)steps[u]);
-            start[j * stripes + g] = -(vi)sum;
+            for (int u = 0; u < 8; u++) {  /* w = u - o; 0 in the lanes left out */
+                steps[u] = (vi)_mm512_maskz_mov_epi32(kept, _mm512_sub_epi8((__m512i)steps[u],
+                                                                            _mm512_set1_epi8((char)int8_offset(type))));
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8((char)0x80), (__m512i)steps[u]);
+            }
+            start[at] = -(vi)sum;
+            a[at] = (vf)_mm512_maskz_mov_ps(kept, (__m512)a[at]);
+            if (type == Q4_1 || type == Q5_1) b[at] = (vf)_mm512_maskz_mov_ps(kept, (__m512)b[at]);
         }
 }
 
@@ -1355,7 +1380,7 @@ static inline __attribute__((always_inline)) void lanes_span(const struct int8_r
     const int has_b = type == Q4_1 || type == Q5_1;
     vf sum_of[LANE_ROWS][ROWS] = {{{0}}};
     for (long g = 0; g < stripes; g++) {
-        const int valid = blocks - 16 * g < 16 ? (int)(blocks - 16 * g) : 16;
+        const int valid = stripe_valid(blocks);
         vi xv[LANE_ROWS][8];  /* the activations in registers, each weight vector loaded once for them */
         vf d[LANE_ROWS], s[LANE_ROWS];
         for (int i = 0; i < c; i++) {
@@ -1364,7 +1389,7 @@ static inline __attribute__((always_inline)) void lanes_span(const struct int8_r
                 xv[i][u] = (vi)_mm512_loadu_si512(lanes + 64 * u);
                 IN_REGISTER(xv[i][u]);
             }
-            const long at = (first + i) * blocks + 16 * g;
+            const long at = (first + i) * blocks + stripe_first(blocks, g);
             d[i] = (vf)in_lanes(x->d + at, valid), s[i] = has_b ? (vf)in_lanes(x->s + at, valid) : (vf){0};
         }
         for (int j = 0; j < ROWS; j++) {
