@@ -991,8 +991,9 @@ static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u
 /* across_block's weights are prefetched further ahead than PREFETCH: its 4 rows are read side by side, each row
  * ACROSS_PREFETCH bytes ahead of itself, and a K-quant row (1-7 KB) is shorter than a prefetch 8 KB ahead, which then
  * lands in a row being read already (asked for late). Streamed from memory at 1 row (a 1.7B's MLP matrices, two
- * single-thread processes at once, their threads' CPU time; Zen 4, busy): Q4_K 13-15 GB/s a thread at 8 KB,
- * 17 at 24 KB; Q5_K 12-14 and 15; Q6_K 15-17 and 18-19; 32 KB and 64 KB were no better. */
+ * single-thread processes at once, their threads' CPU time, 3 turns; Zen 4, busy): Q4_K 13-15 GB/s a thread at
+ * 8 KB, 15-18 at 24 KB; Q5_K 12-15 and 15-16; Q6_K 15-17 and 18-21; 32 KB and 64 KB were no better. The bits do
+ * not depend on it. */
 #ifndef ACROSS_PREFETCH
 #define ACROSS_PREFETCH 24576
 #endif
