@@ -306,3 +306,24 @@ def test_running_a_model_imports_no_tokenizer_or_grammar_engine():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]"]
+
+
+def test_the_heap_keeps_64_mib_free_at_its_top_after_loading(monkeypatch):
+    """heap_for_loading: glibc's thresholds at 128 KiB inside, then blocks of their own from 32 MiB and a free top
+    kept up to 64 MiB (glibc's own once risen; a batched prefill's activations freed at each layer are not handed
+    back and faulted in again), the freed pages handed back as it ends."""
+    from smollm2.kernels import held
+
+    calls = []
+
+    class Glibc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(held.ctypes, "CDLL", lambda name: Glibc())
+    with held.heap_for_loading():
+        assert calls == [(held.M_MMAP_THRESHOLD, 128 << 10), (held.M_TRIM_THRESHOLD, 128 << 10)]
+    assert calls[2:] == [("trim", 0), (held.M_MMAP_THRESHOLD, 32 << 20), (held.M_TRIM_THRESHOLD, 64 << 20)]
