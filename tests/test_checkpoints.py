@@ -26,7 +26,7 @@ import smollm2
 from smollm2 import SmolConfig, SmolError, SmolLM2, Tokenizer, save
 from smollm2.checkpoints import load_checkpoint, parameter_shapes
 from smollm2.checkpoints.checkpoint import all_finite
-from smollm2.checkpoints.gguf import SCALES, dequantized, gguf_config, open_gguf, scales_finite
+from smollm2.checkpoints.gguf import SCALES, Skipped, dequantized, gguf_config, open_gguf, scales_finite
 
 GQA = TINY["gqa"]
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants.quantize can
@@ -200,6 +200,24 @@ def test_metadata_and_tensors_read_as_the_gguf_librarys_reader_reads_them(embedd
                                                                   tuple(reference.shape.tolist()))
             assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
             assert mine.data.tobytes() == reference.data.tobytes()
+
+
+def test_a_model_loading_reads_no_vocabulary(embedded_path):
+    """open_gguf(strings=False), what read_gguf opens: each array of strings (the tokenizer's tokens and merges) is
+    skipped, its length alone kept (the config's vocab_size when no llama.vocab_size says it), every other value
+    as the full reader's; the two are read and cached apart."""
+    full, bare = open_gguf(embedded_path), open_gguf(embedded_path, strings=False)
+    assert bare is not full and bare is open_gguf(embedded_path, strings=False)
+    skipped = {key for key, value in bare.metadata.items() if isinstance(value, Skipped)}
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= skipped
+    assert skipped == {key for key, value in full.metadata.items() if isinstance(value, list) and value
+                       and isinstance(value[0], str)}
+    assert all(len(bare.metadata[key]) == len(full.metadata[key]) for key in skipped)
+    assert {k: v for k, v in bare.metadata.items() if k not in skipped} == {
+        k: v for k, v in full.metadata.items() if k not in skipped}
+    assert gguf_config(bare, embedded_path) == gguf_config(full, embedded_path)
+    no_count = {k: v for k, v in bare.metadata.items() if k != "llama.vocab_size"}
+    assert gguf_config(dataclasses.replace(bare, metadata=no_count), embedded_path).vocab_size == 49152
 
 
 def gguf_header(kv_count: int, *fields: bytes, tensor_count: int = 0) -> bytes:

@@ -84,6 +84,22 @@ def engine_steps(model, prompts, budget=None, prefix_cache=None) -> list[list]:
     return list(taken.values())
 
 
+def test_the_heap_is_trimmed_once_the_last_queued_prompt_is_in(tiny, monkeypatch):
+    """The engine hands the prompts' freed activations back to the OS (release_freed_memory) at the step whose
+    prefill takes in the last queued prompt, and not while prompts are left, nor at decoding steps."""
+    import smollm2.generation.engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "release_freed_memory", lambda: trims.append(len(trims)))
+    engine = Engine(tiny, 2, 40, prefill_budget=20)  # a step prefills one of these prompts
+    rows = [engine.admit(Sequence(list(range(3, 3 + n)), 4, Sampling(), eos=())) for n in (20, 15)]
+    counts = []
+    while not all(row.ended for row in rows):
+        engine.step()
+        counts.append(len(trims))
+    assert counts[:2] == [0, 1] and counts[-1] == 1  # the first prompt's step, then the last's; decoding none
+
+
 @pytest.mark.parametrize("mode", ["on", "auto", "off"])
 def test_a_batched_prefill_gives_each_row_the_bits_it_gets_alone(mode, tmp_path, monkeypatch):
     """Rows' chunks prefilled in one pass (steps.prefill_rows) give each row the first token and log-probabilities

@@ -295,12 +295,35 @@ def test_rope_tables_are_built_for_the_caches_made():
 @pytest.mark.subprocess
 def test_running_a_model_imports_no_tokenizer_or_grammar_engine():
     """What a process that loads a model and generates from ids (smollm2 bench's) imports: not the tokenizer's
-    jinja2 and tokenizers, nor llguidance, which a grammar imports at its first use (~8 MB resident between them)."""
+    jinja2 and tokenizers, nor llguidance, which a grammar imports at its first use (~8 MB resident between them),
+    nor safetensors, which a GGUF model's run never reads (~0.75 MB)."""
     script = ("import sys, torch, smollm2.bench, smollm2.loading\n"
               "from smollm2.generation import stream\n"
               "from smollm2.generation.speculative import speculation\n"
               "assert speculation(None, None) is None and speculation('ngram', None) == 'ngram'\n"
-              "print(sorted({'jinja2', 'tokenizers', 'llguidance', 'smollm2.tokenizer'} & set(sys.modules)))")
+              "print(sorted({'jinja2', 'tokenizers', 'llguidance', 'smollm2.tokenizer', 'safetensors'}\n"
+              "             & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]"]
+
+
+def test_the_heap_keeps_64_mib_free_at_its_top_after_loading(monkeypatch):
+    """heap_for_loading: glibc's thresholds at 128 KiB inside, then blocks of their own from 32 MiB and a free top
+    kept up to 64 MiB (glibc's own once risen; a batched prefill's activations freed at each layer are not handed
+    back and faulted in again), the freed pages handed back as it ends."""
+    from smollm2.kernels import held
+
+    calls = []
+
+    class Glibc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(held.ctypes, "CDLL", lambda name: Glibc())
+    with held.heap_for_loading():
+        assert calls == [(held.M_MMAP_THRESHOLD, 128 << 10), (held.M_TRIM_THRESHOLD, 128 << 10)]
+    assert calls[2:] == [("trim", 0), (held.M_MMAP_THRESHOLD, 32 << 20), (held.M_TRIM_THRESHOLD, 64 << 20)]

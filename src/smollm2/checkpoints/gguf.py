@@ -66,24 +66,35 @@ class GGUFFile:
             self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def open_gguf(path: Path) -> GGUFFile:
-    """The file's metadata and tensors, read once for whoever holds them at the time (the model as it loads, and
-    the tokenizer that shares the file), and let go when none does: the tokenizer's 49k tokens and merges as
-    Python strings (~10 MB) are no part of a loaded model's memory. Reading them again takes ~0.1 s."""
+def open_gguf(path: Path, strings: bool = True) -> GGUFFile:
+    """The file's metadata and tensors, read once for whoever holds them at the time, and let go when none does.
+    strings=False (a model loading, which needs no vocabulary): each array of strings (the tokenizer's 49k tokens
+    and 49k merges) is skipped, read as its length alone (Skipped). Decoded, those strings took ~10 MB while a
+    model loaded, and freed, left ~4 MB of Python's heap in pieces behind it for good (the 360M Q4_0 model's peak,
+    tests/test_weights.py); the tokenizer reads the file again, with them (~0.1 s)."""
     stat = Path(path).stat()
-    key = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    key = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size, strings)
     if (file := OPENED.get(key)) is None:
-        file = OPENED[key] = _open_gguf(key[0])
+        file = OPENED[key] = _open_gguf(key[0], strings)
     return file
 
 
-OPENED: weakref.WeakValueDictionary[tuple[str, int, int], GGUFFile] = weakref.WeakValueDictionary()
+OPENED: weakref.WeakValueDictionary[tuple[str, int, int, bool], GGUFFile] = weakref.WeakValueDictionary()
 
 
-def _open_gguf(path: str) -> GGUFFile:
+@dataclass(frozen=True)
+class Skipped:
+    """An array of strings open_gguf(strings=False) skipped: its length alone."""
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _open_gguf(path: str, strings: bool) -> GGUFFile:
     try:
         data = np.memmap(path, mode="r")
-        reader = MetadataReader(memoryview(data.base))
+        reader = MetadataReader(memoryview(data.base), strings)
         metadata, tensors = reader.metadata(), reader.tensor_infos()
         start = reader.tensors_at(metadata)
         tensors = [GGUFTensor(name, int(kind), shape, tensor_data(data, start + offset, name, kind, shape),
@@ -109,8 +120,8 @@ class MetadataReader:
     count is checked against the bytes left before anything is read or allocated (tests/test_checkpoints.py
     compares the two readers)."""
 
-    def __init__(self, buffer: memoryview):
-        self.buffer, self.at = buffer, 0
+    def __init__(self, buffer: memoryview, strings: bool = True):
+        self.buffer, self.at, self.strings = buffer, 0, strings  # strings=False: arrays of them Skipped
 
     def take(self, fmt: str, count: int = 1):
         size = struct.calcsize(fmt) * count
@@ -121,11 +132,16 @@ class MetadataReader:
         return values if count != 1 else values[0]
 
     def string(self) -> str:
+        start = self.skip_string()
+        return str(self.buffer[start:self.at], "utf-8")
+
+    def skip_string(self) -> int:
+        """Past a string; returns where its bytes start."""
         n = self.take("Q")
         if self.at + n > len(self.buffer):
             raise ValueError(f"a string of {n} bytes at byte {self.at} runs past the end")
         self.at += n
-        return str(self.buffer[self.at - n:self.at], "utf-8")
+        return self.at - n
 
     def value(self, kind: int, in_array: bool = False):
         if kind in SCALARS:
@@ -139,6 +155,10 @@ class MetadataReader:
                 return list(values) if n != 1 else [values]
             if n * 8 > len(self.buffer) - self.at:  # a string takes 8 bytes at least
                 raise ValueError(f"an array of {n} strings at byte {self.at} runs past the end")
+            if item == STRING and not self.strings:
+                for _ in range(n):
+                    self.skip_string()
+                return Skipped(n)
             return [self.value(item, in_array=True) for _ in range(n)]
         raise ValueError(f"unknown value type {kind} at byte {self.at}")
 
@@ -255,7 +275,7 @@ def gguf_config(reader: GGUFFile, path: Path) -> SmolConfig:
     n_heads, hidden = need("attention.head_count"), need("embedding_length")
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
     values = dict(
-        vocab_size=need("vocab_size", len(tokens) if isinstance(tokens, list) else 0),
+        vocab_size=need("vocab_size", len(tokens) if isinstance(tokens, (list, Skipped)) else 0),
         hidden_size=hidden,
         intermediate_size=need("feed_forward_length"),
         num_hidden_layers=need("block_count"),
@@ -314,7 +334,7 @@ def check_weight_types(reader: GGUFFile, path: Path) -> None:
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> Checkpoint:
     """quantized: every matrix the file stores in a quantized type stays its blocks (Checkpoint.quantized, read
     from the mapped file when asked), not a float32 tensor."""
-    reader = open_gguf(path)
+    reader = open_gguf(path, strings=False)
     config = gguf_config(reader, path)
     check_weight_types(reader, path)
     tensors, files, blocks = {}, {}, {}

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from ..errors import SmolError
 from .checkpoint import SAFETENSORS_FLOATS, Checkpoint, all_finite, parameter_shapes, stored_type_error
@@ -95,6 +93,8 @@ def read_adapter(path: str | Path, linears: dict[str, torch.Size]) -> Adapter:
     """The adapter in directory `path`, checked against a base whose blocks' linear layers have these weight
     shapes (block_linears()): its config, then every tensor's name, shape and dtype from the file's header,
     before any tensor is read."""
+    from safetensors import SafetensorError, safe_open  # (as write_adapter's)
+
     path = Path(path)
     if not (path / CONFIG).is_file():
         raise SmolError(f"{path}: no {CONFIG} (not a PEFT adapter directory)")
@@ -151,6 +151,8 @@ def write_adapter(path: str | Path, adapter: Adapter, base: str | None = None) -
                   layers_pattern=None, revision=None)
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     tensors = {PREFIX + name: t.detach().contiguous().cpu() for name, t in adapter.tensors.items()}
+    from safetensors.torch import save_file  # here: ~0.75 MiB resident a GGUF run never reads
+
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
 
 

@@ -39,9 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from ..kernels import build_key
 from ..kernels.held import HeldWeight
@@ -187,6 +185,8 @@ class DiskCache:
                    **{f"part.{i}": t.contiguous() for i, t in enumerate(block.parts)}}
         if block.h is not None:
             tensors["h"] = block.h.contiguous()
+        import safetensors.torch  # here: ~0.75 MiB resident a run without a disk cache never reads
+
         metadata = {"format": FORMAT, "identity": self.identity, "parent": parent or "", "sha256": checksum(tensors)}
         path = self.path(block.name)
         # Written whole under another name, then renamed: a reader (another process) never sees half a file.
@@ -216,6 +216,8 @@ class DiskCache:
             return None
 
     def _checked(self, path: Path, size: int, parent: str | None, tokens: Sequence[int]):
+        from safetensors import safe_open  # (as write's)
+
         n = len(tokens)
         expected = {"tokens": (torch.int64, (n,)),
                     **{f"part.{i}": (dtype, (L, H, n, D)) for i, (dtype, (L, H, D)) in enumerate(self.parts)}}

@@ -128,13 +128,15 @@ def release_freed_memory() -> None:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 LOADING_BLOCK, RUNNING_BLOCK = 128 << 10, 32 << 20  # glibc's default, and its ceiling on 64-bit Linux
+RUNNING_TRIM = 2 * RUNNING_BLOCK  # the heap's free top kept while running: glibc's own, once its threshold has risen
 
 
 @contextlib.contextmanager
 def heap_for_loading():
     """Inside, glibc gives every block of 128 KiB or more pages of its own (its default, held there), returned to
-    the OS when freed; after, blocks of 32 MiB or more (where glibc's default would have risen to by then).
-    Process-wide, as glibc's heap is; elsewhere nothing.
+    the OS when freed; after, blocks of 32 MiB or more, and the heap keeps up to 64 MiB free at its top (where
+    glibc's defaults would have risen to by then: twice the threshold). Process-wide, as glibc's heap is; elsewhere
+    nothing.
 
     Why: glibc raises that threshold to the size of each large block freed, up to 32 MiB. Loading frees many (the
     rows decoded to be checked, q's and k's blocks read before their rows are put in order), so by default the
@@ -143,7 +145,11 @@ def heap_for_loading():
     +45 MiB on the 360M Q4_0 model's peak over a 128-token prefill, more with each prompt. Held at 128 KiB while
     loading, nothing is laid out between holes. After, the heap serves a prompt's activations below 32 MiB (the
     1.7B's MLP over a 128-token prompt: 12 MiB) from pages it keeps, as glibc's default does by then: blocks of
-    their own would fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill)."""
+    their own would fault their pages in at every use, ~0.4 ms a MiB (~10% of a 360M model's 128-token prefill).
+    The top kept is 64 MiB, not 32: a batch of 16 prompts of 128 tokens (the 135M's MLP: 37 MiB) freed a top over
+    32 MiB at layer after layer, which glibc handed back and faulted in again: 32k page faults a prefill on 2
+    threads (2.4k with 64 MiB), 100-280k on one (~20k). What the last prompt leaves free the engine hands back
+    itself (release_freed_memory)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LOADING_BLOCK), mallopt(M_TRIM_THRESHOLD, LOADING_BLOCK)
@@ -152,4 +158,4 @@ def heap_for_loading():
     finally:
         release_freed_memory()
         if mallopt is not None:
-            mallopt(M_MMAP_THRESHOLD, RUNNING_BLOCK), mallopt(M_TRIM_THRESHOLD, RUNNING_BLOCK)
+            mallopt(M_MMAP_THRESHOLD, RUNNING_BLOCK), mallopt(M_TRIM_THRESHOLD, RUNNING_TRIM)
