@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,15 @@ def clear_leads(logits: torch.Tensor, layers: int) -> torch.Tensor:
 
 
 REAL_MODEL_FIXTURES = {"model", "reference_model", "hf_model"}
+
+
+def pytest_sessionstart(session):
+    """The kernels' tests skip where no C compiler is; where one is and the kernels did not build, that is a
+    failure to see, not a reason to skip them."""
+    from smollm2.kernels import build
+
+    if shutil.which(os.environ.get("CC", "cc")) and build.compiled() is None:
+        raise pytest.UsageError("a C compiler is here but kernels.c did not build: see the warning above")
 
 
 def pytest_collection_modifyitems(items):

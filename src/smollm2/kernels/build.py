@@ -77,8 +77,10 @@ def compiled() -> SimpleNamespace | None:
                   file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then renamed: never a half-written file
                 built = Path(tmp) / path.name
+                # ~20 s on an idle core; a busy laptop takes minutes, and running on without the kernels is the
+                # worse outcome: the timeout only stops a compiler that hangs
                 subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=900)
                 built.replace(path)
         lib = ctypes.CDLL(str(path))  # its OpenMP is the runtime torch has loaded: one thread pool
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # RuntimeError: no home directory

@@ -1216,8 +1216,14 @@ static inline __attribute__((always_inline)) void stripe_scales(const uint8_t *b
 /* Where a quad of 4 blocks fits 128 bytes (all but Q8_0), it is read as two 64-byte windows, its first 64 bytes and
  * its last 64, and its parts picked from them by byte and word permutations: window byte t of a quad is its byte t
  * (t < 64), else byte t - 64 + 4 bytes - 64. */
-static inline int windowed(int type) { return 4 * group_bytes(type) <= 128; }
+#if defined(__AVX512VBMI__)
+#define WINDOWS 1  /* vpermb is AVX512-VBMI's: Cascade Lake has VNNI without it, and reads each block (quad_ints) */
+#else
+#define WINDOWS 0
+#endif
+static inline int windowed(int type) { return WINDOWS && 4 * group_bytes(type) <= 128; }
 
+#if WINDOWS
 static inline int window_at(int type, int p) { return p < 64 ? p : p - (4 * (int)group_bytes(type) - 64) + 64; }
 
 /* The permutations' indices for each type, filled once as the library loads (computed where used, they were
@@ -1259,12 +1265,14 @@ static inline __attribute__((always_inline)) void quad_window(const uint8_t *qua
         *lo |= (vi)_mm512_movm_epi8(low) & 0x10101010, *hi |= (vi)_mm512_movm_epi8(high) & 0x10101010;
     }
 }
+#endif
 
 /* The stripe of a weight row from `block` (its first `valid` blocks; 0 for the quads past them): quad_ints of its
  * quads, and its a (and b) in lane order (stripe_scales'). */
 static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *block, const int type, const int valid,
                                                               vi *lo, vi *hi, vf *a, vf *b) {
     const long bytes = group_bytes(type);
+#if WINDOWS
     if (windowed(type)) {
         __m512i words = _mm512_setzero_si512();
         for (int m = 0; m < 4; m++) {
@@ -1286,6 +1294,7 @@ static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *blo
         if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
         return;
     }
+#endif
     for (int m = 0; m < 4; m++) {
         lo[m] = hi[m] = (vi){0};
         if (quad_valid(valid, m)) quad_ints(block + 4 * m * bytes, type, quad_valid(valid, m), &lo[m], &hi[m]);
