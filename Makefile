@@ -42,7 +42,7 @@ run: install
 # user's driver is). The lanes are about even: 11-12 minutes each on 2 cores.
 GROUP_A := tests/test_kernel_tiers.py tests/test_speculative.py tests/test_harness.py tests/test_family.py \
 	tests/test_hostile.py tests/test_gguf_export.py tests/test_operations.py tests/test_dpo.py tests/test_cli.py \
-	tests/test_grammar.py
+	tests/test_grammar.py tests/test_page.py
 # The lower tiers (an x86-64 CPU executes every lower tier's code): the kernels built for AVX2 and for baseline
 # x86-64 too, their numeric and token-equality tests against torch, and speculation's tokens against plain
 # decoding's. Left to the native run: torch.compile's tests (they compile the same C), and those that run no kernel

@@ -9,7 +9,7 @@ model read from a quantized GGUF file (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) holds
 copy (held.py), and streams them, to the same bits; torch code decodes them on demand (dequantize() for good). A
 row's result does not depend on how many rows share the call, a prompt's included. A prompt's attention computes
 only the causal half that torch's kernel computes whole, and its RMSNorm, RoPE and SiLU*up take one pass each. The C
-source is compiled for this machine on first use (a few seconds) into the user's cache; without a working C
+source is compiled for this machine on first use (20-60 s, once) into the user's cache; without a working C
 compiler everything runs on torch's own kernels, only slower. Everything else (a bf16 prompt's products,
 gradients, torch.compile, other devices) runs on torch as well.
 

@@ -1,4 +1,4 @@
-"""kernels.c compiled for this machine on first use (a few seconds) into the user's cache, its functions declared
+"""kernels.c compiled for this machine on first use (20-60 s, once) into the user's cache, its functions declared
 once; None without a working C compiler (then everything runs on torch's own kernels, only slower).
 
 The build is the one process-wide thing here: it depends on the source, the compiler and the CPU, never on a
@@ -73,7 +73,7 @@ def compiled() -> SimpleNamespace | None:
         path = cache_dir() / f"kernels-{build_key()}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            print(f"smollm2: building the CPU kernels for this machine (-march={MARCH}), once: a few seconds",
+            print(f"smollm2: building the CPU kernels for this machine (-march={MARCH}), once: 20-60 s",
                   file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then renamed: never a half-written file
                 built = Path(tmp) / path.name
