@@ -100,6 +100,14 @@ static inline long group_size(int type) { return is_super(type) ? SUPER : BLOCK;
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif
+/* The int8 decoding tiles (across_block, lanes_stripe) read 4 weight rows side by side, each prefetched
+ * SIDE_PREFETCH bytes ahead of itself: a 1.7B's row (1-7 KB) is shorter than 8 KB, so PREFETCH landed in a row being
+ * read already (asked for late). Streamed from memory at 1 row (a 1.7B's MLP matrices, two single-thread processes at
+ * once, their threads' CPU time, 3 turns; Zen 4, busy), GB/s a thread at 8 KB / 24 KB: Q4_K 13-15 / 15-18; Q5_K 12-15
+ * / 15-16; Q6_K 15-17 / 18-21; 32 KB and 64 KB were no better. The bits do not depend on it. */
+#ifndef SIDE_PREFETCH
+#define SIDE_PREFETCH 24576
+#endif
 /* Pins a loaded vector to a register. Without it GCC folds the activations' loads into the multiply-adds and
  * loads each weight vector again for every activation row: twice the loads, and half the products a cycle. */
 #if defined(__AVX512F__)
@@ -1074,15 +1082,6 @@ static inline vi dpbusd_of(vi acc, vi u, vi x) {  /* acc + 4 products of unsigne
 
 static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u, (vi)_mm512_loadu_si512(x)); }
 
-/* across_block's weights are prefetched further ahead than PREFETCH: its 4 rows are read side by side, each row
- * ACROSS_PREFETCH bytes ahead of itself, and a K-quant row (1-7 KB) is shorter than a prefetch 8 KB ahead, which then
- * lands in a row being read already (asked for late). Streamed from memory at 1 row (a 1.7B's MLP matrices, two
- * single-thread processes at once, their threads' CPU time, 3 turns; Zen 4, busy): Q4_K 13-15 GB/s a thread at
- * 8 KB, 15-18 at 24 KB; Q5_K 12-15 and 15-16; Q6_K 15-17 and 18-21; 32 KB and 64 KB were no better. The bits do
- * not depend on it. */
-#ifndef ACROSS_PREFETCH
-#define ACROSS_PREFETCH 24576
-#endif
 /* int8_block for a K-quant (its contract). */
 static inline __attribute__((always_inline)) void across_block(const struct int8_rows *x, long first, const int c,
                                                                const void *w, const int type, long K, float *sums) {
@@ -1095,7 +1094,7 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
         for (int j = 0; j < ROWS; j++) {
             group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
             for (long at = 0; at < group_bytes(type); at += 64)
-                __builtin_prefetch(group[j] + at + ACROSS_PREFETCH, 0, 1);
+                __builtin_prefetch(group[j] + at + SIDE_PREFETCH, 0, 1);
         }
         unpack_each(group, type, s);
         vi minus[COLS][2];  /* Q6_K: - 32 (sum x) of steps 0-1 and 2-3, once for every weight row */
@@ -1320,7 +1319,7 @@ static inline __attribute__((always_inline)) void lanes_stripe(const struct int8
 #pragma GCC unroll 4
     for (int j = 0; j < ROWS; j++) {
         const uint8_t *block = w[j] + b * bytes;
-        for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);  /* prefetcht2 */
+        for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + SIDE_PREFETCH, 0, 1);  /* prefetcht2 */
         vi lo[4], hi[4], v[4];
         vf a, offset;
         stripe_ints(block, type, valid, lo, hi, &a, &offset);
