@@ -198,7 +198,7 @@ class Engine:
             self._take(ready, torch.cat(logits), events)
         if self.prefilled > prefilled and self.filling is None and not self.queued:
             # The last prompt is in: its activations' freed pages go back to the OS rather than stay resident beside
-            # the KV cache the decoding steps grow (glibc keeps up to 32 MiB of them: held.py); a later prompt
+            # the KV cache the decoding steps grow (the heap keeps up to 64 MiB of them: held.py); a later prompt
             # faults them in again (~0.4 ms a MiB). ~7 MB of the 360M model's peak over a 128-token prompt.
             release_freed_memory()
         return events

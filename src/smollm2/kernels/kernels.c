@@ -796,14 +796,18 @@ static void across_order(const int8_t *q, long n, int8_t *across) {
  * stripe, the order that comes of adding each block's 4 lanes of a register of 4 blocks (block_sums) and of their
  * transposition (to_lanes); its scales and sums are permuted to it (in_lanes). */
 #define BLOCK_OF(l) (4 * ((l) % 4) + (l) / 4)
-static inline __m512i block_order(void) { return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); }
+static inline __m512i block_order(void) {
+    return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+}
 
 static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 
 /* Stripe g of a row of `blocks` starts at block stripe_first: 16g, but a row's last stripe ends at its end,
  * overlapping the one before where blocks is no multiple of 16 (so that every stripe is 16 blocks, read whole,
  * but in rows of fewer than 16), its lanes of blocks before 16g left out (stripe_lanes). */
-static inline long stripe_first(long blocks, long g) { return blocks >= 16 && 16 * g + 16 > blocks ? blocks - 16 : 16 * g; }
+static inline long stripe_first(long blocks, long g) {
+    return blocks >= 16 && 16 * g + 16 > blocks ? blocks - 16 : 16 * g;
+}
 static inline int stripe_valid(long blocks) { return blocks < 16 ? (int)blocks : 16; }  /* blocks a stripe reads */
 
 static inline __mmask16 stripe_lanes(long blocks, long g) {  /* the lanes stripe g counts: blocks 16g.. */
@@ -1206,8 +1210,10 @@ static inline vi block_sums(const vi *v) {
 static inline __attribute__((always_inline)) void stripe_scales(const uint8_t *block, const int type, int valid,
                                                                 vf *a, vf *b) {
     uint32_t each[16];
-    for (int l = 0; l < 16; l++) memcpy(each + l, block + (BLOCK_OF(l) < valid ? BLOCK_OF(l) : 0) * group_bytes(type), 4);
-    const __m512i words = _mm512_maskz_loadu_epi32(_mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid)), each);
+    for (int l = 0; l < 16; l++)
+        memcpy(each + l, block + (BLOCK_OF(l) < valid ? BLOCK_OF(l) : 0) * group_bytes(type), 4);
+    const __m512i words =
+        _mm512_maskz_loadu_epi32(_mm512_cmplt_epi32_mask(block_order(), _mm512_set1_epi32(valid)), each);
     *a = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
     if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
 }
@@ -1253,7 +1259,8 @@ static inline __attribute__((always_inline)) void quad_window(const uint8_t *qua
     const __m512i nibbles = _mm512_permutex2var_epi8(first, (__m512i)WINDOW_BYTES[type], last);
     *lo = (vi)nibbles & 0x0f0f0f0f, *hi = (vi)_mm512_srli_epi16(nibbles, 4) & 0x0f0f0f0f;
     const __mmask32 lanes = (0x11111111u << m) & (type == Q4_1 || type == Q5_1 ? ~0u : 0xffffu);
-    *words = _mm512_or_si512(*words, _mm512_maskz_permutex2var_epi16(lanes, first, (__m512i)WINDOW_WORDS[type][m], last));
+    *words = _mm512_or_si512(*words,
+                             _mm512_maskz_permutex2var_epi16(lanes, first, (__m512i)WINDOW_WORDS[type][m], last));
     if (type == Q5_0 || type == Q5_1) {  /* fifth_bits() of each: bit j of a block's word sets its byte j */
         uint64_t low = 0, high = 0;
         for (int k = 0; k < 4; k++) {
