@@ -237,7 +237,6 @@ def linears(model) -> list[torch.nn.Module]:
 
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-SCALES_AT = SCALES  # every type the kernels stream: where its blocks' float16 scales sit
 WIDE = dataclasses.replace(TINY["gqa"], hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=1024)
 
 
@@ -246,13 +245,13 @@ def crafted_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> 
     scales set to finite values of either sign, so that every weight is. uint8 (rows, bytes a row)."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for offset in SCALES_AT[qtype]:
+    for offset in SCALES[qtype]:
         scale = (rng.uniform(2e-4, 2e-3, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
         raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
 def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
     """The weights the kernel multiplies are gguf.quants.dequantize's float32 values, bit for bit: a product
     with the identity gives them back (a sum of one weight and zeros; -0 comes back +0)."""
@@ -788,7 +787,7 @@ def q8_0_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
 def test_int8_activation_products_match_a_float64_reference(qtype, rows):
     """Each weight block's integer dot product with its activations' block, scaled in float32: within 1e-6 of the
     same products in float64 (gguf's dequantized weights times the activations quantized in numpy), relative to
@@ -814,7 +813,7 @@ def int8_prompts(qtype: Q) -> bool:
     return bool(kernels.compiled().int8_prompts(w_type=ops.WEIGHT_FORMATS.index(f"{qtype.name} packed")))
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
 def test_int8_activations_in_a_prompts_products(qtype):
     """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (every
     block type with AVX512-VNNI), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
@@ -849,7 +848,7 @@ def test_int8_activations_in_a_prompts_products(qtype):
                                                              packed=[packed])[0])
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
 def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
     N, K = 32, 512
     rng = np.random.default_rng(int(qtype))

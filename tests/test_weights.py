@@ -18,10 +18,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_files import gguf_metadata, gguf_tensors, write_fields, write_gguf
 from test_adapters import decode, loaded, served  # noqa: F401 (served: a fixture)
-from test_kernels import SCALES_AT, WIDE, crafted_blocks, crafted_gguf_model
+from test_kernels import WIDE, crafted_blocks, crafted_gguf_model
 
 from smollm2 import SmolError, generate, kernels, load, save
-from smollm2.checkpoints.gguf import gguf_name, open_gguf, rotary_heads, unpermute
+from smollm2.checkpoints.gguf import SCALES, gguf_name, open_gguf, rotary_heads, unpermute
 from smollm2.kernels.held import HeldWeight
 from smollm2.kernels.packed import packed_layout, unpacked
 from smollm2.lora import with_adapter
@@ -41,7 +41,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(torch.int32) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)  # every type the kernels stream
 def test_held_blocks_decode_to_ggufs_values(qtype):
     """packed.unpacked and the kernels' dequantize give gguf.quants.dequantize's float32 values bit for bit (-0
     included), all rows or some: every type the kernels stream is held as its blocks alone."""
@@ -55,7 +55,7 @@ def test_held_blocks_decode_to_ggufs_values(qtype):
     assert torch.equal(bits(unpacked(packed, rows)), bits(want[rows]))
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
 def test_a_quantized_gguf_model_holds_its_blocks_alone(tmp_path, qtype):
     """Every matrix is its blocks, no float32 copy beside them: only the norms are float32 tensors. What they hold
     is what the float32 model read from the same file has, and its state dict says so."""
@@ -263,7 +263,7 @@ def test_a_float32_gguf_matrix_is_the_files_own_pages(tmp_path):
     assert torch.equal(load(path).model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("qtype", list(SCALES_AT), ids=lambda q: q.name)  # every type the kernels stream
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)  # every type the kernels stream
 def test_a_quantized_gguf_matrix_is_the_files_own_bytes(tmp_path, qtype):
     """A held matrix's blocks are the file's bytes, as the file holds them: under HUGE_PAGED (as all of this tiny
     model's are) its own pages, mapped (nothing copied at load, shared with every process mapping the file), but
