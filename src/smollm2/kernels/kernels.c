@@ -1279,23 +1279,9 @@ static inline __attribute__((always_inline)) void stripe_ints(const uint8_t *blo
                                                               vi *lo, vi *hi, vf *a, vf *b) {
     const long bytes = group_bytes(type);
 #if WINDOWS
-    if (windowed(type)) {
+    if (windowed(type) && valid == 16) {  /* a row of fewer blocks is read block by block (below): no window past it */
         __m512i words = _mm512_setzero_si512();
-        for (int m = 0; m < 4; m++) {
-            const int n = quad_valid(valid, m);
-            lo[m] = hi[m] = (vi){0};
-            if (n == 4) {
-                quad_window(block + 4 * m * bytes, type, m, &lo[m], &hi[m], &words);
-                continue;
-            }
-            if (n) quad_ints(block + 4 * m * bytes, type, n, &lo[m], &hi[m]);  /* a stripe's last: no window past it */
-            for (int k = 0; k < n; k++) {  /* its a and b into words' places (window_words') */
-                uint16_t h[2];
-                memcpy(h, block + (4 * m + k) * bytes, 4);
-                words = _mm512_mask_set1_epi16(words, 1u << (4 * k + m), (short)h[0]);
-                words = _mm512_mask_set1_epi16(words, 1u << (16 + 4 * k + m), (short)h[1]);
-            }
-        }
+        for (int m = 0; m < 4; m++) quad_window(block + 4 * m * bytes, type, m, &lo[m], &hi[m], &words);
         *a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(words));
         if (type == Q4_1 || type == Q5_1) *b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
         return;
