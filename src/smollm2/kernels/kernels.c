@@ -1565,19 +1565,46 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
         for (int j = 0; j < ROWS; j++) acc[i][j] = sum_of[i][j];
 }
 
-/* The b d (sum q_x) terms of activation row i against w's rows, each sub-block's 8 lanes added in the super-blocks'
- * order, as across_block's offsets; two weight rows a vector. */
-static inline void across_offsets(const struct int8_rows *x, long i, const struct across_weights *w, int type,
-                                  long K, float *offsets) {
+/* sum8 of each half of 8 vectors (COLS activation rows' ROWS / 2 pairs of weight rows, v[i * ROWS / 2 + p]'s
+ * half h weight row 2p + h of row i), into lane i * ROWS + j: each step adds the same pairs as sum8, two vectors at
+ * a time (as sum_lanes_of). */
+static inline vf sum8_of(const vf *v) {
+    vf a[4], b[2];
+    for (int p = 0; p < 4; p++)  /* lanes k and k + 4 of each half */
+        a[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(v[2 * p], v[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)  /* then k and k + 2 */
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* The b d (sum q_x) terms of activation rows first..first + c - 1 (c 1 or COLS) against w's rows, into offsets
+ * (c, ROWS): each sub-block's 8 lanes added in the super-blocks' order, as across_block's offsets, two weight rows a
+ * vector, the c rows' sums side by side (independent additions, each weight vector loaded once for them: one row at
+ * a time, its two chains of additions bound the pass, a sixth of Q5_K's prompt products at K = 2048). */
+static inline __attribute__((always_inline)) void across_offsets(const struct int8_rows *x, long first, const int c,
+                                                                 const struct across_weights *w, long K,
+                                                                 float *offsets) {
     const long supers = K / SUPER, blocks = K / BLOCK;
-    vf pairs[ROWS / 2] = {{0}};
-    for (long g = 0; type != Q6_K && g < supers; g++) {
-        const vf ds = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + i * blocks + g * SUBS));
-        for (int p = 0; p < ROWS / 2; p++) pairs[p] += w->b[p * supers + g] * ds;
+    vf pairs[COLS][ROWS / 2] = {{{0}}};
+    for (long g = 0; g < supers; g++) {
+        vf ds[COLS];
+        for (int i = 0; i < c; i++)
+            ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + (first + i) * blocks + g * SUBS));
+        for (int p = 0; p < ROWS / 2; p++) {
+            const vf b = w->b[p * supers + g];
+            for (int i = 0; i < c; i++) pairs[i][p] += b * ds[i];
+        }
+    }
+    if (c == COLS) {
+        _mm512_storeu_ps(offsets, (__m512)sum8_of((const vf *)pairs));
+        return;
     }
     for (int p = 0; p < ROWS / 2; p++) {
-        offsets[2 * p] = sum8(__builtin_shufflevector(pairs[p], pairs[p], 0, 1, 2, 3, 4, 5, 6, 7));
-        offsets[2 * p + 1] = sum8(__builtin_shufflevector(pairs[p], pairs[p], 8, 9, 10, 11, 12, 13, 14, 15));
+        offsets[2 * p] = sum8(__builtin_shufflevector(pairs[0][p], pairs[0][p], 0, 1, 2, 3, 4, 5, 6, 7));
+        offsets[2 * p + 1] = sum8(__builtin_shufflevector(pairs[0][p], pairs[0][p], 8, 9, 10, 11, 12, 13, 14, 15));
     }
 }
 
@@ -1623,17 +1650,16 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
         vf acc[COLS][ROWS];
         for (int at = 0; at < COLS; at += SPAN) across_span(x, i + at, SPAN, &unpacked, type, K, acc + at);
         const vf all = sum_lanes_of((const vf *)acc);
-        for (int r = 0; r < COLS; r++) {
-            float offsets[ROWS];
-            across_offsets(x, i + r, &unpacked, type, K, offsets);
-            for (int j = 0; j < ROWS; j++) sums[(i + r) * LANES + j] = all[r * ROWS + j] + offsets[j];
-        }
+        float offsets[COLS * ROWS] = {0};  /* Q6_K: none */
+        if (type != Q6_K) across_offsets(x, i, COLS, &unpacked, K, offsets);
+        for (int r = 0; r < COLS; r++)
+            for (int j = 0; j < ROWS; j++) sums[(i + r) * LANES + j] = all[r * ROWS + j] + offsets[r * ROWS + j];
     }
     for (; i < B; i++) {
         vf acc[1][ROWS];
-        float offsets[ROWS];
+        float offsets[ROWS] = {0};
         across_span(x, i, 1, &unpacked, type, K, acc);
-        across_offsets(x, i, &unpacked, type, K, offsets);
+        if (type != Q6_K) across_offsets(x, i, 1, &unpacked, K, offsets);
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]) + offsets[j];
     }
 }
