@@ -1413,8 +1413,9 @@ static inline __attribute__((always_inline)) void stripes_block(const struct int
 #pragma GCC unroll 4
         for (int j = 0; j < ROWS; j++) {
             const uint8_t *rowj = (const uint8_t *)w + j * blocks * Q4_0_BYTES;
-            for (long p = 0; p < STRIPE / 2; p += 64)
-                __builtin_prefetch(stripe_q(rowj, g) + p + SIDE_PREFETCH, 0, 1);  /* prefetcht2 */
+            for (long p = 0; p < STRIPE / 2; p += 64)  /* prefetcht2: its q, and its a (the row's bytes all) */
+                __builtin_prefetch(stripe_q(rowj, g) + p + SIDE_PREFETCH, 0, 1);
+            __builtin_prefetch(stripe_a(rowj, blocks, g) + SIDE_PREFETCH, 0, 1);
             vi steps[8];
             vf a;
             stripe_steps(rowj, blocks, g, steps, &a);
@@ -1452,6 +1453,7 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
             vi *steps = q + at * 8;
             if (type == Q4_0_STRIPES) {
                 for (long p = 0; p < STRIPE / 2; p += 64) __builtin_prefetch(stripe_q(row, g) + p + PREFETCH, 0, 1);
+                __builtin_prefetch(stripe_a(row, blocks, g) + PREFETCH, 0, 1);
                 stripe_steps(row, blocks, g, steps, &a[at]);
             } else {
                 const uint8_t *block = row + stripe_first(blocks, g) * bytes;
