@@ -32,6 +32,9 @@ int prompt_attention(const void *q, const void *k, const void *v, void *out, int
 void silu_mul(const void *gate, const void *up, void *out, int type, long n);
 void rope_rows(const void *x, const void *cos, const void *sin, void *out, int type, long R, long heads, long D);
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps);
+int repack_stripes(const void *w, long N, long K, void *out);
+void dequantize(const void *w, int w_type, float *out, long N, long K);
+enum { Q4_0_STRIPES = 11 };  /* Q4_0 laid out again for kernels.c's int8 tile (repack_stripes), where it is built */
 
 struct block {  /* kernels.c's struct block, field for field */
     const void *attn_norm, *mlp_norm;
@@ -778,6 +781,41 @@ static void check_int8_linear(int w_type, long K) {
     free(xv), free(y), free(alone), free(xq), free(ref), free(scale);
 }
 
+/* Q4_0 laid out again as rows of stripes, where kernels.c builds its tile (else nothing to check): the products of
+ * 1 and 70 rows (int8 and exact) and dequantize give the bits of the file's blocks. */
+static void check_stripes(long K) {
+    enum { B = 70 };
+    const long total = N_OF[0] + N_OF[1];
+    struct weights w[COUNT];
+    const void *blocks[COUNT], *stripes[COUNT];
+    const float *no_scale[COUNT] = {NULL, NULL};
+    int built = 1;
+    for (int m = 0; m < COUNT; m++) {
+        w[m] = random_weights(Q4_0, N_OF[m], K), blocks[m] = w[m].data;
+        stripes[m] = malloc(N_OF[m] * K / BLOCK * BLOCK_BYTES[Q4_0]);
+        built &= repack_stripes(blocks[m], N_OF[m], K, (void *)stripes[m]);
+    }
+    float *x = random_values(B * K, F32, -1, 1), *want = malloc(sizeof(float) * B * total),
+          *got = malloc(sizeof(float) * B * total), *values = malloc(sizeof(float) * N_OF[0] * K);
+    int same = 1;
+    for (int int8 = 0; built && int8 <= 1; int8++)
+        for (long rows = 1; rows <= B; rows += B - 1) {
+            linear(x, F32, COUNT, blocks, Q4_0, no_scale, want, rows, N_OF, K, int8);
+            linear(x, F32, COUNT, stripes, Q4_0_STRIPES, no_scale, got, rows, N_OF, K, int8);
+            same &= same_bytes(got, want, sizeof(float) * rows * total);
+        }
+    for (int m = 0; built && m < COUNT; m++) {
+        dequantize(stripes[m], Q4_0_STRIPES, values, N_OF[m], K);
+        same &= same_bytes(values, w[m].values, sizeof(float) * N_OF[m] * K);
+    }
+    if (same) passed++;
+    else failed++;
+    printf("%s linear x=f32 w=Q4_0 as stripes K=%ld: %s\n", same ? "ok  " : "FAIL", K,
+           built ? "the file's blocks' bits, int8 and exact, and dequantize's" : "not built here");
+    for (int m = 0; m < COUNT; m++) free(w[m].data), free(w[m].values), free(w[m].scale), free((void *)stripes[m]);
+    free(x), free(want), free(got), free(values);
+}
+
 int main(void) {
     for (int x_type = F32; x_type <= BF16; x_type++)
         for (int w_type = F32; w_type <= Q6_K; w_type++)
@@ -830,6 +868,7 @@ int main(void) {
     /* rows of more blocks of 32 than 16, no multiple of 16: kernels.c's lanes tile reads the last 16 (a stripe) */
     for (int w_type = Q4_1; w_type < TYPES; w_type++)
         if (!is_super(w_type)) check_int8_linear(w_type, 17 * BLOCK);
+    for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) check_stripes(K);  /* 3, 17 and 31 blocks */
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

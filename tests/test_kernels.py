@@ -28,7 +28,8 @@ from smollm2.kernels import accelerate, ops
 from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.build import choices_file
 from smollm2.kernels.choosing import BUDGET_S, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key, rows_bucket
-from smollm2.kernels.packed import PACKED_TYPES, packed_layout
+from smollm2.kernels.held import HeldWeight
+from smollm2.kernels.packed import PACKED_TYPES, STRIPES, packed_layout, unpacked
 from smollm2.model import MLP
 from smollm2.quantize import quantize_int8
 
@@ -863,6 +864,45 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
     for rows in (slice(0, 9), slice(9, 21)):
         assert torch.equal(together[0, rows], ops.linear(INT8, prompts[0, rows], [torch.zeros(N, K)],
                                                          packed=[packed])[0])
+
+
+@pytest.mark.parametrize("K", [64, 480, 512, 544, 960])
+def test_q4_0_stripes_give_the_file_blocks_bits(K):
+    """Q4_0 laid out again as rows of stripes (packed_layout's repack: where the int8 tile is built, AVX512-VNNI;
+    elsewhere the file's blocks as they are) gives the bits of the file's blocks: the int8 products of 1, 5 and 64
+    rows, the exact ones, dequantize and rows looked up; rows of 2 to 30 blocks (fewer than a stripe, whole ones,
+    and a last one overlapping the one before)."""
+    rng = np.random.default_rng(K)
+    blocks = torch.from_numpy(crafted_blocks(32, K, Q.Q4_0, rng))
+    file, stripes = packed_layout(Q.Q4_0, blocks), packed_layout(Q.Q4_0, blocks, repack=True)
+    assert stripes.type == (STRIPES if int8_prompts(Q.Q4_0) else file.type)
+    assert stripes.data.shape == file.data.shape
+    for rows in (1, 5, 64):
+        x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32))
+        for choices in (INT8, ON):
+            want, = ops.linear(choices, x, [torch.zeros(32, K)], packed=[file])
+            assert torch.equal(ops.linear(choices, x, [torch.zeros(32, K)], packed=[stripes])[0], want)
+    assert torch.equal(unpacked(stripes), unpacked(file))
+    assert torch.equal(HeldWeight(stripes, (32, K)).decoded(), unpacked(file))
+    ids = torch.tensor([[3, 0, 31], [7, 7, 2]])
+    assert torch.equal(unpacked(stripes, ids), unpacked(file, ids))
+
+
+def test_int8_activations_at_load_lay_q4_0_out_again(tmp_path):
+    """A Q4_0 model loaded with int8 activations holds its matrices as rows of stripes where the int8 tile is built
+    (its embedding as the file's blocks: rows are looked up there), and decodes to the bits of the same model
+    switched to int8 after loading; exact again, the exact bits."""
+    model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_0)
+    fast = load(tmp_path / "tiny.gguf", int8_activations=True)
+    want = STRIPES if int8_prompts(Q.Q4_0) else PACKED_TYPES[Q.Q4_0]
+    assert all(packed_of(m).type == want for m in linears(fast))
+    assert packed_of(fast.model.embed_tokens).type == PACKED_TYPES[Q.Q4_0]
+    ids = torch.randint(0, model.config.vocab_size, (3, 21))
+    exact, _ = decode(model, ids, torch.ones_like(ids), 3)
+    with_int8_activations(model)
+    assert torch.equal(decode(fast, ids, torch.ones_like(ids), 3)[0], decode(model, ids, torch.ones_like(ids), 3)[0])
+    with_int8_activations(fast, False)
+    assert torch.equal(decode(fast, ids, torch.ones_like(ids), 3)[0], exact)
 
 
 def with_int8_activations(model: SmolLM2, on: bool = True) -> SmolLM2:

@@ -98,10 +98,11 @@ def version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def held(blocks: GGUFBlocks) -> nn.Parameter:
+def held(blocks: GGUFBlocks, repack: bool = False) -> nn.Parameter:
     """A GGUF file's matrix as a model's parameter: where the kernels stream its type, its blocks alone, the
-    file's own mapped pages (q's and k's a copy: GGUFRows.blocks); else its float32 values."""
-    packed = packed_layout(blocks.type, blocks.read())
+    file's own mapped pages (q's and k's a copy: GGUFRows.blocks), or with `repack` laid out again where the int8
+    tile decodes that the faster (packed_layout); else its float32 values."""
+    packed = packed_layout(blocks.type, blocks.read(), repack)
     weight = None if packed is None else parameter(packed, blocks.shape)
     return weight if weight is not None and streams(weight, packed) else nn.Parameter(blocks.dequantize())
 
@@ -364,9 +365,13 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
             module.__class__ = fast or type(module)  # the same state: no parameter is copied or renamed
     for name, blocks in (quantized or {}).items():  # one matrix at a time: one file's matrix read beside them
         owner, _, attribute = name.rpartition(".")
-        # off: torch alone runs the model, which would decode a held matrix at every call: float32 once instead
-        weight = held(blocks) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
-        setattr(model.get_submodule(owner), attribute, weight)
+        # off: torch alone runs the model, which would decode a held matrix at every call: float32 once instead.
+        # Laid out again for int8 decoding where asked for at load (exact products read that layout too, putting
+        # rows back as the file's blocks first: slower), never an embedding's (its rows are looked up).
+        module = model.get_submodule(owner)
+        repack = accelerator.int8_activations and not isinstance(module, nn.Embedding)
+        weight = held(blocks, repack) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
+        setattr(module, attribute, weight)
         release_freed_memory()
     accelerator.changes += 1  # new modules swapped in, new held weights: plans built before no longer hold
     return model

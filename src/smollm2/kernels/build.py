@@ -100,4 +100,5 @@ def compiled() -> SimpleNamespace | None:
         norm_rows=CFunction(lib.norm_rows, x=p, weight=p, out=p, type=i, R=n, C=n, eps=f),
         dequantize=CFunction(lib.dequantize, w=p, w_type=i, out=p, N=n, K=n),
         int8_prompts=CFunction(lib.int8_prompts, ctypes.c_int, w_type=i),
+        repack_stripes=CFunction(lib.repack_stripes, ctypes.c_int, w=p, N=n, K=n, out=p),
     )

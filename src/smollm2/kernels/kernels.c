@@ -64,8 +64,9 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
  * is d * sc; adding b rounds once, as there (a fused multiply-add rounds a * q + b once too, the same value; Q4_K's b
  * is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds once, its one float32
  * product there too. So streaming the blocks gives a float32 model's results from 5-9 bits a weight instead of 32. */
-enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };
-enum { WIDE = 11 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10,
+       Q4_0_STRIPES = 11 };  /* Q4_0's blocks laid out again at load for the AVX-512 VNNI tile (repack_stripes) */
+enum { WIDE = 12 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
 #define SUPER 256  /* and a K-quant's super-block */
 enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_BYTES = 24,
@@ -77,7 +78,7 @@ static inline long group_bytes(int type) {  /* bytes a block (super-block) of `t
     switch (type) {
     case Q4_1: return Q4_1_BYTES;
     case Q8_0: return Q8_0_BYTES;
-    case Q4_0: return Q4_0_BYTES;
+    case Q4_0: case Q4_0_STRIPES: return Q4_0_BYTES;  /* a row of stripes: the bytes of its blocks, laid out again */
     case Q5_0: return Q5_0_BYTES;
     case Q5_1: return Q5_1_BYTES;
     case Q4_K: return Q4_K_BYTES;
@@ -938,7 +939,7 @@ static inline v8i32 dot32(v8i32 acc, v32i8 w, v32i8 x, const int is_signed) {
  * q + 128 where dpbusd takes them (AVX2's 16-bit pairs would overflow): signed elsewhere. */
 static inline int int8_offset(int type) {
     switch (type) {
-    case Q4_0: return 8;
+    case Q4_0: case Q4_0_STRIPES: return 8;
     case Q5_0: return 16;
     case Q6_K: return 32;
     case Q8_0: return VNNI ? 128 : 0;
@@ -1344,6 +1345,89 @@ static inline __attribute__((always_inline)) void lanes_block(const struct int8_
     for (int j = 0; j < ROWS; j++) sums[j] = sum_lanes(acc[j]);
 }
 
+/* Q4_0 laid out again once, at load (repack_stripes), for this tile: read as the file holds it, a stripe of a row is
+ * 288 bytes whose quads are picked out of 64-byte windows (a byte and a word permutation each), then each block's 4
+ * lanes added across 4 registers (block_sums): some 50 vector instructions a stripe and a weight row, which kept the
+ * 2-thread decoding step of the 1.7B's Q4_0 under llama.cpp's. Laid out as the activations' lanes order, a stripe is
+ * 4 loads, 12 masks and shifts and 8 dpbusd, each lane its block's sum at once, and its scales a load and a convert.
+ * A row of `blocks` (Q4_0_STRIPES, the same 18 bytes a block as the file's):
+ *   its stripes' 4-bit q, 256 bytes a stripe (stripe_first's blocks): 4 steps of 64 bytes, step p's lane l the
+ *     bytes 4p..4p + 3 of block BLOCK_OF(l)'s 16 (their low 4 bits its weights 4p.., their high 16 + 4p..); a row's
+ *     last stripe where it overlaps the one before (or a row of fewer than 16 blocks) holds the lanes it counts
+ *     (stripe_lanes) alone, in lane order, 4 bytes each a step;
+ *   then each stripe's float16 a in lane order (a last stripe's: the lanes it counts), 2 bytes a block.
+ * The same integers against the same activations in the same lanes as lanes_block's, so the same bits; the exact
+ * products and dequantize put a row back as the file's blocks first (stripes_restore). */
+static inline __attribute__((always_inline)) const uint8_t *stripe_q(const uint8_t *row, long g) {
+    return row + STRIPE / 2 * g;
+}
+static inline __attribute__((always_inline)) const uint8_t *stripe_a(const uint8_t *row, long blocks, long g) {
+    return row + blocks * BLOCK / 2 + 32 * g;
+}
+
+/* The 4 steps of stripe g of a row of stripes as they are stored (the lanes not counted 0), and its float16 a, one a
+ * 32-bit lane (the others 0). */
+static inline __attribute__((always_inline)) void stripe_raw(const uint8_t *row, long blocks, long g, __m512i *raw,
+                                                             __m512i *halves) {
+    const __mmask16 kept = stripe_lanes(blocks, g);
+    const uint8_t *q = stripe_q(row, g), *a = stripe_a(row, blocks, g);
+    if (kept == 0xffff) {
+        for (int p = 0; p < 4; p++) raw[p] = _mm512_loadu_si512(q + 64 * p);
+        *halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a));
+        return;
+    }
+    const int n = __builtin_popcount(kept);
+    for (int p = 0; p < 4; p++)  /* a load and an expansion: an expanding load was the slower (Zen 4) */
+        raw[p] = _mm512_maskz_expand_epi32(kept, _mm512_maskz_loadu_epi32(first_lanes(n), q + 4 * n * p));
+    *halves = _mm512_maskz_expand_epi32(kept, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(
+                                                  _mm512_maskz_loadu_epi16((__mmask32)first_lanes(n), a))));
+}
+
+/* Stripe g of a row of stripes as lanes_unpack's steps before the offset: u unsigned, step u the weights 4u.. of each
+ * lane's block; and its a in lane order (0 in the lanes not counted). */
+static inline __attribute__((always_inline)) void stripe_steps(const uint8_t *row, long blocks, long g, vi *steps,
+                                                               vf *a) {
+    __m512i raw[4], halves;
+    stripe_raw(row, blocks, g, raw, &halves);
+    for (int p = 0; p < 4; p++)
+        steps[p] = (vi)raw[p] & 0x0f0f0f0f, steps[p + 4] = (vi)_mm512_srli_epi16(raw[p], 4) & 0x0f0f0f0f;
+    *a = (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
+}
+
+/* lanes_block for a row of stripes (its contract): the activations' lanes order (int8_rows' lanes, signed again). */
+static inline __attribute__((always_inline)) void stripes_block(const struct int8_rows *x, long row, const void *w,
+                                                                long K, float *sums) {
+    const long blocks = K / BLOCK, stripes = stripes_of(K);
+    vf acc[ROWS] = {{0}};
+    for (long g = 0; g < stripes; g++) {
+        const long at = row * blocks + stripe_first(blocks, g);
+        const int valid = stripe_valid(blocks);
+        const __mmask16 kept = stripe_lanes(blocks, g);
+        vi xv[8];  /* for every weight row */
+        for (int u = 0; u < 8; u++) {
+            xv[u] = (vi)_mm512_loadu_si512(x->lanes + (row * stripes + g) * STRIPE + 64 * u) ^ (int32_t)0x80808080;
+            IN_REGISTER(xv[u]);
+        }
+        const vf d = (vf)in_lanes(x->d + at, valid);
+        const vi minus = -(in_lanes(x->sum + at, valid) << 3);  /* - 8 (sum q_x) */
+#pragma GCC unroll 4
+        for (int j = 0; j < ROWS; j++) {
+            const uint8_t *rowj = (const uint8_t *)w + j * blocks * Q4_0_BYTES;
+            for (long p = 0; p < STRIPE / 2; p += 64)  /* prefetcht2: its q, and its a (the row's bytes all) */
+                __builtin_prefetch(stripe_q(rowj, g) + p + SIDE_PREFETCH, 0, 1);
+            __builtin_prefetch(stripe_a(rowj, blocks, g) + SIDE_PREFETCH, 0, 1);
+            vi steps[8];
+            vf a;
+            stripe_steps(rowj, blocks, g, steps, &a);
+            __m512i sum = (__m512i)minus;
+            for (int u = 0; u < 8; u++) sum = _mm512_dpbusd_epi32(sum, (__m512i)steps[u], (__m512i)xv[u]);
+            if (kept != 0xffff) sum = _mm512_maskz_mov_epi32(kept, sum);  /* as lanes_stripe leaves them */
+            acc[j] = fmadd(__builtin_convertvector((vi)sum, vf), a * d, acc[j]);
+        }
+    }
+    for (int j = 0; j < ROWS; j++) sums[j] = sum_lanes(acc[j]);
+}
+
 /* A prompt's rows against ROWS weight rows of a block of 32: lanes_block's arithmetic, each (activation row, weight
  * row) pair's the same (the same integer sums, the same float32 steps in the same order, so the same bits as a row
  * gets alone), but the weights unpacked once for all the rows, into a scratch in lanes order (ROWS x K bytes and a
@@ -1363,13 +1447,21 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
     const long blocks = K / BLOCK, stripes = stripes_of(K), bytes = group_bytes(type);
     for (int j = 0; j < ROWS; j++)
         for (long g = 0; g < stripes; g++) {
-            const uint8_t *block = (const uint8_t *)w + (j * blocks + stripe_first(blocks, g)) * bytes;
+            const uint8_t *row = (const uint8_t *)w + j * blocks * bytes;
             const long at = j * stripes + g;
             const __mmask16 kept = stripe_lanes(blocks, g);
-            for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);
-            vi lo[4], hi[4], *steps = q + at * 8;
-            stripe_ints(block, type, stripe_valid(blocks), lo, hi, &a[at], &b[at]);
-            to_lanes(lo, steps), to_lanes(hi, steps + 4);
+            vi *steps = q + at * 8;
+            if (type == Q4_0_STRIPES) {
+                for (long p = 0; p < STRIPE / 2; p += 64) __builtin_prefetch(stripe_q(row, g) + p + PREFETCH, 0, 1);
+                __builtin_prefetch(stripe_a(row, blocks, g) + PREFETCH, 0, 1);
+                stripe_steps(row, blocks, g, steps, &a[at]);
+            } else {
+                const uint8_t *block = row + stripe_first(blocks, g) * bytes;
+                for (long p = 0; p < 16 * bytes; p += 64) __builtin_prefetch(block + p + PREFETCH, 0, 1);
+                vi lo[4], hi[4];
+                stripe_ints(block, type, stripe_valid(blocks), lo, hi, &a[at], &b[at]);
+                to_lanes(lo, steps), to_lanes(hi, steps + 4);
+            }
             __m512i sum = _mm512_setzero_si512();
             for (int u = 0; u < 8; u++) {  /* w = u - o; 0 in the lanes left out */
                 steps[u] = (vi)_mm512_maskz_mov_epi32(kept, _mm512_sub_epi8((__m512i)steps[u],
@@ -1442,7 +1534,66 @@ static inline __attribute__((always_inline)) void lanes_rows(const struct int8_r
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]);
     }
 }
+
+/* A row of stripes put back as the file's blocks, into `out` (its 18 bytes a block): each stripe's steps transposed
+ * back (to_lanes is its own inverse: register m's 128-bit lane k is then block 4m + k's 16 bytes) and its a put in
+ * block order (BLOCK_OF is its own inverse too); of a last stripe, the blocks it counts. */
+static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
+    for (long g = 0; g < stripes_of(blocks * BLOCK); g++) {
+        __m512i raw[4], halves;
+        stripe_raw(row, blocks, g, raw, &halves);
+        vi quads[4];
+        to_lanes((const vi *)raw, quads);
+        uint8_t q[16][16];
+        uint32_t a[16];
+        for (int m = 0; m < 4; m++) _mm512_storeu_si512(q[4 * m], (__m512i)quads[m]);
+        _mm512_storeu_si512(a, _mm512_permutexvar_epi32(block_order(), halves));
+        const long first = stripe_first(blocks, g);
+        for (long b = first < 16 * g ? 16 * g : first; b < first + stripe_valid(blocks); b++) {
+            memcpy(out + b * Q4_0_BYTES, &a[b - first], 2);
+            memcpy(out + b * Q4_0_BYTES + 2, q[b - first], 16);
+        }
+    }
+}
 #endif
+
+/* Q4_0 weights w (N, K) laid out as rows of stripes (Q4_0_STRIPES) into `out` (as many bytes), where its tile is
+ * built (AVX-512 VNNI: 1; elsewhere 0, nothing written). Each row's stripes: its blocks' 16 bytes of q transposed
+ * in 4-byte words (to_lanes) and its a permuted into lane order, the inverse of stripes_restore. */
+int repack_stripes(const void *w, long N, long K, void *out) {
+#if LANE_BLOCKS
+    const long blocks = K / BLOCK;
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = (const uint8_t *)w + n * blocks * Q4_0_BYTES;
+        uint8_t *to = (uint8_t *)out + n * blocks * Q4_0_BYTES;
+        for (long g = 0; g < stripes_of(K); g++) {
+            const long first = stripe_first(blocks, g);
+            const __mmask16 kept = stripe_lanes(blocks, g);
+            const int n_kept = __builtin_popcount(kept);
+            uint8_t q[16][16] = {{0}};
+            uint32_t a[16] = {0};
+            for (long b = first < 16 * g ? 16 * g : first; b < first + stripe_valid(blocks); b++) {
+                memcpy(&a[b - first], row + b * Q4_0_BYTES, 2);
+                memcpy(q[b - first], row + b * Q4_0_BYTES + 2, 16);
+            }
+            vi quads[4], steps[4];
+            for (int m = 0; m < 4; m++) quads[m] = (vi)_mm512_loadu_si512(q[4 * m]);
+            to_lanes(quads, steps);
+            const __m512i halves = _mm512_permutexvar_epi32(block_order(), _mm512_loadu_si512(a));
+            for (int p = 0; p < 4; p++)
+                _mm512_mask_compressstoreu_epi32(to + STRIPE / 2 * g + 4 * n_kept * p, kept, (__m512i)steps[p]);
+            _mm512_mask_storeu_epi16(to + blocks * BLOCK / 2 + 32 * g, (__mmask32)first_lanes(n_kept),
+                                     _mm512_castsi256_si512(_mm512_cvtepi32_epi16(
+                                         _mm512_maskz_compress_epi32(kept, halves))));
+        }
+    }
+    return 1;
+#else
+    (void)w, (void)N, (void)K, (void)out;
+    return 0;
+#endif
+}
 
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
  * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
@@ -1456,6 +1607,10 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
     }
 #endif
 #if LANE_BLOCKS
+    if (type == Q4_0_STRIPES) {
+        for (int i = 0; i < c; i++) stripes_block(x, first + i, w, K, sums + i * LANES);
+        return;
+    }
     if (!is_super(type)) {
         for (int i = 0; i < c; i++) lanes_block(x, first + i, w, type, K, sums + i * LANES);
         return;
@@ -1704,11 +1859,24 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
     }
 INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
 INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
+#if LANE_BLOCKS
+INT8_ROWS_AS(Q4_0_STRIPES)
+#endif
 
 /* sums (B, LANES): every activation row of x (B, K) against weight rows n..n+LANES-1, from x's quantized rows xq
  * where given and the weights' type has integer code here, else exactly (dot_rows). */
 static void rows_times(const struct int8_rows *xq, const void *x, int x_type, const void *w, int w_type, long B,
                        long n, long K, float *sums) {
+#if LANE_BLOCKS
+    if (w_type == Q4_0_STRIPES && !xq) {  /* exactly: the rows put back as the file's blocks, then Q4_0's code */
+        const long row = K / BLOCK * Q4_0_BYTES;
+        uint8_t restored[LANES * row];
+        for (int j = 0; j < LANES; j++)
+            stripes_restore((const uint8_t *)w + (n + j) * row, K / BLOCK, restored + j * row);
+        dot_rows(x, x_type, restored, Q4_0, B, 0, K, sums);
+        return;
+    }
+#endif
     switch (xq ? w_type : F32) {
     case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
     case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
@@ -1718,6 +1886,9 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
     case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
     case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
+#if LANE_BLOCKS
+    case Q4_0_STRIPES: int8_rows_Q4_0_STRIPES(xq, w, B, n, K, sums); break;
+#endif
     default: dot_rows(x, x_type, w, w_type, B, n, K, sums);
     }
 }
@@ -1729,10 +1900,12 @@ static int any_across(const int *w_type, int count) {
     return any;
 }
 
-/* Whether R rows against any of `count` weight types go through lanes_rows (their q wanted in lanes order). */
+/* Whether R rows against any of `count` weight types go through lanes_rows, or stripes_block (their q wanted in
+ * lanes order). */
 static int any_lanes(const int *w_type, int count, long R) {
     int any = 0;
-    for (int m = 0; m < count; m++) any |= LANE_BLOCKS && R > 1 && group_bytes(w_type[m]) && !is_super(w_type[m]);
+    for (int m = 0; m < count; m++)
+        any |= LANE_BLOCKS && (R > 1 || w_type[m] == Q4_0_STRIPES) && group_bytes(w_type[m]) && !is_super(w_type[m]);
     return any;
 }
 
@@ -2436,5 +2609,17 @@ void dequantize(const void *w, int w_type, float *out, long N, long K) {
     case Q6_K: dequantize_as(w, Q6_K, out, N, K); break;
     case Q5_0: dequantize_as(w, Q5_0, out, N, K); break;
     case Q5_1: dequantize_as(w, Q5_1, out, N, K); break;
+#if LANE_BLOCKS
+    case Q4_0_STRIPES: {  /* put back as the file's blocks first: a copy of them for the while */
+        const long row = K / BLOCK * Q4_0_BYTES;
+        uint8_t *blocks = malloc(N * row);
+        if (!blocks) return;
+#pragma omp parallel for schedule(static)
+        for (long n = 0; n < N; n++) stripes_restore((const uint8_t *)w + n * row, K / BLOCK, blocks + n * row);
+        dequantize_as(blocks, Q4_0, out, N, K);
+        free(blocks);
+        break;
+    }
+#endif
     }
 }
