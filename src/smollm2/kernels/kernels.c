@@ -664,6 +664,8 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[i][j]);
 }
 
+static void dot_wide(const void *x, int x_type, const float *wide, long B, long K, float *sums);
+
 /* sums (B, LANES), its first ROWS columns: every activation row of x (B, K) against weight rows 0..ROWS-1 of w. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long K, float *sums) {
@@ -673,7 +675,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
          * multiply-adds hide the widening, and kept in L1 for the others (the same values, so the same sums). */
         float wide[ROWS * K] __attribute__((aligned(64)));
         dot_block(x, x_type, w, w_type, COLS, K, sums, wide);
-        dot_rows_of((const char *)x + COLS * row, x_type, wide, WIDE, B - COLS, K, sums + COLS * LANES);
+        dot_wide((const char *)x + COLS * row, x_type, wide, B - COLS, K, sums + COLS * LANES);
         return;
     }
     long b = 0;
@@ -686,6 +688,15 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
     case 3: dot_block((const char *)x + b * row, x_type, w, w_type, 3, K, sums + b * LANES, NULL); break;
 #endif
     }
+}
+
+/* dot_rows_of for widened weights (ROWS, K), whatever their type was: a prompt's products spend most of their time
+ * here. A function of its own: compiled inside each type's, with the unpacking code beside it, its loop kept two
+ * addresses and a weight vector on the stack and reloaded them every step (~10% slower). */
+static __attribute__((noinline)) void dot_wide(const void *x, int x_type, const float *wide, long B, long K,
+                                               float *sums) {
+    if (x_type == BF16) dot_rows_of(x, BF16, wide, WIDE, B, K, sums);
+    else dot_rows_of(x, F32, wide, WIDE, B, K, sums);
 }
 
 /* sums (B, LANES): every activation row of x (B, K) of type X against weight rows n..n+LANES-1 of type W, ROWS
