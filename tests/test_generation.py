@@ -16,7 +16,7 @@ from smollm2.generation.engine import Engine, prompt_logprobs
 from smollm2.generation.logprobs import log_probs
 from smollm2.generation.sampling import penalized, sample, warped
 from smollm2.generation.sequence import Sequence, StopStrings
-from smollm2.generation.steps import prefill_rows
+from smollm2.generation.steps import attended_together, prefill_rows
 from smollm2.kernels import accelerate
 from smollm2.kernels.choosing import Choices
 
@@ -131,6 +131,30 @@ def test_a_batched_prefill_gives_each_row_the_bits_it_gets_alone(mode, tmp_path,
             model.accelerator.choices.made = {key: choice._replace(winner=("kernel", "torch")[(i + parity) % 2])
                                               for i, (key, choice) in enumerate(made.items())}
             check(engine_steps(model, PACKED_PROMPTS), [engine_steps(model, [p])[0] for p in PACKED_PROMPTS])
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_rows_of_one_length_attended_in_one_call_keep_the_bits_each_gets_alone(mode, tmp_path, monkeypatch):
+    """First chunks of one length in consecutive rows share their attention and cache writes (one call,
+    steps.attended_together), beside a row of another length: each row's tokens and log-probabilities are those it
+    gets alone; in auto mode also with attention's kind on torch's side (then run row by row) and the kernel's."""
+    monkeypatch.setattr(steps, "PREFILL_CHUNK", 64)
+    model = accelerate(tiny_model(dataclasses.replace(TINY["gqa"], head_dim=64)), mode=mode)
+    if mode == "auto":
+        model.accelerator.choices = Choices("auto", lambda: tmp_path / "choices.json")
+    prompts = [list(range(3 + 50 * b, 43 + 50 * b)) for b in range(4)] + [list(range(250, 283))]
+    groups = []
+    monkeypatch.setattr(steps, "attended_together", lambda chunks, last: groups.append(together := attended_together(
+        chunks, last)) or together)
+    alone = [engine_steps(model, [prompt])[0] for prompt in prompts]
+    assert engine_steps(model, prompts) == alone
+    assert [[0, 1, 2, 3], [4]] in groups  # the last block's row by row
+    if mode == "auto":
+        made = model.accelerator.choices.made
+        for winner in ("torch", "kernel"):
+            model.accelerator.choices.made = {key: choice._replace(winner=winner) if key.op == "prompt_attention"
+                                              else choice for key, choice in made.items()}
+            assert engine_steps(model, prompts) == [engine_steps(model, [p])[0] for p in prompts]
 
 
 def test_the_embedded_model_prefills_rows_together_with_the_bits_of_each_alone(model, tokenizer):

@@ -101,23 +101,42 @@ def prefill_rows(model, chunks: list[Chunk], cache) -> torch.Tensor:
                                                                                    attn.v_proj))
             q, k = attn.rotate(q, *rope), attn.rotate(k, *rope)
             ys, begin = [], 0
-            for chunk, at in zip(chunks, slots):
-                end = begin + len(at)
-                ks, vs = cache.view(slice(chunk.row, chunk.row + 1), chunk.begin + len(at)).update(
-                    attn.layer, at, k[:, begin:end], v[:, begin:end])
+            for group in attended_together(chunks, last):
+                chunk, at, n = chunks[group[0]], slots[group[0]], len(group)
+                end = begin + n * len(at)
+                rows = (n, len(at), -1, attn.head_dim)  # (1, n * T, ...) as n rows of the group's length T
+                ks, vs = cache.view(slice(chunk.row, chunk.row + n), chunk.begin + len(at)).update(
+                    attn.layer, at, k[:, begin:end].reshape(rows), v[:, begin:end].reshape(rows))
                 # As hidden_states: plain causal for a first chunk (its slots are all the view holds), else a mask;
                 # the last block's query is the last position's alone.
                 keys = torch.arange(ks.shape[2], device=device)
                 mask = None if chunk.begin == 0 else (keys <= at[:, None])[None, None]
-                qs = q[:, begin:end]
+                qs = q[:, begin:end].reshape(rows)
                 if last:
                     qs, mask = qs[:, -1:], None if mask is None else mask[:, :, -1:]
-                ys.append(attn.attend(qs, ks, vs, mask, mask is None and not last))  # (1, n, H, D)
+                ys.append(attn.attend(qs, ks, vs, mask, mask is None and not last).reshape(1, -1, *qs.shape[2:]))
                 begin = end
             y = attn.o_proj(torch.cat(ys, dim=1).reshape(1, -1, attn.n_heads * attn.head_dim))
             x = (x[:, ends] if last else x) + y
             x = x + block.mlp(block.post_attention_layernorm(x))
         return model.model.norm(x)
+
+
+def attended_together(chunks: list[Chunk], last: bool) -> list[list[int]]:
+    """The chunks' indices, in order, in groups whose attention and cache writes are one call each: first chunks
+    (causal over all their view's slots) of one length in consecutive cache rows, every (row, head) attended on its
+    own (ops.prompt_attention: decided and run for each row as alone), so with each row's bits; a chunk past a
+    prompt's first (its own mask) and the last block's (its last query alone) one by one. One call, not one a row:
+    a 16-row prefill's attention was 16 parallel regions a layer, each a barrier for the threads."""
+    groups: list[list[int]] = []
+    for i, chunk in enumerate(chunks):
+        before = chunks[i - 1] if groups else None
+        if (not last and before is not None and chunk.begin == before.begin == 0 and chunk.row == before.row + 1
+                and len(chunk.ids) == len(before.ids)):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def untouched_cache(model, rows: int, length: int, kv_dtype: str | None = None):

@@ -192,8 +192,8 @@ class FastAttention(Watched, Attention):
         return ops.rope(self.accelerator.choices, x, cos, sin, Attention.rotate)
 
     def attend(self, q, k, v, mask, is_causal: bool):  # a prompt: the causal half of the scores, not all
-        plain = lambda: super(FastAttention, self).attend(q, k, v, mask, is_causal)  # noqa: E731
-        return ops.prompt_attention(self.accelerator.choices, q, k, v, plain) if is_causal else plain()
+        plain = lambda q, k, v: super(FastAttention, self).attend(q, k, v, mask, is_causal)  # noqa: E731
+        return ops.prompt_attention(self.accelerator.choices, q, k, v, plain) if is_causal else plain(q, k, v)
 
 
 class FastMLP(Watched, MLP):

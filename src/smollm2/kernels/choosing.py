@@ -159,6 +159,10 @@ class Choices:
             return lengths
         return [1] * rows if rows == len(lengths) else None
 
+    def packing(self) -> bool:
+        """Whether inside packed(), in this thread."""
+        return getattr(self.local, "packed", None) is not None
+
     def bucket(self, rows: int) -> int:
         """rows_bucket(rows), or inside packed() that of one prompt's rows: the kind it has alone."""
         split = self.split(rows)

@@ -665,6 +665,8 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[i][j]);
 }
 
+static void dot_wide(const void *x, int x_type, const float *wide, long B, long K, float *sums);
+
 /* sums (B, LANES), its first ROWS columns: every activation row of x (B, K) against weight rows 0..ROWS-1 of w. */
 static inline __attribute__((always_inline)) void dot_rows_of(const void *x, const int x_type, const void *w,
                                                               const int w_type, long B, long K, float *sums) {
@@ -674,7 +676,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
          * multiply-adds hide the widening, and kept in L1 for the others (the same values, so the same sums). */
         float wide[ROWS * K] __attribute__((aligned(64)));
         dot_block(x, x_type, w, w_type, COLS, K, sums, wide);
-        dot_rows_of((const char *)x + COLS * row, x_type, wide, WIDE, B - COLS, K, sums + COLS * LANES);
+        dot_wide((const char *)x + COLS * row, x_type, wide, B - COLS, K, sums + COLS * LANES);
         return;
     }
     long b = 0;
@@ -687,6 +689,15 @@ static inline __attribute__((always_inline)) void dot_rows_of(const void *x, con
     case 3: dot_block((const char *)x + b * row, x_type, w, w_type, 3, K, sums + b * LANES, NULL); break;
 #endif
     }
+}
+
+/* dot_rows_of for widened weights (ROWS, K), whatever their type was: a prompt's products spend most of their time
+ * here. A function of its own: compiled inside each type's, with the unpacking code beside it, its loop kept two
+ * addresses and a weight vector on the stack and reloaded them every step (~10% slower). */
+static __attribute__((noinline)) void dot_wide(const void *x, int x_type, const float *wide, long B, long K,
+                                               float *sums) {
+    if (x_type == BF16) dot_rows_of(x, BF16, wide, WIDE, B, K, sums);
+    else dot_rows_of(x, F32, wide, WIDE, B, K, sums);
 }
 
 /* sums (B, LANES): every activation row of x (B, K) of type X against weight rows n..n+LANES-1 of type W, ROWS
@@ -1996,13 +2007,17 @@ static void lowrank_inputs(const struct updates *d, int count, const void *x, in
  * of one input (q, k and v: one pass). x is of x_type, y of `type`; with `add`, y += the product, each rounded as
  * torch's y + product would be. With d (else NULL), an adapted row's product, rounded, then gets its update added
  * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. With xq (else NULL), x's
- * rows quantized to 8 bits: the weights of types with integer code are multiplied by those (rows_times). */
+ * rows quantized to 8 bits: the weights of types with integer code are multiplied by those (rows_times). With
+ * `wait`, the threads wait for each other at the end (y is read next); without, each goes on past its share: a
+ * thread's share is the same output rows in every call of one shape (static schedule), so linear()'s calls for its
+ * blocks of rows follow one another with no barrier between them (a barrier a 64-row block was 32 for a 16x128
+ * prefill's product, each a wait for the slower thread, and a long one where other processes share the cores). */
 static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K,
-                     const struct updates *d, const struct int8_rows *xq) {
+                     const struct updates *d, const struct int8_rows *xq, int wait) {
     long total = 0;
     for (int m = 0; m < count; m++) total += N[m];
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (long row = 0; row < total; row += LANES) {
         int m = 0;
         long n = row;
@@ -2018,6 +2033,9 @@ static void products(const void *x, int x_type, int type, int count, const void 
             if (add) value = load(y[m], b * N[m] + n, type) + round_lanes(type, value);
             store_lanes(y[m], b * N[m] + n, type, value);
         }
+    }
+    if (wait) {
+#pragma omp barrier
     }
 }
 
@@ -2058,7 +2076,7 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
                 ys[m] = (char *)y + (B * before + b * N[m]) * size_of(type);
             const struct int8_rows part = xq.q ? int8_rows_from(&xq, b, K) : xq;
             products((const char *)(wide ? wide : x) + b * K * size_of(x_type), x_type, type, count, w, types,
-                     scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL);
+                     scale, ys, 0, rows, N, K, NULL, xq.q ? &part : NULL, 0);
         }
     }
     free(wide), free(xq.q);
@@ -2296,7 +2314,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     if (d[0]) lowrank_inputs(d[0], 3, m->h, in, type, C);
     products(m->h, in, type, 3, (const void *[]){w->q_proj, w->k_proj, w->v_proj}, w->w_type,
              (const float *[]){w->q_proj_scale, w->k_proj_scale, w->v_proj_scale}, (void *[]){m->q, m->k, m->v}, 0,
-             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C, w->w_type, 3));
+             R, (const long[]){H * D, KVH * D, KVH * D}, C, d[0], quantized(xq, m->h, in, R, C, w->w_type, 3), 1);
 
     /* RoPE on every query and key head; keys and values then go to their cache slots. */
 #pragma omp for schedule(static)
@@ -2339,7 +2357,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
     if (d[3]) lowrank_inputs(d[3], 1, m->att, in, type, H * D);
     products(m->att, in, type, 1, (const void *[]){w->o_proj}, w->w_type + 3, (const float *[]){w->o_proj_scale},
              (void *[]){s->x}, 1, R, (const long[]){C}, H * D, d[3],
-             quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1));
+             quantized(xq, m->att, in, R, H * D, w->w_type + 3, 1), 1);
     rms_norm(s->x, w->mlp_norm, m->h, in, type, R, C, w->eps);
     if (d[4]) lowrank_inputs(d[4], 2, m->h, in, type, C);
     const struct int8_rows *hq = quantized(xq, m->h, in, R, C, w->w_type + 4, 2);
@@ -2365,7 +2383,7 @@ static void layer(const struct block *w, const struct step *s, int l, const stru
 
     if (d[6]) lowrank_inputs(d[6], 1, m->a, in, type, I);
     products(m->a, in, type, 1, (const void *[]){w->down_proj}, w->w_type + 6, (const float *[]){w->down_proj_scale},
-             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I, w->w_type + 6, 1));
+             (void *[]){s->x}, 1, R, (const long[]){C}, I, d[6], quantized(xq, m->a, in, R, I, w->w_type + 6, 1), 1);
 }
 
 /* `layers` transformer blocks w[0..layers-1] on B * T rows decoding against a KV cache, x (B, T, C) of

@@ -231,17 +231,23 @@ def prompt_rows(choices: Choices, *tensors: torch.Tensor) -> bool:
 
 
 def prompt_attention(choices: Choices, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     plain: Callable[[], torch.Tensor]) -> torch.Tensor:
+                     plain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Causal attention of a prompt's rows, each query t seeing keys 0..t: q (B, T, H, D), k and v (B, KVH, T, D)
     (a cache's first T slots, say) -> (B, T, H, D). Only the seen half is computed, where torch's kernel
-    scores every key of a prompt of up to 512 tokens, then masks half of them. plain(), torch's, runs where the
-    kernel does not (few rows, gradients, other devices, head sizes off 64) or is the slower."""
+    scores every key of a prompt of up to 512 tokens, then masks half of them. plain(q, k, v), torch's, runs where
+    the kernel does not (few rows, gradients, other devices, head sizes off 64) or is the slower. Inside
+    Choices.packed(), the B rows are prompts of a batched prefill: decided as one of them alone, and torch's side
+    run once per row (the kernel gives each (row, head) the same bits whatever shares its call)."""
     B, T, H, D = q.shape
     KVH = k.shape[1]
+    alone = choices.packing()
+    whole = lambda: plain(q, k, v)  # noqa: E731
+    if alone and B > 1:
+        whole = lambda: torch.cat([plain(q[b:b + 1], k[b:b + 1], v[b:b + 1]) for b in range(B)])  # noqa: E731
     if not (prompt_rows(choices, q) and T > MAX_ROWS and D % 64 == 0 and D <= MAX_HEAD_DIM and H % KVH == 0
             and k.shape == v.shape == (B, KVH, T, D) and k.dtype == v.dtype == q.dtype
             and k.stride(-1) == v.stride(-1) == 1):
-        return plain()
+        return whole()
 
     def kernel():
         out = torch.empty_like(q)
@@ -254,7 +260,7 @@ def prompt_attention(choices: Choices, q: torch.Tensor, k: torch.Tensor, v: torc
 
     # Its length, not its rows, sizes a prompt's attention (each query sees up to T keys).
     return choices.pick(Key("prompt_attention", DTYPES[q.dtype], None, rows_bucket(T), torch.get_num_threads(),
-                            (B, H, KVH, D)), kernel, plain)
+                            (1 if alone else B, H, KVH, D)), kernel, whole)
 
 
 def silu_mul(choices: Choices, gate: torch.Tensor, up: torch.Tensor,
