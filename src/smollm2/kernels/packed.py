@@ -15,11 +15,11 @@ and -360M's widths, 576 and 960), Q8_0 for Q6_K ones.
 
 One exception, where asked (packed_layout's repack): Q4_0 with AVX-512 VNNI is laid out again once, at load, as rows
 of stripes (kernels.c's Q4_0_STRIPES, repack_stripes: the same bytes, each stripe of 16 blocks' 4-bit q transposed
-into its int8 tile's lanes, then the row's scales), which that tile decodes in 0.6x the CPU time of the file's
-blocks at rows of 2048-8192 (0.85x at 960; in L2, 1 thread, Zen 4): the 1.7B's Q4_0 int8 decoding was under
-llama.cpp's, which lays Q4_0 out again at load as well. A
-copy of the matrix's bytes, made one matrix at a time (~0.3 ns a weight on one core); the file's pages it was made
-from are let go. The exact products and dequantize put its rows back as the file's blocks first."""
+into its int8 tile's lanes, then the row's scales), which that tile decodes in about half the instructions a
+stripe of the file's blocks: the 1.7B's Q4_0 int8 decoding was under llama.cpp's, which lays Q4_0 out again at load
+as well. A
+copy of the matrix's bytes, made one matrix at a time (a pass over its bytes); the file's pages it was made from are
+let go. The exact products and dequantize put its rows back as the file's blocks first."""
 
 from __future__ import annotations
 
