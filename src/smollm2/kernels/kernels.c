@@ -1560,7 +1560,7 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
         for (int m = 0; m < 4; m++) _mm512_storeu_si512(q[4 * m], (__m512i)quads[m]);
         _mm512_storeu_si512(a, _mm512_permutexvar_epi32(block_order(), halves));
         const long first = stripe_first(blocks, g);
-        for (long b = first < 16 * g ? 16 * g : first; b < first + stripe_valid(blocks); b++) {
+        for (long b = 16 * g; b < first + stripe_valid(blocks); b++) {  /* the blocks it counts: first <= 16g */
             memcpy(out + b * Q4_0_BYTES, &a[b - first], 2);
             memcpy(out + b * Q4_0_BYTES + 2, q[b - first], 16);
         }
@@ -1584,7 +1584,7 @@ int repack_stripes(const void *w, long N, long K, void *out) {
             const int n_kept = __builtin_popcount(kept);
             uint8_t q[16][16] = {{0}};
             uint32_t a[16] = {0};
-            for (long b = first < 16 * g ? 16 * g : first; b < first + stripe_valid(blocks); b++) {
+            for (long b = 16 * g; b < first + stripe_valid(blocks); b++) {  /* as stripes_restore */
                 memcpy(&a[b - first], row + b * Q4_0_BYTES, 2);
                 memcpy(q[b - first], row + b * Q4_0_BYTES + 2, 16);
             }
