@@ -116,7 +116,9 @@ def prefill_rows(model, chunks: list[Chunk], cache) -> torch.Tensor:
                     qs, mask = qs[:, -1:], None if mask is None else mask[:, :, -1:]
                 ys.append(attn.attend(qs, ks, vs, mask, mask is None and not last).reshape(1, -1, *qs.shape[2:]))
                 begin = end
-            y = attn.o_proj(torch.cat(ys, dim=1).reshape(1, -1, attn.n_heads * attn.head_dim))
+            # One group (rows of one length, the usual batch) is the whole pass: cat would only copy it
+            attended = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+            y = attn.o_proj(attended.reshape(1, -1, attn.n_heads * attn.head_dim))
             x = (x[:, ends] if last else x) + y
             x = x + block.mlp(block.post_attention_layernorm(x))
         return model.model.norm(x)

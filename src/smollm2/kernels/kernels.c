@@ -583,9 +583,14 @@ static inline void prefetch_weights(const void *w, long i, int w_type) {  /* ahe
     if (w_type != WIDE) __builtin_prefetch((const char *)w + offset_of(i, w_type) + PREFETCH, 0, 1);  /* prefetcht2 */
 }
 
+/* Where weight row j's elements k..k + LANES - 1 (k a multiple of LANES) are in a widened copy (dot_rows_of's, of
+ * ROWS rows): the rows' vectors side by side, so that its loop steps one address, not ROWS (GCC kept some of them
+ * on the stack). */
+static inline long wide_at(int j, long k) { return k * ROWS + j * LANES; }
+
 /* Sums of weight rows 0..ROWS-1 of w against activation rows 0..c-1 of x, into sums (c, LANES), its first ROWS
- * columns; the weights as float32 also into `keep` (ROWS, K), unless NULL. Inlined with constant c and types, so
- * the accumulators live in registers and the loads are specialized. */
+ * columns; the weights as float32 also into `keep` (ROWS rows of K, wide_at's layout), unless NULL. Inlined with
+ * constant c and types, so the accumulators live in registers and the loads are specialized. */
 static inline __attribute__((always_inline)) void dot_block(const void *x, const int x_type, const void *w,
                                                             const int w_type, const int c, long K, float *sums,
                                                             float *keep) {
@@ -612,7 +617,7 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
                             load_block(group[j0 + j], base, part, w_type, &s[j0 + j], wv[j]);
                             if (keep)
                                 for (int v = 0; v < BLOCK / LANES; v++)
-                                    *(vf *)(keep + (j0 + j) * K + at + v * LANES) = wv[j][v];
+                                    *(vf *)(keep + wide_at(j0 + j, at + v * LANES)) = wv[j][v];
                         }
                         for (int i = 0; i < c; i++)
                             for (int v = 0; v < BLOCK / LANES; v++) {
@@ -643,9 +648,9 @@ static inline __attribute__((always_inline)) void dot_block(const void *x, const
             vf wv[ROWS];
             for (int j = 0; j < ROWS; j++) {
                 prefetch_weights(w, j * K + k, w_type);
-                wv[j] = load(w, j * K + k, w_type);
+                wv[j] = w_type == WIDE ? load_f32((const float *)w + wide_at(j, k)) : load(w, j * K + k, w_type);
                 IN_REGISTER(wv[j]);
-                if (keep) *(vf *)(keep + j * K + k) = wv[j];
+                if (keep) *(vf *)(keep + wide_at(j, k)) = wv[j];
             }
             for (int i = 0; i < c; i++) {
                 vf xv = load(x, i * K + k, x_type);
