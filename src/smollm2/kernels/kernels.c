@@ -2014,19 +2014,27 @@ static void lowrank_inputs(const struct updates *d, int count, const void *x, in
  * (rounded), as torch's base(x) + update; the other rows' bits are the same as without. With xq (else NULL), x's
  * rows quantized to 8 bits: the weights of types with integer code are multiplied by those (rows_times). With
  * `wait`, the threads wait for each other at the end (y is read next); without, each goes on past its share: a
- * thread's share is the same output rows in every call of one shape (static schedule), so linear()'s calls for its
+ * thread's share is the same output rows in every call of one shape (below), so linear()'s calls for its
  * blocks of rows follow one another with no barrier between them (a barrier a 64-row block was 32 for a 16x128
  * prefill's product, each a wait for the slower thread, and a long one where other processes share the cores). */
 static void products(const void *x, int x_type, int type, int count, const void *const *w, const int *w_type,
                      const float *const *scale, void *const *y, int add, long B, const long *N, long K,
                      const struct updates *d, const struct int8_rows *xq, int wait) {
-    long total = 0;
-    for (int m = 0; m < count; m++) total += N[m];
-#pragma omp for schedule(static) nowait
-    for (long row = 0; row < total; row += LANES) {
+    /* Each thread's share: consecutive rows holding about as many of the weights' bytes as each other thread's,
+     * the same rows every call of one shape. By rows alone, a Q4_K_M layer's q and k beside its Q6_K v gave one
+     * thread 1.3x the other's bytes to read while the other waited. */
+    long total = 0, bytes = 0;
+    for (int m = 0; m < count; m++) total += N[m], bytes += N[m] * offset_of(K, w_type[m]);
+    const long threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const long from = bytes * t / threads, to = bytes * (t + 1) / threads;  /* its rows' bytes start in here */
+    for (long row = 0, next = 0; row < total; row += LANES) {  /* next: the bytes of the rows up to row's end */
         int m = 0;
         long n = row;
         while (n >= N[m]) n -= N[m++];
+        const long at = next;
+        next += LANES * offset_of(K, w_type[m]);
+        if (at < from) continue;
+        if (at >= to) break;
         float sums[B * LANES];
         rows_times(xq, x, x_type, w[m], w_type[m], B, n, K, sums);
         for (long b = 0; b < B; b++) {
