@@ -1073,7 +1073,7 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
  * lanes 0-7 and 8-15) scale it: 4 + 2 vector instructions for 256 weights against an activation row, where a
  * sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1 hold each sub-block's
  * first 16, 2-3 its last 16, each pair summed and scaled on its own. The weights go into that order as they are
- * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits. */
+ * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid out so at load. */
 static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* lane l: bytes 4 at[l].. of p (< 128) */
     const vi bytes = (vi)_mm512_permutex2var_epi32(_mm512_loadu_si512(p), (__m512i)at, _mm512_loadu_si512(p + 64));
     return (vi)_mm512_srlv_epi32((__m512i)bytes, (__m512i)shift) & mask;
@@ -1090,6 +1090,7 @@ static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* la
  *     1's at 6, step 2's at 0, step 3's at 2 (each a shift from bit 4 and a mask).
  * The same integers, so the same bits as the file's blocks give; the exact products and dequantize put a row back as
  * the file's first (across_relayout). */
+
 /* Step u of a K-quant super-block's integers (of weights a (u - o) + b): lane l the 4 of sub-block l % 8 from its
  * weight 4 (2u + l / 8) (load_block's layouts, or those laid out again above). */
 static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group, const int type, const int u) {
@@ -1097,8 +1098,7 @@ static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group
         const int low_at = type == Q4_K_ACROSS ? 16 : type == Q5_K_ACROSS ? 48 : 0;
         const vu bytes = (vu)_mm512_loadu_si512(group + low_at + 64 * (u / 2));
         vi q = (vi)(u % 2 ? bytes >> 4 : bytes) & 0x0f0f0f0f;
-        if (type == Q5_K_ACROSS)  /* + 16 in the bytes whose bit is set */
-        {
+        if (type == Q5_K_ACROSS) {  /* the 64 bits a mask register: + 16 in the bytes whose bit is set */
             uint64_t fifth;
             memcpy(&fifth, group + 16 + 8 * u, 8);
             q = (vi)_mm512_mask_add_epi8((__m512i)q, _cvtu64_mask64(fifth), (__m512i)q, _mm512_set1_epi8(16));
@@ -2754,7 +2754,7 @@ void norm_rows(const void *x, const void *weight, void *out, int type, long R, l
  * blocks (held.py), decoded a vector at a time, not in torch's several passes of a few operations each. An
  * embedding's rows looked up (a token's, a prompt's) one thread decodes alone: a parallel region waits for every
  * thread, and on a loaded machine one descheduled took a time slice (a 1-row lookup of the 1.7B's tied Q6_K_ACROSS
- * embedding 12 ms, against 12 us alone; 128 rows 23 ms, and ~0.6 ms alone; 2 threads, load ~3). */
+ * embedding 12 ms, against 12 us alone; 128 rows 23 ms, against 0.14 ms; 2 threads, load ~3). */
 #define ALONE (1 << 20)  /* weights under which one thread decodes them alone (~2 ms): an embedding's rows looked up */
 static inline __attribute__((always_inline)) void dequantize_as(const void *w, const int w_type, float *out, long N,
                                                                 long K) {
