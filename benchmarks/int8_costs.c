@@ -2,7 +2,8 @@
  * blocks random bytes, scales set finite), small enough to stay in L2, through linear() over and over; ns a weight
  * a row, the thread's CPU time (other processes' time on a shared machine is not counted), best of 30 calls. Rows
  * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact), and 128 rows in
- * int8 (two of linear()'s ROW_BLOCKs). Types named on the command line, else every one.
+ * int8 (two of linear()'s ROW_BLOCKs). Types named on the command line, else every one; those laid out again at
+ * load (Q4_0_STRIPES, Q4_K_ACROSS, ...) are the file type's random blocks laid out so first.
  *
  *     cc -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=off -Isrc/smollm2/kernels \
  *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs [Q5_K Q6_K ...]
@@ -40,11 +41,13 @@ static double cost(const uint8_t *w, int type, long B, int int8) {
 }
 
 int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one */
-    const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1};
-    const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1"};
+    const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1, Q4_0_STRIPES, Q4_K_ACROSS, Q5_K_ACROSS,
+                         Q6_K_ACROSS};
+    const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q4_0_STRIPES",
+                           "Q4_K_ACROSS", "Q5_K_ACROSS", "Q6_K_ACROSS"};  /* the last: laid out again at load */
     printf("ns a weight a row   int8: 1 row   4 rows  16 rows   64 rows: int8 / exact  128 rows: int8\n");
-    for (int t = 0; t < 8; t++) {
-        const int type = types[t];
+    for (int t = 0; t < 12; t++) {
+        const int type = file_type(types[t]);
         int named = argc == 1;
         for (int a = 1; a < argc; a++) named |= strcmp(argv[a], names[t]) == 0;
         if (!named) continue;
@@ -58,9 +61,20 @@ int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one *
             else memcpy(group, &half, 2);
             if (type == Q4_K || type == Q5_K || type == Q4_1 || type == Q5_1) memcpy(group + 2, &half, 2);
         }
-        printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f %9.3f\n", names[t], cost(w, type, 1, 1), cost(w, type, 4, 1),
-               cost(w, type, 16, 1), cost(w, type, 64, 1), cost(w, type, 64, 0), cost(w, type, 128, 1));
-        free(w);
+        uint8_t *laid = malloc(groups * bytes);  /* as the loader lays it out again, where it is built */
+        const int built = types[t] == Q4_0_STRIPES ? repack_stripes(w, N, K, laid)
+                          : laid_out(types[t])     ? repack_across(w, type, N, K, laid)
+                                                   : 0;
+        if (laid_out(types[t]) && !built) {
+            printf("%-20s not built here\n", names[t]);
+            free(w), free(laid);
+            continue;
+        }
+        const uint8_t *m = built ? laid : w;
+        printf("%-20s %13.3f %8.3f %8.3f %9.3f / %.3f %9.3f\n", names[t], cost(m, types[t], 1, 1),
+               cost(m, types[t], 4, 1), cost(m, types[t], 16, 1), cost(m, types[t], 64, 1), cost(m, types[t], 64, 0),
+               cost(m, types[t], 128, 1));
+        free(w), free(laid);
     }
     return 0;
 }

@@ -33,8 +33,11 @@ void silu_mul(const void *gate, const void *up, void *out, int type, long n);
 void rope_rows(const void *x, const void *cos, const void *sin, void *out, int type, long R, long heads, long D);
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps);
 int repack_stripes(const void *w, long N, long K, void *out);
+int repack_across(const void *w, int type, long N, long K, void *out);
 void dequantize(const void *w, int w_type, float *out, long N, long K);
-enum { Q4_0_STRIPES = 11 };  /* Q4_0 laid out again for kernels.c's int8 tile (repack_stripes), where it is built */
+/* Q4_0 laid out again for kernels.c's int8 tile of blocks (repack_stripes), the K-quants for its tile of super-blocks
+ * (repack_across), where they are built */
+enum { Q4_0_STRIPES = 11, Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14 };
 
 struct block {  /* kernels.c's struct block, field for field */
     const void *attn_norm, *mlp_norm;
@@ -781,38 +784,40 @@ static void check_int8_linear(int w_type, long K) {
     free(xv), free(y), free(alone), free(xq), free(ref), free(scale);
 }
 
-/* Q4_0 laid out again as rows of stripes, where kernels.c builds its tile (else nothing to check): the products of
- * 1 and 70 rows (int8 and exact) and dequantize give the bits of the file's blocks. */
-static void check_stripes(long K) {
+/* Weights of `type` laid out again at load as `laid` (Q4_0 as rows of stripes, a K-quant as its _ACROSS), where
+ * kernels.c builds its tile (else nothing to check): the products of 1, 5 and 70 rows (int8 and exact: a decoding
+ * step's tile, and a prompt's) and dequantize give the bits of the file's blocks. */
+static void check_laid_out(int type, int laid, long K) {
     enum { B = 70 };
-    const long total = N_OF[0] + N_OF[1];
+    const long total = N_OF[0] + N_OF[1], rows_of[] = {1, 5, B};
     struct weights w[COUNT];
-    const void *blocks[COUNT], *stripes[COUNT];
+    const void *blocks[COUNT], *again[COUNT];
     const float *no_scale[COUNT] = {NULL, NULL};
     int built = 1;
     for (int m = 0; m < COUNT; m++) {
-        w[m] = random_weights(Q4_0, N_OF[m], K), blocks[m] = w[m].data;
-        stripes[m] = malloc(N_OF[m] * K / BLOCK * BLOCK_BYTES[Q4_0]);
-        built &= repack_stripes(blocks[m], N_OF[m], K, (void *)stripes[m]);
+        w[m] = random_weights(type, N_OF[m], K), blocks[m] = w[m].data;
+        again[m] = malloc(N_OF[m] * K / block_size(type) * BLOCK_BYTES[type]);
+        built &= type == Q4_0 ? repack_stripes(blocks[m], N_OF[m], K, (void *)again[m])
+                              : repack_across(blocks[m], type, N_OF[m], K, (void *)again[m]);
     }
     float *x = random_values(B * K, F32, -1, 1), *want = malloc(sizeof(float) * B * total),
           *got = malloc(sizeof(float) * B * total), *values = malloc(sizeof(float) * N_OF[0] * K);
     int same = 1;
     for (int int8 = 0; built && int8 <= 1; int8++)
-        for (long rows = 1; rows <= B; rows += B - 1) {
-            linear(x, F32, COUNT, blocks, Q4_0, no_scale, want, rows, N_OF, K, int8);
-            linear(x, F32, COUNT, stripes, Q4_0_STRIPES, no_scale, got, rows, N_OF, K, int8);
-            same &= same_bytes(got, want, sizeof(float) * rows * total);
+        for (int r = 0; r < 3; r++) {
+            linear(x, F32, COUNT, blocks, type, no_scale, want, rows_of[r], N_OF, K, int8);
+            linear(x, F32, COUNT, again, laid, no_scale, got, rows_of[r], N_OF, K, int8);
+            same &= same_bytes(got, want, sizeof(float) * rows_of[r] * total);
         }
     for (int m = 0; built && m < COUNT; m++) {
-        dequantize(stripes[m], Q4_0_STRIPES, values, N_OF[m], K);
+        dequantize(again[m], laid, values, N_OF[m], K);
         same &= same_bytes(values, w[m].values, sizeof(float) * N_OF[m] * K);
     }
     if (same) passed++;
     else failed++;
-    printf("%s linear x=f32 w=Q4_0 as stripes K=%ld: %s\n", same ? "ok  " : "FAIL", K,
+    printf("%s linear x=f32 w=%s laid out again K=%ld: %s\n", same ? "ok  " : "FAIL", type_name[type], K,
            built ? "the file's blocks' bits, int8 and exact, and dequantize's" : "not built here");
-    for (int m = 0; m < COUNT; m++) free(w[m].data), free(w[m].values), free(w[m].scale), free((void *)stripes[m]);
+    for (int m = 0; m < COUNT; m++) free(w[m].data), free(w[m].values), free(w[m].scale), free((void *)again[m]);
     free(x), free(want), free(got), free(values);
 }
 
@@ -868,7 +873,9 @@ int main(void) {
     /* rows of more blocks of 32 than 16, no multiple of 16: kernels.c's lanes tile reads the last 16 (a stripe) */
     for (int w_type = Q4_1; w_type < TYPES; w_type++)
         if (!is_super(w_type)) check_int8_linear(w_type, 17 * BLOCK);
-    for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) check_stripes(K);  /* 3, 17 and 31 blocks */
+    for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) check_laid_out(Q4_0, Q4_0_STRIPES, K);  /* 3, 17, 31 */
+    for (int type = Q4_K; type <= Q6_K; type++)
+        for (long K = SUPER; K <= 3 * SUPER; K += 2 * SUPER) check_laid_out(type, Q4_K_ACROSS + type - Q4_K, K);
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

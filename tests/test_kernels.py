@@ -29,7 +29,7 @@ from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.build import choices_file
 from smollm2.kernels.choosing import BUDGET_S, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key, rows_bucket
 from smollm2.kernels.held import HeldWeight
-from smollm2.kernels.packed import PACKED_TYPES, STRIPES, packed_layout, unpacked
+from smollm2.kernels.packed import ACROSS, PACKED_TYPES, STRIPES, packed_layout, unpacked
 from smollm2.model import MLP
 from smollm2.quantize import quantize_int8
 
@@ -866,37 +866,55 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
                                                          packed=[packed])[0])
 
 
-@pytest.mark.parametrize("K", [64, 480, 512, 544, 960])
-def test_q4_0_stripes_give_the_file_blocks_bits(K):
-    """Q4_0 laid out again as rows of stripes (packed_layout's repack: where the int8 tile is built, AVX512-VNNI;
-    elsewhere the file's blocks as they are) gives the bits of the file's blocks: the int8 products of 1, 5 and 64
-    rows, the exact ones, dequantize and rows looked up; rows of 2 to 30 blocks (fewer than a stripe, whole ones,
-    and a last one overlapping the one before)."""
+@pytest.mark.parametrize("qtype, K", [*((Q.Q4_0, K) for K in (64, 480, 512, 544, 960)),
+                                      *((qtype, K) for qtype in K_QUANTS for K in (256, 768))],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_laid_out_again_gives_the_file_blocks_bits(qtype, K):
+    """Q4_0 laid out again as rows of stripes, a K-quant as its int8 tile's steps (packed_layout's repack: where the
+    int8 tile is built, AVX512-VNNI (K-quants: and DQ); elsewhere the file's blocks as they are) gives the bits of
+    the file's blocks: the int8 products of 1, 5 and 64 rows, the exact ones, dequantize and rows looked up; Q4_0's
+    rows of 2 to 30 blocks (fewer than a stripe, whole ones, and a last one overlapping the one before)."""
     rng = np.random.default_rng(K)
-    blocks = torch.from_numpy(crafted_blocks(32, K, Q.Q4_0, rng))
-    file, stripes = packed_layout(Q.Q4_0, blocks), packed_layout(Q.Q4_0, blocks, repack=True)
-    assert stripes.type == (STRIPES if int8_prompts(Q.Q4_0) else file.type)
-    assert stripes.data.shape == file.data.shape
+    blocks = torch.from_numpy(crafted_blocks(32, K, qtype, rng))
+    file, again = packed_layout(qtype, blocks), packed_layout(qtype, blocks, repack=True)
+    assert again.type == (LAID_OUT_AS[qtype] if built_again(qtype) else file.type)
+    assert again.data.shape == file.data.shape
     for rows in (1, 5, 64):
         x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32))
         for choices in (INT8, ON):
             want, = ops.linear(choices, x, [torch.zeros(32, K)], packed=[file])
-            assert torch.equal(ops.linear(choices, x, [torch.zeros(32, K)], packed=[stripes])[0], want)
-    assert torch.equal(unpacked(stripes), unpacked(file))
-    assert torch.equal(HeldWeight(stripes, (32, K)).decoded(), unpacked(file))
+            assert torch.equal(ops.linear(choices, x, [torch.zeros(32, K)], packed=[again])[0], want)
+    assert torch.equal(unpacked(again), unpacked(file))
+    assert torch.equal(HeldWeight(again, (32, K)).decoded(), unpacked(file))
     ids = torch.tensor([[3, 0, 31], [7, 7, 2]])
-    assert torch.equal(unpacked(stripes, ids), unpacked(file, ids))
+    assert torch.equal(unpacked(again, ids), unpacked(file, ids))
 
 
-def test_int8_activations_at_load_lay_q4_0_out_again(tmp_path):
-    """A Q4_0 model loaded with int8 activations holds its matrices as rows of stripes where the int8 tile is built
-    (its embedding as the file's blocks: rows are looked up there), and decodes to the bits of the same model
-    switched to int8 after loading; exact again, the exact bits."""
-    model = gguf_model(tmp_path / "tiny.gguf", Q.Q4_0)
-    fast = load(tmp_path / "tiny.gguf", int8_activations=True)
-    want = STRIPES if int8_prompts(Q.Q4_0) else PACKED_TYPES[Q.Q4_0]
-    assert all(packed_of(m).type == want for m in linears(fast))
-    assert packed_of(fast.model.embed_tokens).type == PACKED_TYPES[Q.Q4_0]
+LAID_OUT_AS = {Q.Q4_0: STRIPES, **ACROSS}  # the types packed_layout's repack lays out again, as what
+
+
+def built_again(qtype: Q) -> bool:
+    """Whether the kernels lay weights of qtype out again (where their int8 tile is built)."""
+    blocks = torch.from_numpy(crafted_blocks(16, GGML_QUANT_SIZES[qtype][0], qtype, np.random.default_rng(0)))
+    return packed_layout(qtype, blocks, repack=True).type == LAID_OUT_AS[qtype]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q5_K], ids=lambda q: q.name)
+def test_int8_activations_at_load_lay_the_matrices_out_again(tmp_path, qtype):
+    """A Q4_0 model loaded with int8 activations holds its matrices as rows of stripes where the int8 tile is built,
+    a K-quant model (v_proj and down_proj Q6_K, as Q4_K_M's) as its tile's steps, its tied embedding too (the output
+    head; its rows looked up through the kernels' dequantize), and decodes to the bits of the same model switched to
+    int8 after loading; exact again, the exact bits."""
+    path = tmp_path / "tiny.gguf"
+    model = gguf_model(path, qtype) if qtype == Q.Q4_0 else crafted_gguf_model(path, qtype, v_down=Q.Q6_K)
+    fast = load(path, int8_activations=True)
+    assert model.lm_head is None
+    kinds = {name: next(kind for kind, ours in PACKED_TYPES.items() if ours == packed_of(m).type)
+             for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    assert set(kinds.values()) == ({qtype} if qtype == Q.Q4_0 else {qtype, Q.Q6_K})
+    for name, kind in kinds.items():
+        want = LAID_OUT_AS[kind] if built_again(kind) else PACKED_TYPES[kind]
+        assert packed_of(fast.get_submodule(name)).type == want
     ids = torch.randint(0, model.config.vocab_size, (3, 21))
     exact, _ = decode(model, ids, torch.ones_like(ids), 3)
     with_int8_activations(model)

@@ -367,9 +367,10 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
         owner, _, attribute = name.rpartition(".")
         # off: torch alone runs the model, which would decode a held matrix at every call: float32 once instead.
         # Laid out again for int8 decoding where asked for at load (exact products read that layout too, putting
-        # rows back as the file's blocks first: slower), never an embedding's (its rows are looked up).
+        # rows back as the file's blocks first: slower); an embedding only where it is the output head too (tied),
+        # its rows then looked up through the kernels' dequantize, which puts them back first.
         module = model.get_submodule(owner)
-        repack = accelerator.int8_activations and not isinstance(module, nn.Embedding)
+        repack = accelerator.int8_activations and (not isinstance(module, nn.Embedding) or model.lm_head is None)
         weight = held(blocks, repack) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
         setattr(module, attribute, weight)
         release_freed_memory()

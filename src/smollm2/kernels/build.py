@@ -101,4 +101,5 @@ def compiled() -> SimpleNamespace | None:
         dequantize=CFunction(lib.dequantize, w=p, w_type=i, out=p, N=n, K=n),
         int8_prompts=CFunction(lib.int8_prompts, ctypes.c_int, w_type=i),
         repack_stripes=CFunction(lib.repack_stripes, ctypes.c_int, w=p, N=n, K=n, out=p),
+        repack_across=CFunction(lib.repack_across, ctypes.c_int, w=p, type=i, N=n, K=n, out=p),
     )

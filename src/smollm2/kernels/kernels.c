@@ -65,20 +65,30 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
  * is minus its dmin * m, whose subtraction it rounds alike); Q6_K's a * (q - 32) rounds once, its one float32
  * product there too. So streaming the blocks gives a float32 model's results from 5-9 bits a weight instead of 32. */
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10,
-       Q4_0_STRIPES = 11 };  /* Q4_0's blocks laid out again at load for the AVX-512 VNNI tile (repack_stripes) */
-enum { WIDE = 12 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+       Q4_0_STRIPES = 11,  /* Q4_0's blocks laid out again at load for the AVX-512 VNNI tile (repack_stripes) */
+       Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14 };  /* the K-quants' q laid out again for it (repack_across) */
+enum { WIDE = 15 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
 #define SUPER 256  /* and a K-quant's super-block */
 enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_BYTES = 24,
        Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };  /* a block's, a super-block's */
 
-static inline int is_super(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+/* The file's type of weights laid out again at load (the same bytes a block), else type. */
+static inline int file_type(int type) {
+    return type == Q4_0_STRIPES ? Q4_0 : type >= Q4_K_ACROSS && type <= Q6_K_ACROSS ? Q4_K + (type - Q4_K_ACROSS)
+                                                                                    : type;
+}
+static inline int laid_out(int type) { return type != file_type(type); }
+
+static inline int is_super(int type) {
+    return file_type(type) == Q4_K || file_type(type) == Q5_K || file_type(type) == Q6_K;
+}
 
 static inline long group_bytes(int type) {  /* bytes a block (super-block) of `type`; 0 for one value an element */
-    switch (type) {
+    switch (file_type(type)) {
     case Q4_1: return Q4_1_BYTES;
     case Q8_0: return Q8_0_BYTES;
-    case Q4_0: case Q4_0_STRIPES: return Q4_0_BYTES;  /* a row of stripes: the bytes of its blocks, laid out again */
+    case Q4_0: return Q4_0_BYTES;
     case Q5_0: return Q5_0_BYTES;
     case Q5_1: return Q5_1_BYTES;
     case Q4_K: return Q4_K_BYTES;
@@ -1068,15 +1078,42 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
  * lanes 0-7 and 8-15) scale it: 4 + 2 vector instructions for 256 weights against an activation row, where a
  * sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1 hold each sub-block's
  * first 16, 2-3 its last 16, each pair summed and scaled on its own. The weights go into that order as they are
- * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits. */
+ * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid out so at load. */
 static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* lane l: bytes 4 at[l].. of p (< 128) */
     const vi bytes = (vi)_mm512_permutex2var_epi32(_mm512_loadu_si512(p), (__m512i)at, _mm512_loadu_si512(p + 64));
     return (vi)_mm512_srlv_epi32((__m512i)bytes, (__m512i)shift) & mask;
 }
 
+/* A K-quant's super-blocks laid out again once, at load (repack_across), so that across_ints' steps are loads: read
+ * as the file holds them, each step's lanes are picked out of 128 bytes (a two-register permutation), then shifted
+ * by a variable per lane, Q5_K's fifth bits and Q6_K's high 2 picked and shifted apart again, 4 steps a super-block
+ * and a weight row. Laid out again, each super-block keeps its bytes (its scales and d where the file has them:
+ * unpack reads them as they are) and only its q move, as step u's 64 bytes (lane l: 4 bytes, as across_ints gives):
+ *   Q4_K_ACROSS: 128 bytes at 16, byte i of the 64 at 16 + 64r step 2r's byte i (low 4 bits), step 2r + 1's (high);
+ *   Q5_K_ACROSS: their low 4 bits so at 48, and at 16 + 8u step u's fifth bits, bit i of the 64 byte i's;
+ *   Q6_K_ACROSS: their low 4 bits so at 0, and their high 2 in the 64 bytes at 128, byte i step 0's at bit 4, step
+ *     1's at 6, step 2's at 0, step 3's at 2 (each a shift from bit 4 and a mask).
+ * The same integers, so the same bits as the file's blocks give; the exact products and dequantize put a row back as
+ * the file's first (across_relayout). */
+
 /* Step u of a K-quant super-block's integers (of weights a (u - o) + b): lane l the 4 of sub-block l % 8 from its
- * weight 4 (2u + l / 8) (load_block's layouts). */
+ * weight 4 (2u + l / 8) (load_block's layouts, or those laid out again above). */
 static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group, const int type, const int u) {
+    if (laid_out(type)) {
+        const int low_at = type == Q4_K_ACROSS ? 16 : type == Q5_K_ACROSS ? 48 : 0;
+        const vu bytes = (vu)_mm512_loadu_si512(group + low_at + 64 * (u / 2));
+        vi q = (vi)(u % 2 ? bytes >> 4 : bytes) & 0x0f0f0f0f;
+        if (type == Q5_K_ACROSS) {  /* the 64 bits a mask register: + 16 in the bytes whose bit is set */
+            uint64_t fifth;
+            memcpy(&fifth, group + 16 + 8 * u, 8);
+            q = (vi)_mm512_mask_add_epi8((__m512i)q, _cvtu64_mask64(fifth), (__m512i)q, _mm512_set1_epi8(16));
+        }
+        if (type == Q6_K_ACROSS) {
+            const vu high = (vu)_mm512_loadu_si512(group + 128);
+            q |= (vi)(u == 0 ? high : u == 1 ? high >> 2 : u == 2 ? high << 4 : high << 2) & 0x30303030;
+        }
+        return q;
+    }
     const vi l = __builtin_convertvector(iota(), vi), sub = l & 7, at = 2 * u + (l >> 3);
     if (type == Q6_K) {  /* low 4 bits: 32 bytes at 64 (s / 4) + 32 (s % 2), at bit 4 (s % 4 / 2); high 2 bits: 32
                           * bytes at 128 + 32 (s / 4), at bit 2 (s % 4) */
@@ -1102,9 +1139,11 @@ static inline vi dpbusd_of(vi acc, vi u, vi x) {  /* acc + 4 products of unsigne
 
 static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u, (vi)_mm512_loadu_si512(x)); }
 
-/* int8_block for a K-quant (its contract). */
+/* int8_block for a K-quant (its contract), as the file holds it or laid out again (`layout`). */
 static inline __attribute__((always_inline)) void across_block(const struct int8_rows *x, long first, const int c,
-                                                               const void *w, const int type, long K, float *sums) {
+                                                               const void *w, const int layout, long K,
+                                                               float *sums) {
+    const int type = file_type(layout);
     const long blocks = K / BLOCK;
     vf acc[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x) terms */
     v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms */
@@ -1126,7 +1165,7 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
         }
         for (int j = 0; j < ROWS; j++) {
             vi q[4];
-            for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], type, u);
+            for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], layout, u);
             /* Q6_K: a of each sub-block's first 16 weights (2s), of its last 16 (2s + 1), in lanes s and s + 8 */
             const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
             const vf first_a = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a)),
@@ -1779,9 +1818,11 @@ static inline __attribute__((always_inline)) void across_offsets(const struct in
     }
 }
 
-/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a K-quant (across_span's way). */
+/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a K-quant (across_span's way), as the file
+ * holds it or laid out again (`layout`). */
 static inline __attribute__((always_inline)) void across_rows(const struct int8_rows *x, long B, const void *w,
-                                                              const int type, long K, float *sums) {
+                                                              const int layout, long K, float *sums) {
+    const int type = file_type(layout);
     const long supers = K / SUPER;
     vi q[ROWS * supers * 4];
     vi minus[type == Q6_K ? ROWS * supers * 2 : 1];
@@ -1796,7 +1837,7 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
         }
         unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++) {
-            for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], type, u);
+            for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], layout, u);
             vf *at = a + (j * supers + g) * 2;
             if (type == Q6_K) {  /* q - 32, signed, against x + 128 (one sum for every activation row), and the a of
                                   * across_block's first_a, last_a */
@@ -1832,6 +1873,83 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
         across_span(x, i, 1, &unpacked, type, K, acc);
         if (type != Q6_K) across_offsets(x, i, 1, &unpacked, K, offsets);
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]) + offsets[j];
+    }
+}
+
+/* A super-block's 4 steps (across_ints') stored as `type` lays out its q: the file's (GGUF's layouts), or laid out
+ * again (across_ints' layouts); its other bytes untouched. */
+static inline __attribute__((always_inline)) void across_store(const vi *step, const int type, uint8_t *group) {
+    if (laid_out(type)) {
+        const int low_at = type == Q4_K_ACROSS ? 16 : type == Q5_K_ACROSS ? 48 : 0;
+        for (int r = 0; r < 2; r++)
+            _mm512_storeu_si512(group + low_at + 64 * r,
+                                (__m512i)((step[2 * r] & 0x0f0f0f0f) | (step[2 * r + 1] & 0x0f0f0f0f) << 4));
+        for (int u = 0; type == Q5_K_ACROSS && u < 4; u++) {
+            const uint64_t fifth = _cvtmask64_u64(_mm512_test_epi8_mask((__m512i)step[u], _mm512_set1_epi8(16)));
+            memcpy(group + 16 + 8 * u, &fifth, 8);
+        }
+        if (type == Q6_K_ACROSS) {
+            const vu high[4] = {(vu)step[0] & 0x30303030, (vu)step[1] & 0x30303030, (vu)step[2] & 0x30303030,
+                                (vu)step[3] & 0x30303030};
+            _mm512_storeu_si512(group + 128, (__m512i)(high[0] | high[1] << 2 | high[2] >> 4 | high[3] >> 2));
+        }
+        return;
+    }
+    /* the file's: first the 256 integers in the weights' order (across_order's inverse: word 16k + i of them is step
+     * (i % 8) / 2's word 2k + i / 8 + 8 (i % 2), of steps 0-1 where i % 8 < 4) */
+    uint8_t v[SUPER] __attribute__((aligned(64)));
+    const vi i = __builtin_convertvector(iota(), vi), pick = (i & 7) >> 1 & 1;
+    for (int k = 0; k < 4; k++) {
+        const __m512i word = (__m512i)(pick * 16 + 2 * k + (i >> 3) + (i & 1) * 8);
+        _mm512_store_si512(v + 64 * k,
+                           _mm512_mask_blend_epi32(0xf0f0, _mm512_permutex2var_epi32((__m512i)step[0], word,
+                                                                                      (__m512i)step[1]),
+                                                   _mm512_permutex2var_epi32((__m512i)step[2], word,
+                                                                             (__m512i)step[3])));
+    }
+    if (type == Q6_K) {  /* of each 128 weights, 64 bytes of low 4 bits (weights j, j + 64 in byte j), 32 of high 2 */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *q = v + 128 * h;
+            for (int p = 0; p < 2; p++)
+                *(v32u8u *)(group + 64 * h + 32 * p) = (load32(q + 32 * p) & 15) | (load32(q + 64 + 32 * p) & 15) << 4;
+            *(v32u8u *)(group + 128 + 32 * h) = load32(q) >> 4 | load32(q + 32) >> 4 << 2 | load32(q + 64) >> 4 << 4 |
+                                                 load32(q + 96) >> 4 << 6;
+        }
+        return;
+    }
+    /* Q4_K, Q5_K: sub-blocks 2p and 2p + 1 in the low and high 4 bits of 32 bytes; Q5_K's fifth bits, bit s of byte j
+     * sub-block s's weight j */
+    for (int p = 0; p < 4; p++)
+        *(v32u8u *)(group + (type == Q4_K ? 16 : 48) + 32 * p) =
+            (load32(v + 64 * p) & 15) | (load32(v + 64 * p + 32) & 15) << 4;
+    v32u8 fifth = {0};
+    for (int s = 0; type == Q5_K && s < SUBS; s++) fifth |= (load32(v + 32 * s) >> 4 & 1) << s;
+    if (type == Q5_K) *(v32u8u *)(group + 16) = fifth;
+}
+
+/* n super-blocks of `from` into `to` (as many bytes) with their q laid out as `to_type` does (another layout of
+ * from_type's file type): a copy, then each super-block's steps stored again. */
+static inline __attribute__((always_inline)) void across_relayout(const uint8_t *from, const int from_type,
+                                                                  uint8_t *to, const int to_type, long n) {
+    const long bytes = group_bytes(from_type);
+    memcpy(to, from, n * bytes);
+    for (long g = 0; g < n; g++) {
+        vi step[4];
+        for (int u = 0; u < 4; u++) step[u] = across_ints(from + g * bytes, from_type, u);
+        across_store(step, to_type, to + g * bytes);
+    }
+}
+
+/* n super-blocks of a K-quant `type` into `to` in its other layout: the file's laid out again, or back (each
+ * specialized). */
+static void across_other(const uint8_t *from, int type, uint8_t *to, long n) {
+    switch (type) {
+    case Q4_K: across_relayout(from, Q4_K, to, Q4_K_ACROSS, n); break;
+    case Q5_K: across_relayout(from, Q5_K, to, Q5_K_ACROSS, n); break;
+    case Q6_K: across_relayout(from, Q6_K, to, Q6_K_ACROSS, n); break;
+    case Q4_K_ACROSS: across_relayout(from, Q4_K_ACROSS, to, Q4_K, n); break;
+    case Q5_K_ACROSS: across_relayout(from, Q5_K_ACROSS, to, Q5_K, n); break;
+    case Q6_K_ACROSS: across_relayout(from, Q6_K_ACROSS, to, Q6_K, n); break;
     }
 }
 #endif
@@ -1878,18 +1996,51 @@ INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
 #if LANE_BLOCKS
 INT8_ROWS_AS(Q4_0_STRIPES)
 #endif
+#if ACROSS
+INT8_ROWS_AS(Q4_K_ACROSS) INT8_ROWS_AS(Q5_K_ACROSS) INT8_ROWS_AS(Q6_K_ACROSS)
+#endif
+
+#if LANE_BLOCKS
+/* N rows of K of weights laid out again at load (Q4_0_STRIPES, the K-quants' _ACROSS) put back as the file's
+ * blocks (of file_type(type)) into `out`. */
+static void restore_rows(const void *w, int type, long N, long K, uint8_t *out) {
+    const long row = offset_of(K, type);
+    for (long n = 0; n < N; n++) {
+        const uint8_t *from = (const uint8_t *)w + n * row;
+#if ACROSS
+        if (is_super(type)) {
+            across_other(from, type, out + n * row, K / SUPER);
+            continue;
+        }
+#endif
+        stripes_restore(from, K / BLOCK, out + n * row);
+    }
+}
+#endif
+
+/* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again for across_block (its type's _ACROSS) into
+ * `out` (as many bytes), where that tile is built (AVX-512 VNNI and DQ: 1; elsewhere 0, nothing written). */
+int repack_across(const void *w, int type, long N, long K, void *out) {
+#if ACROSS
+    const long row = offset_of(K, type);
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) across_other((const uint8_t *)w + n * row, type, (uint8_t *)out + n * row, K / SUPER);
+    return 1;
+#else
+    (void)w, (void)type, (void)N, (void)K, (void)out;
+    return 0;
+#endif
+}
 
 /* sums (B, LANES): every activation row of x (B, K) against weight rows n..n+LANES-1, from x's quantized rows xq
  * where given and the weights' type has integer code here, else exactly (dot_rows). */
 static void rows_times(const struct int8_rows *xq, const void *x, int x_type, const void *w, int w_type, long B,
                        long n, long K, float *sums) {
 #if LANE_BLOCKS
-    if (w_type == Q4_0_STRIPES && !xq) {  /* exactly: the rows put back as the file's blocks, then Q4_0's code */
-        const long row = K / BLOCK * Q4_0_BYTES;
-        uint8_t restored[LANES * row];
-        for (int j = 0; j < LANES; j++)
-            stripes_restore((const uint8_t *)w + (n + j) * row, K / BLOCK, restored + j * row);
-        dot_rows(x, x_type, restored, Q4_0, B, 0, K, sums);
+    if (laid_out(w_type) && !xq) {  /* exactly: the rows put back as the file's blocks, then the file type's code */
+        uint8_t restored[offset_of(LANES * K, w_type)];
+        restore_rows((const uint8_t *)w + offset_of(n * K, w_type), w_type, LANES, K, restored);
+        dot_rows(x, x_type, restored, file_type(w_type), B, 0, K, sums);
         return;
     }
 #endif
@@ -1904,6 +2055,11 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
 #if LANE_BLOCKS
     case Q4_0_STRIPES: int8_rows_Q4_0_STRIPES(xq, w, B, n, K, sums); break;
+#endif
+#if ACROSS
+    case Q4_K_ACROSS: int8_rows_Q4_K_ACROSS(xq, w, B, n, K, sums); break;
+    case Q5_K_ACROSS: int8_rows_Q5_K_ACROSS(xq, w, B, n, K, sums); break;
+    case Q6_K_ACROSS: int8_rows_Q6_K_ACROSS(xq, w, B, n, K, sums); break;
 #endif
     default: dot_rows(x, x_type, w, w_type, B, n, K, sums);
     }
@@ -2608,12 +2764,16 @@ void norm_rows(const void *x, const void *weight, void *out, int type, long R, l
 
 /* out (N, K) = the float32 weights of w's blocks of w_type (GGUF's layouts), each the value the products use
  * (load_block), which is gguf.quants.dequantize's bit for bit: what torch code reads from a weight held as its
- * blocks (held.py), decoded a vector at a time, not in torch's several passes of a few operations each. */
+ * blocks (held.py), decoded a vector at a time, not in torch's several passes of a few operations each. An
+ * embedding's rows looked up (a token's, a prompt's) one thread decodes alone: a parallel region waits for every
+ * thread, and on a loaded machine one descheduled took a time slice (a 1-row lookup of the 1.7B's tied Q6_K_ACROSS
+ * embedding 12 ms, against 12 us alone; 128 rows 23 ms, against 0.14 ms; 2 threads, load ~3). */
+#define ALONE (1 << 20)  /* weights under which one thread decodes them alone (~2 ms): an embedding's rows looked up */
 static inline __attribute__((always_inline)) void dequantize_as(const void *w, const int w_type, float *out, long N,
                                                                 long K) {
     const long G = group_size(w_type);
     const int parts = G / BLOCK < 4 ? G / BLOCK : 4;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= ALONE)
     for (long n = 0; n < N; n++)
         for (long k = 0; k < K; k += G) {
             const uint8_t *group = (const uint8_t *)w + offset_of(n * K + k, w_type);
@@ -2641,15 +2801,14 @@ void dequantize(const void *w, int w_type, float *out, long N, long K) {
     case Q5_0: dequantize_as(w, Q5_0, out, N, K); break;
     case Q5_1: dequantize_as(w, Q5_1, out, N, K); break;
 #if LANE_BLOCKS
-    case Q4_0_STRIPES: {  /* put back as the file's blocks first: a copy of them for the while */
-        const long row = K / BLOCK * Q4_0_BYTES;
-        uint8_t *blocks = malloc(N * row);
+    default: {  /* laid out again: put back as the file's blocks first, a copy of them for the while */
+        const long row = offset_of(K, w_type);
+        uint8_t *blocks = laid_out(w_type) ? malloc(N * row) : NULL;
         if (!blocks) return;
-#pragma omp parallel for schedule(static)
-        for (long n = 0; n < N; n++) stripes_restore((const uint8_t *)w + n * row, K / BLOCK, blocks + n * row);
-        dequantize_as(blocks, Q4_0, out, N, K);
+#pragma omp parallel for schedule(static) if (N * K >= ALONE)
+        for (long n = 0; n < N; n++) restore_rows((const uint8_t *)w + n * row, w_type, 1, K, blocks + n * row);
+        dequantize(blocks, file_type(w_type), out, N, K);
         free(blocks);
-        break;
     }
 #endif
     }

@@ -13,11 +13,13 @@ weight streamed, the file's: Q4_0 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 
 Q5_1 are what llama-quantize writes for Q4_K and Q5_K matrices whose rows are not whole super-blocks (SmolLM2-135M's
 and -360M's widths, 576 and 960), Q8_0 for Q6_K ones.
 
-One exception, where asked (packed_layout's repack): Q4_0 with AVX-512 VNNI is laid out again once, at load, as rows
-of stripes (kernels.c's Q4_0_STRIPES, repack_stripes: the same bytes, each stripe of 16 blocks' 4-bit q transposed
-into its int8 tile's lanes, then the row's scales), which that tile decodes in about half the instructions a
-stripe of the file's blocks: the 1.7B's Q4_0 int8 decoding was under llama.cpp's, which lays Q4_0 out again at load
-as well. A
+The exceptions, where asked (packed_layout's repack), with AVX-512 VNNI: Q4_0 is laid out again once, at load, as
+rows of stripes (kernels.c's Q4_0_STRIPES, repack_stripes: the same bytes, each stripe of 16 blocks' 4-bit q
+transposed into its int8 tile's lanes, then the row's scales), which that tile decodes in about half the
+instructions a stripe of the file's blocks: the 1.7B's Q4_0 int8 decoding was under llama.cpp's, which lays Q4_0 out
+again at load as well. And the K-quants (kernels.c's Q4_K_ACROSS, Q5_K_ACROSS, Q6_K_ACROSS, repack_across: each
+super-block's bytes in place, its scales where the file has them, its q in the order of the int8 tile's steps), so
+that a step's integers are a load, a shift and a mask, not a permutation and variable shifts of the file's bytes. A
 copy of the matrix's bytes, made one matrix at a time (a pass over its bytes); the file's pages it was made from are
 let go. The exact products and dequantize put its rows back as the file's blocks first."""
 
@@ -36,9 +38,11 @@ Q = GGMLQuantizationType
 PACKED_TYPES = {Q.Q4_1: 3, Q.Q8_0: 4, Q.Q4_0: 5, Q.Q4_K: 6, Q.Q5_K: 7, Q.Q6_K: 8, Q.Q5_0: 9,
                 Q.Q5_1: 10}  # GGUF's kind -> kernels.c's
 STRIPES = 11  # kernels.c's Q4_0_STRIPES: Q4_0 laid out again (repack_stripes)
+ACROSS = {Q.Q4_K: 12, Q.Q5_K: 13, Q.Q6_K: 14}  # kernels.c's Q4_K_ACROSS...: the K-quants laid out again (repack_across)
+LAID_OUT = {STRIPES: Q.Q4_0} | {ours: kind for kind, ours in ACROSS.items()}  # laid out again -> the file's kind
 # kernels.c's type -> weights and bytes of a block (a K-quant's super-block), GGUF's
 PACKED_BLOCKS = {ours: GGML_QUANT_SIZES[kind] for kind, ours in PACKED_TYPES.items()} | {
-    STRIPES: GGML_QUANT_SIZES[Q.Q4_0]}
+    ours: GGML_QUANT_SIZES[kind] for ours, kind in LAID_OUT.items()}
 
 
 class Packed(NamedTuple):
@@ -49,18 +53,22 @@ class Packed(NamedTuple):
 
 def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False) -> Packed | None:
     """GGUF blocks of `kind`, uint8 (rows, bytes a row), as the kernels stream them: the blocks themselves (no
-    copy, where contiguous); None for kinds they do not stream. repack: Q4_0 laid out again as rows of stripes
-    where the kernels decode those the faster (see the top), a copy (numpy's: huge pages from 4 MiB, as the
-    loader's copies)."""
+    copy, where contiguous); None for kinds they do not stream. repack: Q4_0 laid out again as rows of stripes,
+    a K-quant as its int8 tile's steps, where the kernels decode those the faster (see the top), a copy (numpy's:
+    huge pages from 4 MiB, as the loader's copies)."""
     if kind not in PACKED_TYPES:
         return None
-    lib = compiled() if repack and kind == Q.Q4_0 else None
+    lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) else None
     if lib is not None:
-        stripes = torch.from_numpy(np.empty(tuple(blocks.shape), np.uint8))
+        again = torch.from_numpy(np.empty(tuple(blocks.shape), np.uint8))
         rows = blocks.contiguous()
-        K = rows.shape[1] // GGML_QUANT_SIZES[Q.Q4_0][1] * GGML_QUANT_SIZES[Q.Q4_0][0]
-        if lib.repack_stripes(w=rows.data_ptr(), N=rows.shape[0], K=K, out=stripes.data_ptr()):
-            return Packed(STRIPES, stripes)
+        size, nbytes = GGML_QUANT_SIZES[Q(kind)]
+        N, K = rows.shape[0], rows.shape[1] // nbytes * size
+        if kind == Q.Q4_0 and lib.repack_stripes(w=rows.data_ptr(), N=N, K=K, out=again.data_ptr()):
+            return Packed(STRIPES, again)
+        if kind in ACROSS and lib.repack_across(w=rows.data_ptr(), type=PACKED_TYPES[Q(kind)], N=N, K=K,
+                                                out=again.data_ptr()):
+            return Packed(ACROSS[Q(kind)], again)
     return Packed(PACKED_TYPES[Q(kind)], blocks.contiguous())
 
 
@@ -80,11 +88,11 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     for bit. The K-quants gguf decodes itself (numpy); blocks of 32 torch decodes as gguf does: a * q or a * q + b,
     rounded once each (no fused multiply-add). A new tensor each call (~3-14
     ns a weight on one core: 0.1-0.2 s for a 1536 x 576 matrix of the 135M model at the worst)."""
-    if packed.type == STRIPES:  # made only where the kernels are built: theirs, the rows looked up alone
+    if packed.type in LAID_OUT:  # made only where the kernels are built: theirs, the rows looked up alone
         data = packed.data if rows is None else packed.data[rows.reshape(-1)]
-        K = data.shape[1] // PACKED_BLOCKS[STRIPES][1] * PACKED_BLOCKS[STRIPES][0]
+        K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
         out = torch.empty(data.shape[0], K)
-        compiled().dequantize(w=data.data_ptr(), w_type=STRIPES, out=out.data_ptr(), N=data.shape[0], K=K)
+        compiled().dequantize(w=data.data_ptr(), w_type=packed.type, out=out.data_ptr(), N=data.shape[0], K=K)
         return out if rows is None else out.reshape(*rows.shape, K)
     data = packed.data if rows is None else packed.data[rows]
     kind = next(kind for kind, ours in PACKED_TYPES.items() if ours == packed.type)
