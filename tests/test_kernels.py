@@ -27,7 +27,8 @@ from smollm2.generation.steps import decode_step
 from smollm2.kernels import accelerate, ops
 from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.build import choices_file
-from smollm2.kernels.choosing import BUDGET_S, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key, rows_bucket
+from smollm2.kernels.choosing import (BUDGET_S, BUSY, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key,
+                                      rows_bucket)
 from smollm2.kernels.held import HeldWeight
 from smollm2.kernels.packed import ACROSS, PACKED_TYPES, STRIPES, packed_layout, unpacked
 from smollm2.model import MLP
@@ -529,8 +530,9 @@ class Clock:
         return self.now
 
 
-def measuring(tmp_path, clock=None) -> Choices:
-    return Choices("auto", lambda: tmp_path / "choices.json", clock or Clock())
+def measuring(tmp_path, clock=None, load: float = 0.0) -> Choices:
+    """Choices kept in tmp_path, timed by a test clock, on a machine `load` busy (machine_load: quiet, 0)."""
+    return Choices("auto", lambda: tmp_path / "choices.json", clock or Clock(), lambda: load)
 
 
 def timed(winner: str, kernel_s: float, torch_s: float, margin: float, measurements: int) -> Choice:
@@ -603,6 +605,30 @@ def test_a_thin_choice_is_measured_again_by_later_accelerators(tmp_path):
     calls.clear()  # a clear margin now: not measured again
     assert measuring(tmp_path).pick(KEY, side("kernel", calls), side("torch", calls)) == "kernel"
     assert calls == ["kernel"]
+
+
+def test_a_choice_measured_on_a_busy_machine_is_measured_again(tmp_path):
+    """Measured while other work took the kernel's threads off their cores, torch won by 10x; a later accelerator
+    on a quiet machine measures again, and the best times of both measurements decide: the kernel's. A clear
+    choice measured quiet is kept."""
+    first, calls = measuring(tmp_path, load=BUSY + 0.5), []
+    assert first.pick(KEY, side("kernel", calls, first, 0.016), side("torch", calls, first, 0.0016)) == "torch"
+    assert first.made[KEY] == timed("torch", 0.016, 0.0016, 10.0, 1)._replace(busy=True)
+    second = measuring(tmp_path)
+    assert second.pick(KEY, side("kernel", calls, second, 0.0008), side("torch", calls, second, 0.0016)) == "kernel"
+    assert second.made[KEY] == timed("kernel", 0.0008, 0.0016, 2.0, 2)
+    calls.clear()
+    assert measuring(tmp_path).pick(KEY, side("kernel", calls), side("torch", calls)) == "kernel"
+    assert calls == ["kernel"]
+
+
+def test_measuring_a_busy_machine_again_stops(tmp_path):
+    """A machine that stays busy: a choice is measured MEASUREMENTS times in all, then kept."""
+    for n in range(1, MEASUREMENTS + 2):
+        choices, calls = measuring(tmp_path, load=BUSY + 0.5), []
+        choices.pick(KEY, side("kernel", calls, choices, 0.001), side("torch", calls, choices, 0.002))
+        assert choices.made[KEY].measurements == min(n, MEASUREMENTS)
+        assert calls.count("torch") == (1 + MIN_TURNS if n <= MEASUREMENTS else 0)
 
 
 def test_measuring_a_near_tie_again_stops(tmp_path):

@@ -16,7 +16,10 @@ A measurement is only as good as the machine was quiet: both sides run in turns 
 repeats and the winner leads clearly, or a bounded number of turns. The margin (the loser's time over the
 winner's) is kept with the choice; where it is thin, a later accelerator measures again, a bounded number of
 times, each measurement's best times merged with the stored ones, so that a near tie measured on a busy machine
-does not stay decided the wrong way for good.
+does not stay decided the wrong way for good. So is a choice measured while the machine was busy (more threads
+runnable than it has cores, other processes' beside ours), whatever its margin: a thread of a parallel region
+that another process's work takes off its core holds up the others for a time slice, which can make the faster
+side lose by far (a 1.7B's prompt attention was once decided for torch so, by 10x, where quiet the kernel wins).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import tempfile
 import threading
 import time
@@ -40,6 +44,8 @@ BUDGET_S = 1.0  # no more turns past MIN_TURNS once a measurement has taken this
 SPREAD = 0.05  # a side's best time counts once its second best is within 5% of it: not one lucky run
 THIN = 1.10  # a winner less than 10% faster is a close call: measured longer, and again by later accelerators
 MEASUREMENTS = 3  # a thin choice is measured at most this many times in all (each process's first meeting)
+BUSY = 1.5  # runnable threads a core (the load average over the cores) over which a measurement counts as busy:
+# ours alone keep it near 1 while both sides run on every core
 
 
 class Key(NamedTuple):
@@ -58,15 +64,24 @@ class Choice(NamedTuple):
     torch_s: float
     margin: float  # the loser's time over the winner's, >= 1; files without it read as 1 (to be measured again)
     measurements: int  # how many measurements the times come from
+    busy: bool = False  # whether the last of them was taken on a busy machine (BUSY)
 
     @classmethod
-    def timed(cls, kernel_s: float, torch_s: float, measurements: int = 1) -> Choice:
+    def timed(cls, kernel_s: float, torch_s: float, measurements: int = 1, busy: bool = False) -> Choice:
         faster, slower = sorted((kernel_s, torch_s))
         return cls("kernel" if kernel_s < torch_s else "torch", kernel_s, torch_s,
-                   slower / faster if faster > 0 else float("inf"), measurements)
+                   slower / faster if faster > 0 else float("inf"), measurements, busy)
 
     def measure_again(self) -> bool:
-        return self.margin < THIN and self.measurements < MEASUREMENTS
+        return (self.margin < THIN or self.busy) and self.measurements < MEASUREMENTS
+
+
+def machine_load() -> float:
+    """Runnable threads a core over the last minute (the load average over the cores); 0 where the OS has none."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
 
 
 DECODING_ROWS = 16  # rows of a decoding step the kernel takes in one call (ops.MAX_ROWS)
@@ -104,12 +119,14 @@ MODES = ("auto", "on", "off")
 class Choices:
     """One accelerator's choices: for each Key, whether the kernel or torch runs it. mode: "auto" measures (see
     pick); "on" runs the kernel wherever it can (tests compare it with torch); "off" runs torch everywhere.
-    file: where the decisions are kept, asked once, when first needed. clock: seconds, to time runs with."""
+    file: where the decisions are kept, asked once, when first needed. clock: seconds, to time runs with; load:
+    how busy the machine is (machine_load)."""
 
-    def __init__(self, mode: str, file: Callable[[], Path], clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, mode: str, file: Callable[[], Path], clock: Callable[[], float] = time.perf_counter,
+                 load: Callable[[], float] = machine_load):
         if mode not in MODES:
             raise SmolError(f"kernels mode {mode!r} is none of {', '.join(MODES)}")
-        self.mode, self.file, self.clock = mode, file, clock
+        self.mode, self.file, self.clock, self.load = mode, file, clock, load
         self.made: dict[Key, Choice] = {}  # this accelerator's: measured, or read from the file when first met
         self.stored: dict[Key, Choice] | None = None  # the file's, once read
         self.kernel_runs: Counter[str] = Counter()  # calls whose result a kernel computed, by operation
@@ -207,6 +224,7 @@ class Choices:
         if kernel() is None:
             return plain()
         plain()
+        busy = self.load() > BUSY
         times = ([], [])  # torch's, the kernel's
         start = self.clock()
         for turn in range(1, MAX_TURNS + 1):
@@ -220,7 +238,8 @@ class Choices:
         if before is not None:
             kernel_s, torch_s = min(kernel_s, before.kernel_s), min(torch_s, before.torch_s)
             measurements += before.measurements
-        choice = self.made[key] = Choice.timed(kernel_s, torch_s, measurements)
+        busy = busy or self.load() > BUSY  # before or after: a minute's average lags
+        choice = self.made[key] = Choice.timed(kernel_s, torch_s, measurements, busy)
         self.save()
         if choice.winner == "kernel":
             self.kernel_runs[key.op] += 1
@@ -241,7 +260,8 @@ class Choices:
         measured again)."""
         def parsed(entry: dict) -> tuple[Key, Choice]:
             choice = Choice(entry["winner"], float(entry["kernel_s"]), float(entry["torch_s"]),
-                            float(entry.get("margin", 1.0)), int(entry.get("measurements", 1)))
+                            float(entry.get("margin", 1.0)), int(entry.get("measurements", 1)),
+                            bool(entry.get("busy", False)))
             if choice.winner not in ("kernel", "torch"):
                 raise ValueError(choice.winner)
             return Key(*(entry[field] for field in Key._fields[:-1]), tuple(entry["sizes"])), choice
