@@ -530,9 +530,11 @@ class Clock:
         return self.now
 
 
-def measuring(tmp_path, clock=None, load: float = 0.0) -> Choices:
-    """Choices kept in tmp_path, timed by a test clock, on a machine `load` busy (machine_load: quiet, 0)."""
-    return Choices("auto", lambda: tmp_path / "choices.json", clock or Clock(), lambda: load)
+def measuring(tmp_path, clock=None, load=(0.0,)) -> Choices:
+    """Choices kept in tmp_path, timed by a test clock, on a machine as busy as `load` says (machine_load's
+    figures: one per call, the last repeated; quiet, 0)."""
+    loads = itertools.chain(load, itertools.repeat(load[-1]))
+    return Choices("auto", lambda: tmp_path / "choices.json", clock or Clock(), lambda: next(loads))
 
 
 def timed(winner: str, kernel_s: float, torch_s: float, margin: float, measurements: int) -> Choice:
@@ -611,7 +613,8 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again(tmp_path):
     """Measured while other work took the kernel's threads off their cores, torch won by 10x; a later accelerator
     on a quiet machine measures again, and the best times of both measurements decide: the kernel's. A clear
     choice measured quiet is kept."""
-    first, calls = measuring(tmp_path, load=BUSY + 0.5), []
+    assert BUSY == 1.5  # the README's figure: a load average over 1.5 a core
+    first, calls = measuring(tmp_path, load=(1.4, 1.6)), []  # busy by the end of the measurement
     assert first.pick(KEY, side("kernel", calls, first, 0.016), side("torch", calls, first, 0.0016)) == "torch"
     assert first.made[KEY] == timed("torch", 0.016, 0.0016, 10.0, 1)._replace(busy=True)
     second = measuring(tmp_path)
@@ -625,10 +628,19 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again(tmp_path):
 def test_measuring_a_busy_machine_again_stops(tmp_path):
     """A machine that stays busy: a choice is measured MEASUREMENTS times in all, then kept."""
     for n in range(1, MEASUREMENTS + 2):
-        choices, calls = measuring(tmp_path, load=BUSY + 0.5), []
+        choices, calls = measuring(tmp_path, load=(1.6, 1.4)), []  # busy as it began
         choices.pick(KEY, side("kernel", calls, choices, 0.001), side("torch", calls, choices, 0.002))
         assert choices.made[KEY].measurements == min(n, MEASUREMENTS)
         assert calls.count("torch") == (1 + MIN_TURNS if n <= MEASUREMENTS else 0)
+
+
+def test_a_clear_choice_measured_at_a_load_of_1_5_a_core_is_kept(tmp_path):
+    first = measuring(tmp_path, load=(1.5,))
+    first.pick(KEY, side("kernel", [], first, 0.001), side("torch", [], first, 0.002))
+    assert not first.made[KEY].busy
+    calls = []
+    assert measuring(tmp_path).pick(KEY, side("kernel", calls), side("torch", calls)) == "kernel"
+    assert calls == ["kernel"]
 
 
 def test_measuring_a_near_tie_again_stops(tmp_path):

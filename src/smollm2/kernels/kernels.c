@@ -84,6 +84,10 @@ static inline int is_super(int type) {
     return file_type(type) == Q4_K || file_type(type) == Q5_K || file_type(type) == Q6_K;
 }
 
+/* Where a K-quant super-block's 4-bit q (Q6_K's low 4 bits) start, in the file's layout and laid out again alike:
+ * Q4_K's past d, dmin and the scales, Q5_K's past its fifth bits too, Q6_K's first. */
+static inline int nibbles_at(int type) { return file_type(type) == Q4_K ? 16 : file_type(type) == Q5_K ? 48 : 0; }
+
 static inline long group_bytes(int type) {  /* bytes a block (super-block) of `type`; 0 for one value an element */
     switch (file_type(type)) {
     case Q4_1: return Q4_1_BYTES;
@@ -424,7 +428,7 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *bloc
         return;
     }
     if (type == Q4_K || type == Q5_K) {  /* q's low 4 bits: sub-blocks 2p and 2p + 1 share 32 bytes, low and high */
-        const uint8_t *q = block + (type == Q4_K ? 16 : 48) + sub / 2 * 32, *fifth = block + 16;
+        const uint8_t *q = block + nibbles_at(type) + sub / 2 * 32, *fifth = block + 16;
         const int shift = part % 2 * 4;
 #if LANES == 16
         if (type == Q4_K) {
@@ -1100,8 +1104,7 @@ static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* la
  * weight 4 (2u + l / 8) (load_block's layouts, or those laid out again above). */
 static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group, const int type, const int u) {
     if (laid_out(type)) {
-        const int low_at = type == Q4_K_ACROSS ? 16 : type == Q5_K_ACROSS ? 48 : 0;
-        const vu bytes = (vu)_mm512_loadu_si512(group + low_at + 64 * (u / 2));
+        const vu bytes = (vu)_mm512_loadu_si512(group + nibbles_at(type) + 64 * (u / 2));
         vi q = (vi)(u % 2 ? bytes >> 4 : bytes) & 0x0f0f0f0f;
         if (type == Q5_K_ACROSS) {  /* the 64 bits a mask register: + 16 in the bytes whose bit is set */
             uint64_t fifth;
@@ -1124,7 +1127,7 @@ static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group
         return low | high << 4;
     }
     /* Q4_K, Q5_K: sub-blocks 2p and 2p + 1 share 32 bytes, the low and the high 4 bits */
-    vi q = lane_ints(group + (type == Q4_K ? 16 : 48), (sub >> 1) * 8 + at, (sub & 1) << 2, 0x0f0f0f0f);
+    vi q = lane_ints(group + nibbles_at(type), (sub >> 1) * 8 + at, (sub & 1) << 2, 0x0f0f0f0f);
     if (type == Q5_K) {  /* bit s of byte j of 32 at 16: weight j's fifth bit of sub-block s */
         const vi fifth = (vi)_mm512_permutexvar_epi32(
             (__m512i)at, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(group + 16))));
@@ -1880,9 +1883,8 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
  * again (across_ints' layouts); its other bytes untouched. */
 static inline __attribute__((always_inline)) void across_store(const vi *step, const int type, uint8_t *group) {
     if (laid_out(type)) {
-        const int low_at = type == Q4_K_ACROSS ? 16 : type == Q5_K_ACROSS ? 48 : 0;
         for (int r = 0; r < 2; r++)
-            _mm512_storeu_si512(group + low_at + 64 * r,
+            _mm512_storeu_si512(group + nibbles_at(type) + 64 * r,
                                 (__m512i)((step[2 * r] & 0x0f0f0f0f) | (step[2 * r + 1] & 0x0f0f0f0f) << 4));
         for (int u = 0; type == Q5_K_ACROSS && u < 4; u++) {
             const uint64_t fifth = _cvtmask64_u64(_mm512_test_epi8_mask((__m512i)step[u], _mm512_set1_epi8(16)));
@@ -1920,7 +1922,7 @@ static inline __attribute__((always_inline)) void across_store(const vi *step, c
     /* Q4_K, Q5_K: sub-blocks 2p and 2p + 1 in the low and high 4 bits of 32 bytes; Q5_K's fifth bits, bit s of byte j
      * sub-block s's weight j */
     for (int p = 0; p < 4; p++)
-        *(v32u8u *)(group + (type == Q4_K ? 16 : 48) + 32 * p) =
+        *(v32u8u *)(group + nibbles_at(type) + 32 * p) =
             (load32(v + 64 * p) & 15) | (load32(v + 64 * p + 32) & 15) << 4;
     v32u8 fifth = {0};
     for (int s = 0; type == Q5_K && s < SUBS; s++) fifth |= (load32(v + 32 * s) >> 4 & 1) << s;
