@@ -790,7 +790,9 @@ static inline long stripes_of(long K) { return (K / BLOCK + 15) / 16; }
 
 /* A product input's rows (R, K) quantized: q (R, K), and for each block of 32, its scale d and d * (sum of its q).
  * With ACROSS, where K is whole super-blocks, `across` holds q again in across_block's order: each 256 values as 4
- * steps of 64 bytes, step u's 32-bit lane l the 4 values 4 (2u + l / 8).. of block l % 8. With LANE_BLOCKS, `sum`
+ * steps of 64 bytes, step u's 32-bit lane l the 4 values 4 (2u + l / 8).. of block l % 8, and `minus32` of each 256
+ * values -32 (sum of q) of each block's first 16 in lane b, of its last 16 in lane b + 8 (Q6_K's q - 32, in
+ * halves_added's order: an activation row's, once for every weight row). With LANE_BLOCKS, `sum`
  * holds each block's sum of q, and `lanes` q + 128 (unsigned) in lanes_rows' order: each stripe of 16 blocks (the
  * last padded with zeros) as 8 steps of 64 bytes, step u's lane l the 4 values 4u.. of block BLOCK_OF(l). */
 struct int8_rows {
@@ -799,15 +801,32 @@ struct int8_rows {
     int8_t *across;
     int32_t *sum;
     uint8_t *lanes;  /* stripes_of(K) * STRIPE bytes a row */
+    vi *minus32;  /* K / SUPER vectors a row */
 };
 
 #if ACROSS
+static inline vi dpbusd_of(vi acc, vi u, vi x) {  /* acc + 4 products of unsigned u and signed x a lane */
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
+}
+
+static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u, (vi)_mm512_loadu_si512(x)); }
+
+/* Sub-blocks' integer sums in lanes 0-7 from u's 16 lanes and in lanes 8-15 from v's, lanes k and k + 8 of each
+ * added (across_ints' two quarters of a sub-block's weights, or of Q6_K's 16 of one scale): exact, in int32. So
+ * that the float work (a convert, a d, a multiply-add) is done once for two weight rows (Q4_K, Q5_K) or for a
+ * Q6_K row's 16 scales, not once for each half: on Zen 4 it shares its pipes with dpbusd. */
+static inline vi halves_added(vi u, vi v) {
+    return (vi)_mm512_mask_blend_epi32(0xff00, (__m512i)u, (__m512i)v) +  /* u's lanes 0-7, v's 8-15 */
+           (vi)_mm512_shuffle_i64x2((__m512i)u, (__m512i)v, 0x4e);        /* u's lanes 8-15, v's 0-7 */
+}
+
 /* n quantized values (whole super-blocks) into across_block's order: of each 256, 64 words of 4 (block b's at 8b..),
  * step u's lane l the word 8 (l % 8) + 2u + l / 8, blocks 0-3 from the first 128 bytes and 4-7 from the last 128:
  * a permutation of each and a blend a step, where it was 16 copies of 4 bytes. */
-static void across_order(const int8_t *q, long n, int8_t *across) {
+static void across_order(const int8_t *q, long n, int8_t *across, vi *minus32) {
     const vi l = __builtin_convertvector(iota(), vi), first = (l & 3) * 8 + (l >> 3);
     for (long at = 0; at < n; at += SUPER) {
+        const int8_t *steps = across + at;
         const __m512i a0 = _mm512_loadu_si512(q + at), a1 = _mm512_loadu_si512(q + at + 64),
                       a2 = _mm512_loadu_si512(q + at + 128), a3 = _mm512_loadu_si512(q + at + 192);
         for (int u = 0; u < 4; u++) {
@@ -816,6 +835,9 @@ static void across_order(const int8_t *q, long n, int8_t *across) {
                                 _mm512_mask_blend_epi32(0xf0f0, _mm512_permutex2var_epi32(a0, word, a1),
                                                         _mm512_permutex2var_epi32(a2, word, a3)));
         }
+        const vi o = (vi)_mm512_set1_epi8(32);
+        minus32[at / SUPER] = -halves_added(dpbusd(dpbusd((vi){0}, o, steps), o, steps + 64),
+                                            dpbusd(dpbusd((vi){0}, o, steps + 128), o, steps + 192));
     }
 }
 #endif
@@ -917,7 +939,7 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         if (out->sum) out->sum[i] = total;
     }
 #if ACROSS
-    if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across);
+    if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across, out->minus32);
 #else
     (void)across;
 #endif
@@ -1078,10 +1100,12 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
 #if ACROSS
 /* The K-quants with AVX-512 and VNNI: a super-block's 8 sub-blocks side by side, 32-bit lane l of a 64-byte step
  * holding 4 weights of sub-block l % 8 (int8_rows' across order), so that 4 dpbusd sum a whole super-block in
- * integers, each lane within one sub-block, and one convert and one multiply-add by its sub-blocks' a d (twice,
- * lanes 0-7 and 8-15) scale it: 4 + 2 vector instructions for 256 weights against an activation row, where a
- * sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1 hold each sub-block's
- * first 16, 2-3 its last 16, each pair summed and scaled on its own. The weights go into that order as they are
+ * integers, each lane within one sub-block. Lanes k and k + 8 (the same sub-block) are then added in int32 and two
+ * weight rows' 8 sums share a vector (halves_added), which one convert and two multiply-adds scale by a d and add
+ * b d (sum q_x) to (scaled_pairs): 4 dpbusd and 2.5 more vector instructions a row's 256 weights against an
+ * activation row, where a sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1
+ * hold each sub-block's first 16, 2-3 its last 16, each pair's halves added, the first 16's sums in lanes 0-7, the
+ * last 16's in 8-15, scaled at once. The weights go into that order as they are
  * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid out so at load. */
 static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* lane l: bytes 4 at[l].. of p (< 128) */
     const vi bytes = (vi)_mm512_permutex2var_epi32(_mm512_loadu_si512(p), (__m512i)at, _mm512_loadu_si512(p + 64));
@@ -1136,11 +1160,72 @@ static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group
     return q;
 }
 
-static inline vi dpbusd_of(vi acc, vi u, vi x) {  /* acc + 4 products of unsigned u and signed x a lane */
-    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
+/* One super-block of weight rows 2p and 2p + 1 (Q4_K, Q5_K), lanes 0-7 and 8-15, against an activation row: to
+ * acc + sum q_w q_x (T, halves_added's) times a d, then + b d (sum q_x) (ds), each sub-block's, as a lane's two
+ * multiply-adds (scaled_pairs). Q6_K (no b): to acc + T a d (scaled). The prompt's tile and a decoding step's
+ * alike, so the same bits. */
+static inline vf scaled(vi T, vf a, vf d, vf acc) { return fmadd(__builtin_convertvector(T, vf), a * d, acc); }
+static inline vf scaled_pairs(vi T, vf a, vf d, vf b, vf ds, vf acc) { return fmadd(b, ds, scaled(T, a, d, acc)); }
+
+/* sum8 of each half of 8 vectors (COLS activation rows' ROWS / 2 pairs of weight rows, v[i * ROWS / 2 + p]'s
+ * half h weight row 2p + h of row i), into lane i * ROWS + j: each step adds the same pairs as sum8, two vectors at
+ * a time (as sum_lanes_of). */
+static inline vf sum8_of(const vf *v) {
+    vf a[4], b[2];
+    for (int p = 0; p < 4; p++)  /* lanes k and k + 4 of each half */
+        a[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(v[2 * p], v[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)  /* then k and k + 2 */
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-static inline vi dpbusd(vi acc, vi u, const int8_t *x) { return dpbusd_of(acc, u, (vi)_mm512_loadu_si512(x)); }
+/* The sums of c activation rows' accumulators into sums (c, LANES), its first ROWS columns: Q4_K and Q5_K's
+ * pairs[i][p] (weight rows 2p, 2p + 1 in halves: sum8 each), Q6_K's rows[i][j] (sum_lanes), COLS rows at once
+ * with the same additions. */
+static inline void across_sums(const vf (*pairs)[ROWS / 2], const vf (*rows)[ROWS], const int type, const int c,
+                               float *sums) {
+    if (type == Q6_K) {
+        if (c == COLS) {
+            const vf all = sum_lanes_of((const vf *)rows);
+            for (int i = 0; i < c; i++)
+                for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j];
+            return;
+        }
+        for (int i = 0; i < c; i++)
+            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(rows[i][j]);
+        return;
+    }
+    if (c == COLS) {
+        const vf all = sum8_of((const vf *)pairs);
+        for (int i = 0; i < c; i++)
+            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j];
+        return;
+    }
+    for (int i = 0; i < c; i++)
+        for (int p = 0; p < ROWS / 2; p++) {
+            sums[i * LANES + 2 * p] = sum8(__builtin_shufflevector(pairs[i][p], pairs[i][p], 0, 1, 2, 3, 4, 5, 6, 7));
+            sums[i * LANES + 2 * p + 1] =
+                sum8(__builtin_shufflevector(pairs[i][p], pairs[i][p], 8, 9, 10, 11, 12, 13, 14, 15));
+        }
+}
+
+/* Q6_K's a of each sub-block's first 16 weights (2s) in lane s, of its last 16 (2s + 1) in lane s + 8: as
+ * halves_added puts its steps 0-1 and 2-3. */
+static inline vf q6_k_a(const struct scales *s) {
+    return (vf)_mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0),
+                                     _mm512_loadu_ps(s->a));
+}
+
+/* Q4_K, Q5_K: the a (b) of rows 2p and 2p + 1's sub-blocks in lanes 0-7 and 8-15 */
+static inline vf pair_a(const struct scales *s) {
+    return (vf)_mm512_shuffle_f32x4(_mm512_loadu_ps(s[0].a), _mm512_loadu_ps(s[1].a), 0x44);
+}
+static inline vf pair_b(const struct scales *s) {
+    return (vf)_mm512_shuffle_f32x4(_mm512_loadu_ps(s[0].a), _mm512_loadu_ps(s[1].a), 0xee);
+}
 
 /* int8_block for a K-quant (its contract), as the file holds it or laid out again (`layout`). */
 static inline __attribute__((always_inline)) void across_block(const struct int8_rows *x, long first, const int c,
@@ -1148,8 +1233,8 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
                                                                float *sums) {
     const int type = file_type(layout);
     const long blocks = K / BLOCK;
-    vf acc[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x) terms */
-    v8f offsets[COLS][ROWS] = {{{0}}};  /* the b d (sum q_x) terms */
+    vf pairs[COLS][ROWS / 2] = {{{0}}};  /* Q4_K, Q5_K */
+    vf rows[COLS][ROWS] = {{{0}}};       /* Q6_K */
     for (long k = 0; k < K; k += SUPER) {
         const uint8_t *group[ROWS];
         struct scales s[ROWS];
@@ -1159,51 +1244,44 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
                 __builtin_prefetch(group[j] + at + SIDE_PREFETCH, 0, 1);
         }
         unpack_each(group, type, s);
-        vi minus[COLS][2];  /* Q6_K: - 32 (sum x) of steps 0-1 and 2-3, once for every weight row */
-        for (int i = 0; type == Q6_K && i < c; i++) {
-            const int8_t *xq = x->across + (first + i) * K + k;
-            const vi o = (vi)_mm512_set1_epi8(32);
-            minus[i][0] = -dpbusd(dpbusd((vi){0}, o, xq), o, xq + 64);
-            minus[i][1] = -dpbusd(dpbusd((vi){0}, o, xq + 128), o, xq + 192);
+        vf d[COLS], ds[COLS];
+        for (int i = 0; i < c; i++) {
+            const long at = (first + i) * blocks + k / BLOCK;
+            d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
+            ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + at));
         }
-        for (int j = 0; j < ROWS; j++) {
-            vi q[4];
-            for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], layout, u);
-            /* Q6_K: a of each sub-block's first 16 weights (2s), of its last 16 (2s + 1), in lanes s and s + 8 */
-            const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
-            const vf first_a = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a)),
-                     last_a = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
-                                                        _mm512_loadu_ps(s[j].a));
-            for (int i = 0; i < c; i++) {
-                const long at = (first + i) * blocks + k / BLOCK;
-                const int8_t *xq = x->across + (first + i) * K + k;
-                if (type == Q6_K) {  /* a d as group_scales computes it, in registers */
-                    const vf d = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
-                    const vi first16 = dpbusd(dpbusd(minus[i][0], q[0], xq), q[1], xq + 64),
-                             last16 = dpbusd(dpbusd(minus[i][1], q[2], xq + 128), q[3], xq + 192);
-                    acc[i][j] = fmadd(__builtin_convertvector(first16, vf), first_a * d, acc[i][j]);
-                    acc[i][j] = fmadd(__builtin_convertvector(last16, vf), last_a * d, acc[i][j]);
-                } else {
-                    float ad[2 * SUBS] __attribute__((aligned(64)));
-                    group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad, &offsets[i][j]);
-                    vi sum = dpbusd((vi){0}, q[0], xq);
-                    for (int u = 1; u < 4; u++) sum = dpbusd(sum, q[u], xq + 64 * u);
-                    acc[i][j] = fmadd(__builtin_convertvector(sum, vf),
-                                      (vf)_mm512_broadcast_f32x8(_mm256_load_ps(ad)), acc[i][j]);
+        if (type == Q6_K) {  /* sum (q - 32) x = sum q x - 32 sum x (int8_rows' minus32) */
+            for (int j = 0; j < ROWS; j++) {
+                vi q[4];
+                for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], layout, u);
+                const vf a = q6_k_a(&s[j]);
+                for (int i = 0; i < c; i++) {
+                    const int8_t *xq = x->across + (first + i) * K + k;
+                    const vi first16 = dpbusd(dpbusd((vi){0}, q[0], xq), q[1], xq + 64),
+                             last16 = dpbusd(dpbusd((vi){0}, q[2], xq + 128), q[3], xq + 192);
+                    rows[i][j] = scaled(halves_added(first16, last16) + x->minus32[((first + i) * K + k) / SUPER],
+                                        a, d[i], rows[i][j]);
                 }
+            }
+            continue;
+        }
+        for (int p = 0; p < ROWS / 2; p++) {
+            vi q[2][4];
+            for (int h = 0; h < 2; h++)
+                for (int u = 0; u < 4; u++) q[h][u] = across_ints(group[2 * p + h], layout, u);
+            const vf a = pair_a(&s[2 * p]), b = pair_b(&s[2 * p]);
+            for (int i = 0; i < c; i++) {
+                const int8_t *xq = x->across + (first + i) * K + k;
+                vi sum[2];
+                for (int h = 0; h < 2; h++) {
+                    sum[h] = dpbusd((vi){0}, q[h][0], xq);
+                    for (int u = 1; u < 4; u++) sum[h] = dpbusd(sum[h], q[h][u], xq + 64 * u);
+                }
+                pairs[i][p] = scaled_pairs(halves_added(sum[0], sum[1]), a, d[i], b, ds[i], pairs[i][p]);
             }
         }
     }
-#if SUM_ALL
-    if (c == COLS) {  /* all at once: the same additions as sum_lanes */
-        const vf all = sum_lanes_of((const vf *)acc);
-        for (int i = 0; i < c; i++)
-            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j] + sum8(offsets[i][j]);
-        return;
-    }
-#endif
-    for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[i][j]) + sum8(offsets[i][j]);
+    across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, c, sums);
 }
 #endif
 
@@ -1722,102 +1800,74 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
 /* A prompt's rows against ROWS weight rows of a K-quant: across_block's arithmetic, each (activation row, weight
  * row) pair's operations the same and in the same order (so the same bits as a row gets alone), but the weights'
  * integers and scales unpacked once for all the prompt's rows, not once every COLS of them: into a scratch of
- * ROWS x K bytes and a few floats a super-block (L1 or L2), after which each step is loads, dpbusd, a convert and
- * a multiply-add. across_block spent most of its time unpacking (benchmarks/int8_costs.c). The b d (sum q_x)
- * terms go in a pass of their own, so that the main loop's accumulators stay in registers. */
-enum { SPAN = 2 };  /* activation rows a step: SPAN x ROWS accumulators and their inputs in registers */
+ * ROWS x K bytes and a few floats a super-block (L1 or L2), after which each step is loads, dpbusd, halves_added
+ * and scaled_pairs' multiply-adds. across_block spent most of its time unpacking (benchmarks/int8_costs.c). */
+enum { SPAN = 2 };  /* activation rows a step: their accumulators and inputs in registers */
 
 struct across_weights {  /* ROWS weight rows' super-blocks unpacked, each (ROWS, K / SUPER, ...) */
-    const vi *q;  /* across_ints' 4 steps (Q6_K: q - 32, signed) */
-    const vf *a;  /* Q4_K, Q5_K: a of sub-block l % 8 in lane l; Q6_K: a of each sub-block's first 16, last 16 */
-    const vf *b;  /* Q4_K, Q5_K: b of each sub-block, two weight rows a vector ((ROWS / 2, K / SUPER)) */
-    const vi *minus;  /* Q6_K: - 128 (sum q - 32) of steps 0-1 and 2-3 (below) */
+    const vi *q;  /* across_ints' 4 steps */
+    const vf *a;  /* Q4_K, Q5_K: pair_a of rows 2p, 2p + 1 ((ROWS / 2, K / SUPER)); Q6_K: q6_k_a of each row */
+    const vf *b;  /* Q4_K, Q5_K: pair_b of rows 2p, 2p + 1 */
 };
 
-/* acc[i][j]: the a d (sum q_w q_x) terms of activation row first + i (i < c) against w's row j. */
+/* The sums of activation rows first..first + c - 1 (c <= SPAN) against w's rows: pairs[i][p] (Q4_K, Q5_K) or
+ * rows[i][j] (Q6_K), as across_block's. */
 static inline __attribute__((always_inline)) void across_span(const struct int8_rows *x, long first, const int c,
                                                               const struct across_weights *w, const int type,
-                                                              long K, vf (*acc)[ROWS]) {
+                                                              long K, vf (*pairs)[ROWS / 2], vf (*rows)[ROWS]) {
     const long supers = K / SUPER, blocks = K / BLOCK;
-    vf sum_of[SPAN][ROWS] = {{{0}}};
+    vf pair_of[SPAN][ROWS / 2] = {{{0}}}, row_of[SPAN][ROWS] = {{{0}}};
     for (long g = 0; g < supers; g++) {
-        vi xv[SPAN][4];  /* the activations in registers, each weight vector loaded once for them */
-        vf d[SPAN];
+        vi xv[SPAN][4], minus32[SPAN];  /* the activations in registers, each weight vector loaded once for them */
+        vf d[SPAN], ds[SPAN];
         for (int i = 0; i < c; i++) {
             const int8_t *xq = x->across + (first + i) * K + g * SUPER;
             for (int u = 0; u < 4; u++) {
                 xv[i][u] = (vi)_mm512_loadu_si512(xq + 64 * u);
                 IN_REGISTER(xv[i][u]);
             }
-            d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + (first + i) * blocks + g * SUBS));
-            for (int u = 0; type == Q6_K && u < 4; u++) xv[i][u] ^= (vi)_mm512_set1_epi8(-128);  /* x + 128 */
+            const long at = (first + i) * blocks + g * SUBS;
+            d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
+            if (type == Q6_K) minus32[i] = x->minus32[(first + i) * supers + g];
+            else ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + at));
         }
-        for (int j = 0; j < ROWS; j++) {
-            vi q[4];
-            for (int u = 0; u < 4; u++) {
-                q[u] = w->q[(j * supers + g) * 4 + u];
-                IN_REGISTER(q[u]);
-            }
-            const vf *a = w->a + (j * supers + g) * 2;
-            for (int i = 0; i < c; i++) {
-                if (type == Q6_K) {  /* sum (x + 128)(q - 32) - 128 sum (q - 32): across_block's integers */
-                    const vi *minus = w->minus + (j * supers + g) * 2;
-                    const vi first16 = dpbusd_of(dpbusd_of(minus[0], xv[i][0], q[0]), xv[i][1], q[1]),
-                             last16 = dpbusd_of(dpbusd_of(minus[1], xv[i][2], q[2]), xv[i][3], q[3]);
-                    sum_of[i][j] = fmadd(__builtin_convertvector(first16, vf), a[0] * d[i], sum_of[i][j]);
-                    sum_of[i][j] = fmadd(__builtin_convertvector(last16, vf), a[1] * d[i], sum_of[i][j]);
-                } else {
-                    vi sum = dpbusd_of((vi){0}, q[0], xv[i][0]);
-                    for (int u = 1; u < 4; u++) sum = dpbusd_of(sum, q[u], xv[i][u]);
-                    sum_of[i][j] = fmadd(__builtin_convertvector(sum, vf), a[0] * d[i], sum_of[i][j]);
+        if (type == Q6_K) {
+            for (int j = 0; j < ROWS; j++) {
+                vi q[4];
+                for (int u = 0; u < 4; u++) {
+                    q[u] = w->q[(j * supers + g) * 4 + u];
+                    IN_REGISTER(q[u]);
+                }
+                const vf a = w->a[j * supers + g];
+                for (int i = 0; i < c; i++) {
+                    const vi first16 = dpbusd_of(dpbusd_of((vi){0}, q[0], xv[i][0]), q[1], xv[i][1]),
+                             last16 = dpbusd_of(dpbusd_of((vi){0}, q[2], xv[i][2]), q[3], xv[i][3]);
+                    row_of[i][j] = scaled(halves_added(first16, last16) + minus32[i], a, d[i], row_of[i][j]);
                 }
             }
+            continue;
         }
-    }
-    for (int i = 0; i < c; i++)
-        for (int j = 0; j < ROWS; j++) acc[i][j] = sum_of[i][j];
-}
-
-/* sum8 of each half of 8 vectors (COLS activation rows' ROWS / 2 pairs of weight rows, v[i * ROWS / 2 + p]'s
- * half h weight row 2p + h of row i), into lane i * ROWS + j: each step adds the same pairs as sum8, two vectors at
- * a time (as sum_lanes_of). */
-static inline vf sum8_of(const vf *v) {
-    vf a[4], b[2];
-    for (int p = 0; p < 4; p++)  /* lanes k and k + 4 of each half */
-        a[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(v[2 * p], v[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int p = 0; p < 2; p++)  /* then k and k + 2 */
-        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-/* The b d (sum q_x) terms of activation rows first..first + c - 1 (c 1 or COLS) against w's rows, into offsets
- * (c, ROWS): each sub-block's 8 lanes added in the super-blocks' order, as across_block's offsets, two weight rows a
- * vector, the c rows' sums side by side (independent additions, each weight vector loaded once for them: one row at
- * a time, its two chains of additions bound the pass, a sixth of Q5_K's prompt products at K = 2048). */
-static inline __attribute__((always_inline)) void across_offsets(const struct int8_rows *x, long first, const int c,
-                                                                 const struct across_weights *w, long K,
-                                                                 float *offsets) {
-    const long supers = K / SUPER, blocks = K / BLOCK;
-    vf pairs[COLS][ROWS / 2] = {{{0}}};
-    for (long g = 0; g < supers; g++) {
-        vf ds[COLS];
-        for (int i = 0; i < c; i++)
-            ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + (first + i) * blocks + g * SUBS));
         for (int p = 0; p < ROWS / 2; p++) {
-            const vf b = w->b[p * supers + g];
-            for (int i = 0; i < c; i++) pairs[i][p] += b * ds[i];
+            vi q[2][4];
+            for (int h = 0; h < 2; h++)
+                for (int u = 0; u < 4; u++) {
+                    q[h][u] = w->q[((2 * p + h) * supers + g) * 4 + u];
+                    IN_REGISTER(q[h][u]);
+                }
+            const vf a = w->a[p * supers + g], b = w->b[p * supers + g];
+            for (int i = 0; i < c; i++) {
+                vi sum[2];
+                for (int h = 0; h < 2; h++) {
+                    sum[h] = dpbusd_of((vi){0}, q[h][0], xv[i][0]);
+                    for (int u = 1; u < 4; u++) sum[h] = dpbusd_of(sum[h], q[h][u], xv[i][u]);
+                }
+                pair_of[i][p] = scaled_pairs(halves_added(sum[0], sum[1]), a, d[i], b, ds[i], pair_of[i][p]);
+            }
         }
     }
-    if (c == COLS) {
-        _mm512_storeu_ps(offsets, (__m512)sum8_of((const vf *)pairs));
-        return;
-    }
-    for (int p = 0; p < ROWS / 2; p++) {
-        offsets[2 * p] = sum8(__builtin_shufflevector(pairs[0][p], pairs[0][p], 0, 1, 2, 3, 4, 5, 6, 7));
-        offsets[2 * p + 1] = sum8(__builtin_shufflevector(pairs[0][p], pairs[0][p], 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int i = 0; i < c; i++) {
+        for (int p = 0; p < ROWS / 2; p++) pairs[i][p] = pair_of[i][p];
+        for (int j = 0; j < ROWS; j++) rows[i][j] = row_of[i][j];
     }
 }
 
@@ -1828,8 +1878,7 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
     const int type = file_type(layout);
     const long supers = K / SUPER;
     vi q[ROWS * supers * 4];
-    vi minus[type == Q6_K ? ROWS * supers * 2 : 1];
-    vf a[ROWS * supers * 2], b[ROWS / 2 * supers];
+    vf a[ROWS * supers], b[ROWS / 2 * supers];
     for (long g = 0; g < supers; g++) {
         const uint8_t *group[ROWS];
         struct scales s[ROWS];
@@ -1841,41 +1890,25 @@ static inline __attribute__((always_inline)) void across_rows(const struct int8_
         unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++) {
             for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], layout, u);
-            vf *at = a + (j * supers + g) * 2;
-            if (type == Q6_K) {  /* q - 32, signed, against x + 128 (one sum for every activation row), and the a of
-                                  * across_block's first_a, last_a */
-                vi *at_q = q + (j * supers + g) * 4;
-                const vi o = (vi)_mm512_set1_epi8(-128);
-                for (int u = 0; u < 4; u++) at_q[u] = (vi)_mm512_sub_epi8((__m512i)at_q[u], _mm512_set1_epi8(32));
-                minus[(j * supers + g) * 2] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[0]), o, at_q[1]);
-                minus[(j * supers + g) * 2 + 1] = -dpbusd_of(dpbusd_of((vi){0}, o, at_q[2]), o, at_q[3]);
-                const __m512i even = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
-                at[0] = (vf)_mm512_permutexvar_ps(even, _mm512_loadu_ps(s[j].a));
-                at[1] = (vf)_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)),
-                                                  _mm512_loadu_ps(s[j].a));
-            } else {
-                at[0] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(s[j].a));
-                memcpy((float *)&b[j / 2 * supers + g] + j % 2 * 8, s[j].a + SUBS, sizeof(float) * 8);
-            }
+            if (type == Q6_K) a[j * supers + g] = q6_k_a(&s[j]);
+        }
+        for (int p = 0; type != Q6_K && p < ROWS / 2; p++) {
+            a[p * supers + g] = pair_a(&s[2 * p]);
+            b[p * supers + g] = pair_b(&s[2 * p]);
         }
     }
-    const struct across_weights unpacked = {q, a, b, minus};
+    const struct across_weights unpacked = {q, a, b};
     long i = 0;
-    for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (sum_lanes_of: the same additions as sum_lanes) */
-        vf acc[COLS][ROWS];
-        for (int at = 0; at < COLS; at += SPAN) across_span(x, i + at, SPAN, &unpacked, type, K, acc + at);
-        const vf all = sum_lanes_of((const vf *)acc);
-        float offsets[COLS * ROWS] = {0};  /* Q6_K: none */
-        if (type != Q6_K) across_offsets(x, i, COLS, &unpacked, K, offsets);
-        for (int r = 0; r < COLS; r++)
-            for (int j = 0; j < ROWS; j++) sums[(i + r) * LANES + j] = all[r * ROWS + j] + offsets[r * ROWS + j];
+    for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (across_sums: the same additions as one's) */
+        vf pairs[COLS][ROWS / 2], rows[COLS][ROWS];
+        for (int at = 0; at < COLS; at += SPAN)
+            across_span(x, i + at, SPAN, &unpacked, type, K, pairs + at, rows + at);
+        across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, COLS, sums + i * LANES);
     }
     for (; i < B; i++) {
-        vf acc[1][ROWS];
-        float offsets[ROWS] = {0};
-        across_span(x, i, 1, &unpacked, type, K, acc);
-        if (type != Q6_K) across_offsets(x, i, 1, &unpacked, K, offsets);
-        for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(acc[0][j]) + offsets[j];
+        vf pairs[1][ROWS / 2], rows[1][ROWS];
+        across_span(x, i, 1, &unpacked, type, K, pairs, rows);
+        across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, 1, sums + i * LANES);
     }
 }
 
@@ -2096,13 +2129,16 @@ static const struct int8_rows *quantized(const struct int8_rows *xq, const void 
 /* Room for R rows of K quantized (struct int8_rows) in one allocation, or NULL out of memory. */
 static struct int8_rows int8_rows_for(long R, long K) {
     const long q = R * K, across = ACROSS ? R * K : 0, lanes = LANE_BLOCKS ? R * stripes_of(K) * STRIPE : 0,
-               blocks = R * (K / BLOCK);
-    char *room = malloc(q + across + lanes + (2 * sizeof(float) + (LANE_BLOCKS ? sizeof(int32_t) : 0)) * blocks);
-    if (!room) return (struct int8_rows){NULL};
-    float *scales = (float *)(room + q + across + lanes);
+               blocks = R * (K / BLOCK), minus32 = ACROSS ? R * (K / SUPER) * (long)sizeof(vi) : 0;
+    const long scales_bytes = (2 * sizeof(float) + (LANE_BLOCKS ? sizeof(int32_t) : 0)) * blocks,
+               vectors = (q + across + lanes + scales_bytes + 63) / 64 * 64;  /* minus32's, aligned as vi is */
+    void *room;
+    if (posix_memalign(&room, 64, vectors + minus32)) return (struct int8_rows){NULL};
+    float *scales = (float *)((char *)room + q + across + lanes);
     return (struct int8_rows){(int8_t *)room, scales, scales + blocks, ACROSS ? (int8_t *)room + q : NULL,
                               LANE_BLOCKS ? (int32_t *)(scales + 2 * blocks) : NULL,
-                              LANE_BLOCKS ? (uint8_t *)room + q + across : NULL};
+                              LANE_BLOCKS ? (uint8_t *)room + q + across : NULL,
+                              ACROSS ? (vi *)((char *)room + vectors) : NULL};
 }
 
 /* Rows first.. of quantized rows of K. */
@@ -2110,7 +2146,8 @@ static struct int8_rows int8_rows_from(const struct int8_rows *x, long first, lo
     return (struct int8_rows){x->q + first * K, x->d + first * (K / BLOCK), x->s + first * (K / BLOCK),
                               x->across ? x->across + first * K : NULL,
                               x->sum ? x->sum + first * (K / BLOCK) : NULL,
-                              x->lanes ? x->lanes + first * stripes_of(K) * STRIPE : NULL};
+                              x->lanes ? x->lanes + first * stripes_of(K) * STRIPE : NULL,
+                              x->minus32 ? x->minus32 + first * (K / SUPER) : NULL};
 }
 
 /* LoRA adapters' low-rank updates to a decoding step's linear layers (generation/adapters.py stacks them): per
