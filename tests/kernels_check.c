@@ -873,6 +873,8 @@ int main(void) {
     /* rows of more blocks of 32 than 16, no multiple of 16: kernels.c's lanes tile reads the last 16 (a stripe) */
     for (int w_type = Q4_1; w_type < TYPES; w_type++)
         if (!is_super(w_type)) check_int8_linear(w_type, 17 * BLOCK);
+    /* K-quant rows of 10 super-blocks: kernels.c's prompt tile unpacks them a CHUNK (8) at a time */
+    for (int w_type = Q4_K; w_type <= Q6_K; w_type++) check_int8_linear(w_type, 10 * SUPER);
     for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) check_laid_out(Q4_0, Q4_0_STRIPES, K);  /* 3, 17, 31 */
     for (int type = Q4_K; type <= Q6_K; type++)
         for (long K = SUPER; K <= 3 * SUPER; K += 2 * SUPER) check_laid_out(type, Q4_K_ACROSS + type - Q4_K, K);

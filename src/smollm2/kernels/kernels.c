@@ -1804,41 +1804,46 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
  * and scaled_pairs' multiply-adds. across_block spent most of its time unpacking (benchmarks/int8_costs.c). */
 enum { SPAN = 2 };  /* activation rows a step: their accumulators and inputs in registers */
 
-struct across_weights {  /* ROWS weight rows' super-blocks unpacked, each (ROWS, K / SUPER, ...) */
+struct across_weights {  /* ROWS weight rows' super-blocks g0..g0 + n - 1 unpacked, each (ROWS, n, ...) */
+    long g0, n;
     const vi *q;  /* across_ints' 4 steps */
-    const vf *a;  /* Q4_K, Q5_K: pair_a of rows 2p, 2p + 1 ((ROWS / 2, K / SUPER)); Q6_K: q6_k_a of each row */
+    const vf *a;  /* Q4_K, Q5_K: pair_a of rows 2p, 2p + 1 ((ROWS / 2, n)); Q6_K: q6_k_a of each row */
     const vf *b;  /* Q4_K, Q5_K: pair_b of rows 2p, 2p + 1 */
 };
 
-/* The sums of activation rows first..first + c - 1 (c <= SPAN) against w's rows: pairs[i][p] (Q4_K, Q5_K) or
- * rows[i][j] (Q6_K), as across_block's. */
+/* Activation rows first..first + c - 1 (c <= SPAN) against w's rows' super-blocks, added to pairs[i][p] (Q4_K,
+ * Q5_K) or rows[i][j] (Q6_K) in across_block's order. */
 static inline __attribute__((always_inline)) void across_span(const struct int8_rows *x, long first, const int c,
                                                               const struct across_weights *w, const int type,
                                                               long K, vf (*pairs)[ROWS / 2], vf (*rows)[ROWS]) {
-    const long supers = K / SUPER, blocks = K / BLOCK;
-    vf pair_of[SPAN][ROWS / 2] = {{{0}}}, row_of[SPAN][ROWS] = {{{0}}};
-    for (long g = 0; g < supers; g++) {
+    const long supers = K / SUPER, blocks = K / BLOCK, n = w->n;
+    vf pair_of[SPAN][ROWS / 2], row_of[SPAN][ROWS];
+    for (int i = 0; i < c; i++) {
+        for (int p = 0; type != Q6_K && p < ROWS / 2; p++) pair_of[i][p] = pairs[i][p];
+        for (int j = 0; type == Q6_K && j < ROWS; j++) row_of[i][j] = rows[i][j];
+    }
+    for (long g = 0; g < n; g++) {
         vi xv[SPAN][4], minus32[SPAN];  /* the activations in registers, each weight vector loaded once for them */
         vf d[SPAN], ds[SPAN];
         for (int i = 0; i < c; i++) {
-            const int8_t *xq = x->across + (first + i) * K + g * SUPER;
+            const int8_t *xq = x->across + (first + i) * K + (w->g0 + g) * SUPER;
             for (int u = 0; u < 4; u++) {
                 xv[i][u] = (vi)_mm512_loadu_si512(xq + 64 * u);
                 IN_REGISTER(xv[i][u]);
             }
-            const long at = (first + i) * blocks + g * SUBS;
+            const long at = (first + i) * blocks + (w->g0 + g) * SUBS;
             d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
-            if (type == Q6_K) minus32[i] = x->minus32[(first + i) * supers + g];
+            if (type == Q6_K) minus32[i] = x->minus32[(first + i) * supers + w->g0 + g];
             else ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + at));
         }
         if (type == Q6_K) {
             for (int j = 0; j < ROWS; j++) {
                 vi q[4];
                 for (int u = 0; u < 4; u++) {
-                    q[u] = w->q[(j * supers + g) * 4 + u];
+                    q[u] = w->q[(j * n + g) * 4 + u];
                     IN_REGISTER(q[u]);
                 }
-                const vf a = w->a[j * supers + g];
+                const vf a = w->a[j * n + g];
                 for (int i = 0; i < c; i++) {
                     const vi first16 = dpbusd_of(dpbusd_of((vi){0}, q[0], xv[i][0]), q[1], xv[i][1]),
                              last16 = dpbusd_of(dpbusd_of((vi){0}, q[2], xv[i][2]), q[3], xv[i][3]);
@@ -1851,10 +1856,10 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
             vi q[2][4];
             for (int h = 0; h < 2; h++)
                 for (int u = 0; u < 4; u++) {
-                    q[h][u] = w->q[((2 * p + h) * supers + g) * 4 + u];
+                    q[h][u] = w->q[((2 * p + h) * n + g) * 4 + u];
                     IN_REGISTER(q[h][u]);
                 }
-            const vf a = w->a[p * supers + g], b = w->b[p * supers + g];
+            const vf a = w->a[p * n + g], b = w->b[p * n + g];
             for (int i = 0; i < c; i++) {
                 vi sum[2];
                 for (int h = 0; h < 2; h++) {
@@ -1866,50 +1871,114 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
         }
     }
     for (int i = 0; i < c; i++) {
-        for (int p = 0; p < ROWS / 2; p++) pairs[i][p] = pair_of[i][p];
-        for (int j = 0; j < ROWS; j++) rows[i][j] = row_of[i][j];
+        for (int p = 0; type != Q6_K && p < ROWS / 2; p++) pairs[i][p] = pair_of[i][p];
+        for (int j = 0; type == Q6_K && j < ROWS; j++) rows[i][j] = row_of[i][j];
     }
 }
 
-/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a K-quant (across_span's way), as the file
- * holds it or laid out again (`layout`). */
-static inline __attribute__((always_inline)) void across_rows(const struct int8_rows *x, long B, const void *w,
-                                                              const int layout, long K, float *sums) {
+/* Super-blocks g0..g0 + n - 1 of w's first ROWS rows (of K) unpacked for across_span into q, a and b (their room). */
+static inline __attribute__((always_inline)) struct across_weights across_unpack(const void *w, const int layout,
+                                                                                long K, long g0, long n, vi *q,
+                                                                                vf *a, vf *b) {
     const int type = file_type(layout);
-    const long supers = K / SUPER;
-    vi q[ROWS * supers * 4];
-    vf a[ROWS * supers], b[ROWS / 2 * supers];
-    for (long g = 0; g < supers; g++) {
+    for (long g = 0; g < n; g++) {
         const uint8_t *group[ROWS];
         struct scales s[ROWS];
         for (int j = 0; j < ROWS; j++) {
-            group[j] = (const uint8_t *)w + offset_of(j * K + g * SUPER, type);
+            group[j] = (const uint8_t *)w + offset_of(j * K + (g0 + g) * SUPER, type);
             for (long at = 0; at < group_bytes(type); at += 64)  /* as across_block: rows come from memory */
                 __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
         }
         unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++) {
-            for (int u = 0; u < 4; u++) q[(j * supers + g) * 4 + u] = across_ints(group[j], layout, u);
-            if (type == Q6_K) a[j * supers + g] = q6_k_a(&s[j]);
+            for (int u = 0; u < 4; u++) q[(j * n + g) * 4 + u] = across_ints(group[j], layout, u);
+            if (type == Q6_K) a[j * n + g] = q6_k_a(&s[j]);
         }
         for (int p = 0; type != Q6_K && p < ROWS / 2; p++) {
-            a[p * supers + g] = pair_a(&s[2 * p]);
-            b[p * supers + g] = pair_b(&s[2 * p]);
+            a[p * n + g] = pair_a(&s[2 * p]);
+            b[p * n + g] = pair_b(&s[2 * p]);
         }
     }
-    const struct across_weights unpacked = {q, a, b};
+    return (struct across_weights){g0, n, q, a, b};
+}
+
+/* int8_block of activation rows 0..B-1 against w's first ROWS rows, for a K-quant (across_span's way), as the file
+ * holds it or laid out again (`layout`). Rows of up to CHUNK super-blocks are unpacked whole (across_whole), each
+ * COLS activation rows' accumulators in registers. Longer ones (an MLP's 8192) CHUNK super-blocks at a time
+ * (across_chunks), so that those stay in L1 with SPAN activation rows' (unpacked whole, they were read from L2:
+ * 0.0100 ns a weight a row where 2048 took 0.0081, 1 thread, Zen 4), every row's accumulators kept between chunks:
+ * the same additions in the same order. Each a function of its own for each layout: inlined together into
+ * int8_rows' function, GCC's code for the whole rows ran 5-10% slower. */
+enum { CHUNK = 8 };
+static inline __attribute__((always_inline)) void across_whole(const struct int8_rows *x, long B, const void *w,
+                                                               const int layout, long K, float *sums) {
+    const int type = file_type(layout);
+    vi q[ROWS * CHUNK * 4];
+    vf a[ROWS * CHUNK], b[ROWS / 2 * CHUNK];
+    const struct across_weights unpacked = across_unpack(w, layout, K, 0, K / SUPER, q, a, b);
     long i = 0;
     for (; i + COLS <= B; i += COLS) {  /* COLS rows' sums at once (across_sums: the same additions as one's) */
-        vf pairs[COLS][ROWS / 2], rows[COLS][ROWS];
-        for (int at = 0; at < COLS; at += SPAN)
-            across_span(x, i + at, SPAN, &unpacked, type, K, pairs + at, rows + at);
+        vf pairs[COLS][ROWS / 2] = {{{0}}}, rows[COLS][ROWS] = {{{0}}};
+        for (int at = 0; at < COLS; at += SPAN) across_span(x, i + at, SPAN, &unpacked, type, K, pairs + at, rows + at);
         across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, COLS, sums + i * LANES);
     }
     for (; i < B; i++) {
-        vf pairs[1][ROWS / 2], rows[1][ROWS];
+        vf pairs[1][ROWS / 2] = {{{0}}}, rows[1][ROWS] = {{{0}}};
         across_span(x, i, 1, &unpacked, type, K, pairs, rows);
         across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, 1, sums + i * LANES);
     }
+}
+
+static inline __attribute__((always_inline)) void across_chunks(const struct int8_rows *x, long B, const void *w,
+                                                                const int layout, long K, float *sums) {
+    const int type = file_type(layout);
+    const long supers = K / SUPER;
+    vi q[ROWS * CHUNK * 4];
+    vf a[ROWS * CHUNK], b[ROWS / 2 * CHUNK];
+    enum { GROUP = 64 };  /* activation rows a pass */
+    vf pairs[GROUP][ROWS / 2], rows[GROUP][ROWS];
+    for (long first = 0; first < B; first += GROUP) {
+        const long R = B - first < GROUP ? B - first : GROUP;
+        memset(pairs, 0, sizeof(vf) * R * (ROWS / 2)), memset(rows, 0, sizeof(vf) * R * ROWS);
+        for (long g0 = 0; g0 < supers; g0 += CHUNK) {
+            const long n = supers - g0 < CHUNK ? supers - g0 : CHUNK;
+            const struct across_weights unpacked = across_unpack(w, layout, K, g0, n, q, a, b);
+            long i = 0;
+            for (; i + SPAN <= R; i += SPAN) across_span(x, first + i, SPAN, &unpacked, type, K, pairs + i, rows + i);
+            for (; i < R; i++) across_span(x, first + i, 1, &unpacked, type, K, pairs + i, rows + i);
+        }
+        long i = 0;
+        for (; i + COLS <= R; i += COLS)
+            across_sums((const vf (*)[ROWS / 2])(pairs + i), (const vf (*)[ROWS])(rows + i), type, COLS,
+                        sums + (first + i) * LANES);
+        for (; i < R; i++)
+            across_sums((const vf (*)[ROWS / 2])(pairs + i), (const vf (*)[ROWS])(rows + i), type, 1,
+                        sums + (first + i) * LANES);
+    }
+}
+
+#define ACROSS_ROWS_AS(W)                                                                                      \
+    static __attribute__((noinline)) void across_whole_##W(const struct int8_rows *x, long B, const void *w,  \
+                                                           long K, float *sums) {                             \
+        across_whole(x, B, w, W, K, sums);                                                                     \
+    }                                                                                                          \
+    static __attribute__((noinline)) void across_chunks_##W(const struct int8_rows *x, long B, const void *w, \
+                                                            long K, float *sums) {                            \
+        across_chunks(x, B, w, W, K, sums);                                                                    \
+    }
+ACROSS_ROWS_AS(Q4_K) ACROSS_ROWS_AS(Q5_K) ACROSS_ROWS_AS(Q6_K)
+ACROSS_ROWS_AS(Q4_K_ACROSS) ACROSS_ROWS_AS(Q5_K_ACROSS) ACROSS_ROWS_AS(Q6_K_ACROSS)
+
+static inline __attribute__((always_inline)) void across_rows(const struct int8_rows *x, long B, const void *w,
+                                                              const int layout, long K, float *sums) {
+    const int whole = K / SUPER <= CHUNK;
+#define ACROSS_CASE(W)                                                                                         \
+    case W: (whole ? across_whole_##W : across_chunks_##W)(x, B, w, K, sums); return;
+    switch (layout) {
+    ACROSS_CASE(Q4_K) ACROSS_CASE(Q5_K) ACROSS_CASE(Q6_K)
+    ACROSS_CASE(Q4_K_ACROSS) ACROSS_CASE(Q5_K_ACROSS) ACROSS_CASE(Q6_K_ACROSS)
+    }
+#undef ACROSS_CASE
 }
 
 /* A super-block's 4 steps (across_ints') stored as `type` lays out its q: the file's (GGUF's layouts), or laid out
