@@ -3,10 +3,12 @@
  * a row, the thread's CPU time (other processes' time on a shared machine is not counted), best of 30 calls. Rows
  * 1, 4 and 16 with int8 activations (decoding), then 64 rows both ways (a prompt: int8 / exact), and 128 rows in
  * int8 (two of linear()'s ROW_BLOCKs). Types named on the command line, else every one; those laid out again at
- * load (Q4_0_STRIPES, Q4_K_ACROSS, ...) are the file type's random blocks laid out so first.
+ * load (Q4_0_STRIPES, Q4_K_ACROSS, ...) are the file type's random blocks laid out so first. K=8192 in the
+ * environment: rows as long as an MLP's down projection's (that matrix outgrows the L2: a prompt's rows read it
+ * once a 64-row block, decoding's every call).
  *
  *     cc -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=off -Isrc/smollm2/kernels \
- *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 ./int8_costs [Q5_K Q6_K ...]
+ *         benchmarks/int8_costs.c -o int8_costs -lm && OMP_NUM_THREADS=1 [K=8192] ./int8_costs [Q5_K Q6_K ...]
  *
  * (-march=x86-64-v3 for the AVX2 build.) The build's flags are kernels/build.py's. */
 #include "kernels.c"
@@ -14,7 +16,8 @@
 #include <stdio.h>
 #include <time.h>
 
-enum { N = 512, K = 2048, CALLS = 30 };
+enum { N = 512, CALLS = 30 };
+static long K = 2048;  /* a row's weights: a multiple of 256 */
 
 static double cpu_seconds(void) {
     struct timespec t;
@@ -41,6 +44,11 @@ static double cost(const uint8_t *w, int type, long B, int int8) {
 }
 
 int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one */
+    if (getenv("K")) K = atol(getenv("K"));
+    if (K <= 0 || K % 256) {
+        fprintf(stderr, "K=%ld: a row's weights must be a positive multiple of 256\n", K);
+        return 2;
+    }
     const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1, Q4_0_STRIPES, Q4_K_ACROSS, Q5_K_ACROSS,
                          Q6_K_ACROSS};
     const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q4_0_STRIPES",
