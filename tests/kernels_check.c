@@ -34,7 +34,7 @@ void rope_rows(const void *x, const void *cos, const void *sin, void *out, int t
 void norm_rows(const void *x, const void *weight, void *out, int type, long R, long C, float eps);
 int repack_stripes(const void *w, long N, long K, void *out);
 int repack_across(const void *w, int type, long N, long K, void *out);
-void dequantize(const void *w, int w_type, float *out, long N, long K);
+int dequantize(const void *w, int w_type, float *out, long N, long K);
 /* Q4_0 laid out again for kernels.c's int8 tile of blocks (repack_stripes), the K-quants for its tile of super-blocks
  * (repack_across), where they are built */
 enum { Q4_0_STRIPES = 11, Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14 };

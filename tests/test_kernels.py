@@ -930,6 +930,21 @@ def test_laid_out_again_gives_the_file_blocks_bits(qtype, K):
     assert torch.equal(unpacked(again, ids), unpacked(file, ids))
 
 
+def test_decoding_a_laid_out_matrix_says_when_its_copy_finds_no_memory():
+    """kernels.c's dequantize puts a laid-out matrix back as the file's blocks in a copy first: a copy it cannot
+    have is -1 (packed.kernels_decoded raises MemoryError), not a matrix left undecoded."""
+    blocks = torch.from_numpy(crafted_blocks(16, 256, Q.Q4_K, np.random.default_rng(0)))
+    again = packed_layout(Q.Q4_K, blocks, repack=True)
+    if again.type != ACROSS[Q.Q4_K]:
+        pytest.skip("the K-quants are not laid out again on this CPU")
+    out = torch.zeros(16, 256)
+    assert kernels.compiled().dequantize(w=again.data.data_ptr(), w_type=again.type, out=out.data_ptr(),
+                                         N=1 << 48, K=256) == -1  # ~40 PB of blocks to copy
+    assert kernels.compiled().dequantize(w=again.data.data_ptr(), w_type=again.type, out=out.data_ptr(),
+                                         N=16, K=256) == 0
+    assert torch.equal(out, unpacked(packed_layout(Q.Q4_K, blocks)))
+
+
 LAID_OUT_AS = {Q.Q4_0: STRIPES, **ACROSS}  # the types packed_layout's repack lays out again, as what
 
 

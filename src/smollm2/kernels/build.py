@@ -98,7 +98,7 @@ def compiled() -> SimpleNamespace | None:
         silu_mul=CFunction(lib.silu_mul, gate=p, up=p, out=p, type=i, n=n),
         rope_rows=CFunction(lib.rope_rows, x=p, cos=p, sin=p, out=p, type=i, R=n, heads=n, D=n),
         norm_rows=CFunction(lib.norm_rows, x=p, weight=p, out=p, type=i, R=n, C=n, eps=f),
-        dequantize=CFunction(lib.dequantize, w=p, w_type=i, out=p, N=n, K=n),
+        dequantize=CFunction(lib.dequantize, ctypes.c_int, w=p, w_type=i, out=p, N=n, K=n),
         int8_prompts=CFunction(lib.int8_prompts, ctypes.c_int, w_type=i),
         repack_stripes=CFunction(lib.repack_stripes, ctypes.c_int, w=p, N=n, K=n, out=p),
         repack_across=CFunction(lib.repack_across, ctypes.c_int, w=p, type=i, N=n, K=n, out=p),

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..errors import SmolError
 from .build import compiled
-from .packed import Packed, unpacked
+from .packed import Packed, kernels_decoded, unpacked
 
 aten = torch.ops.aten
 
@@ -64,12 +64,9 @@ class HeldWeight(torch.Tensor):
     def decoded(self) -> torch.Tensor:
         """The float32 matrix, a new tensor: by the kernels' own decoding where they are built (the values
         packed.unpacked gives, bit for bit, many times faster)."""
-        lib, (N, K) = compiled(), self.shape
-        if lib is None:
+        if compiled() is None:
             return unpacked(self.packed)
-        out = torch.empty(N, K)
-        lib.dequantize(w=self.packed.data.data_ptr(), w_type=self.packed.type, out=out.data_ptr(), N=N, K=K)
-        return out
+        return kernels_decoded(self.packed.data, self.packed.type, self.shape[1])
 
     def numpy(self, *, force: bool = False):  # torch refuses it for a subclass: the decoded values'
         return self.decoded().numpy(force=force)

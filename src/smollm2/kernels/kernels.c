@@ -2898,26 +2898,27 @@ static inline __attribute__((always_inline)) void dequantize_as(const void *w, c
         }
 }
 
-void dequantize(const void *w, int w_type, float *out, long N, long K) {
+int dequantize(const void *w, int w_type, float *out, long N, long K) {  /* 0, or -1: out of memory */
     switch (w_type) {  /* each type's code specialized, as the products' */
-    case Q4_1: dequantize_as(w, Q4_1, out, N, K); break;
-    case Q8_0: dequantize_as(w, Q8_0, out, N, K); break;
-    case Q4_0: dequantize_as(w, Q4_0, out, N, K); break;
-    case Q4_K: dequantize_as(w, Q4_K, out, N, K); break;
-    case Q5_K: dequantize_as(w, Q5_K, out, N, K); break;
-    case Q6_K: dequantize_as(w, Q6_K, out, N, K); break;
-    case Q5_0: dequantize_as(w, Q5_0, out, N, K); break;
-    case Q5_1: dequantize_as(w, Q5_1, out, N, K); break;
+    case Q4_1: dequantize_as(w, Q4_1, out, N, K); return 0;
+    case Q8_0: dequantize_as(w, Q8_0, out, N, K); return 0;
+    case Q4_0: dequantize_as(w, Q4_0, out, N, K); return 0;
+    case Q4_K: dequantize_as(w, Q4_K, out, N, K); return 0;
+    case Q5_K: dequantize_as(w, Q5_K, out, N, K); return 0;
+    case Q6_K: dequantize_as(w, Q6_K, out, N, K); return 0;
+    case Q5_0: dequantize_as(w, Q5_0, out, N, K); return 0;
+    case Q5_1: dequantize_as(w, Q5_1, out, N, K); return 0;
+    }
 #if LANE_BLOCKS
-    default: {  /* laid out again: put back as the file's blocks first, a copy of them for the while */
+    if (laid_out(w_type)) {  /* put back as the file's blocks first, a copy of them for the while */
         const long row = offset_of(K, w_type);
-        uint8_t *blocks = laid_out(w_type) ? malloc(N * row) : NULL;
-        if (!blocks) return;
+        uint8_t *blocks = malloc(N * row);
+        if (!blocks) return -1;
 #pragma omp parallel for schedule(static) if (N * K >= ALONE)
         for (long n = 0; n < N; n++) restore_rows((const uint8_t *)w + n * row, w_type, 1, K, blocks + n * row);
         dequantize(blocks, file_type(w_type), out, N, K);
         free(blocks);
     }
 #endif
-    }
+    return 0;
 }

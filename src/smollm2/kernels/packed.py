@@ -82,6 +82,14 @@ def streams(weight: torch.Tensor, packed: Packed | None) -> bool:
             and packed.data.shape == (N, K // size * nbytes) and packed.data.is_contiguous())
 
 
+def kernels_decoded(data: torch.Tensor, w_type: int, K: int) -> torch.Tensor:
+    """Blocks data (N, bytes a row) of kernels.c's w_type as float32 (N, K), by kernels.c's dequantize (built)."""
+    out = torch.empty(data.shape[0], K)
+    if compiled().dequantize(w=data.data_ptr(), w_type=w_type, out=out.data_ptr(), N=data.shape[0], K=K):
+        raise MemoryError(f"out of memory decoding a {data.shape[0]} x {K} matrix (a copy of its blocks)")
+    return out
+
+
 def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weights `packed` holds, (N, K), or only `rows` of them (row indices, any shape: (*rows.shape,
     K)), each the value kernels.c computes from its block (load_block), which is gguf.quants.dequantize's bit
@@ -91,8 +99,7 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     if packed.type in LAID_OUT:  # made only where the kernels are built: theirs, the rows looked up alone
         data = packed.data if rows is None else packed.data[rows.reshape(-1)]
         K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
-        out = torch.empty(data.shape[0], K)
-        compiled().dequantize(w=data.data_ptr(), w_type=packed.type, out=out.data_ptr(), N=data.shape[0], K=K)
+        out = kernels_decoded(data, packed.type, K)
         return out if rows is None else out.reshape(*rows.shape, K)
     data = packed.data if rows is None else packed.data[rows]
     kind = next(kind for kind, ours in PACKED_TYPES.items() if ours == packed.type)
