@@ -1187,21 +1187,15 @@ static inline vf sum8_of(const vf *v) {
  * with the same additions. */
 static inline void across_sums(const vf (*pairs)[ROWS / 2], const vf (*rows)[ROWS], const int type, const int c,
                                float *sums) {
-    if (type == Q6_K) {
-        if (c == COLS) {
-            const vf all = sum_lanes_of((const vf *)rows);
-            for (int i = 0; i < c; i++)
-                for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j];
-            return;
-        }
-        for (int i = 0; i < c; i++)
-            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(rows[i][j]);
-        return;
-    }
     if (c == COLS) {
-        const vf all = sum8_of((const vf *)pairs);
+        const vf all = type == Q6_K ? sum_lanes_of((const vf *)rows) : sum8_of((const vf *)pairs);
         for (int i = 0; i < c; i++)
             for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = all[i * ROWS + j];
+        return;
+    }
+    if (type == Q6_K) {
+        for (int i = 0; i < c; i++)
+            for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum_lanes(rows[i][j]);
         return;
     }
     for (int i = 0; i < c; i++)
