@@ -1102,8 +1102,9 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
  * holding 4 weights of sub-block l % 8 (int8_rows' across order), so that 4 dpbusd sum a whole super-block in
  * integers, each lane within one sub-block. Lanes k and k + 8 (the same sub-block) are then added in int32 and two
  * weight rows' 8 sums share a vector (halves_added), which one convert and two multiply-adds scale by a d and add
- * b d (sum q_x) to (scaled_pairs): 4 dpbusd and 2.5 more vector instructions a row's 256 weights against an
- * activation row, where a sub-block at a time (int8_block) takes 3 for 32. Q6_K's scales of 16 weights: steps 0-1
+ * b d (sum q_x) to (scaled_pairs): 4 dpbusd and 3.5 more vector instructions a row's 256 weights against an
+ * activation row (1.5 of them on the pipes dpbusd runs on, Zen 4), where a sub-block at a time (int8_block) takes
+ * 3 for 32. Q6_K's scales of 16 weights: steps 0-1
  * hold each sub-block's first 16, 2-3 its last 16, each pair's halves added, the first 16's sums in lanes 0-7, the
  * last 16's in 8-15, scaled at once. The weights go into that order as they are
  * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid out so at load. */
