@@ -1104,10 +1104,10 @@ static inline v8f fmadd8(v8f a, v8f b, v8f c) {
  * weight rows' 8 sums share a vector (halves_added), which one convert and two multiply-adds scale by a d and add
  * b d (sum q_x) to (scaled_pairs): 4 dpbusd and 3.5 more vector instructions a row's 256 weights against an
  * activation row (1.5 of them on the pipes dpbusd runs on, Zen 4), where a sub-block at a time (int8_block) takes
- * 3 for 32. Q6_K's scales of 16 weights: steps 0-1
- * hold each sub-block's first 16, 2-3 its last 16, each pair's halves added, the first 16's sums in lanes 0-7, the
- * last 16's in 8-15, scaled at once. The weights go into that order as they are
- * read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid out so at load. */
+ * 3 for 32. Q6_K's scales of 16 weights: steps 0-1 hold each sub-block's first 16, 2-3 its last 16, each pair's
+ * halves added, the first 16's sums in lanes 0-7, the last 16's in 8-15, scaled at once. The weights go into that
+ * order as they are read: a lane permutation picks each lane's 4 bytes, a shift a lane its bits; or they were laid
+ * out so at load. */
 static inline vi lane_ints(const uint8_t *p, vi at, vi shift, int mask) {  /* lane l: bytes 4 at[l].. of p (< 128) */
     const vi bytes = (vi)_mm512_permutex2var_epi32(_mm512_loadu_si512(p), (__m512i)at, _mm512_loadu_si512(p + 64));
     return (vi)_mm512_srlv_epi32((__m512i)bytes, (__m512i)shift) & mask;
@@ -1167,6 +1167,21 @@ static inline __attribute__((always_inline)) vi across_ints(const uint8_t *group
  * alike, so the same bits. */
 static inline vf scaled(vi T, vf a, vf d, vf acc) { return fmadd(__builtin_convertvector(T, vf), a * d, acc); }
 static inline vf scaled_pairs(vi T, vf a, vf d, vf b, vf ds, vf acc) { return fmadd(b, ds, scaled(T, a, d, acc)); }
+
+/* The integers T those take, from a super-block's 4 steps of activations x (across order): of weight rows q[0]
+ * and q[1] (Q4_K, Q5_K: each across_ints' 4 steps), or of one Q6_K row q[0], its - 32 (sum x) (minus32) added. */
+static inline vi pair_sums(const vi (*q)[4], const vi *x) {
+    vi sum[2];
+    for (int h = 0; h < 2; h++) {
+        sum[h] = dpbusd_of((vi){0}, q[h][0], x[0]);
+        for (int u = 1; u < 4; u++) sum[h] = dpbusd_of(sum[h], q[h][u], x[u]);
+    }
+    return halves_added(sum[0], sum[1]);
+}
+static inline vi q6_k_sums(const vi *q, const vi *x, vi minus32) {
+    return halves_added(dpbusd_of(dpbusd_of((vi){0}, q[0], x[0]), q[1], x[1]),
+                        dpbusd_of(dpbusd_of((vi){0}, q[2], x[2]), q[3], x[3])) + minus32;
+}
 
 /* sum8 of each half of 8 vectors (COLS activation rows' ROWS / 2 pairs of weight rows, v[i * ROWS / 2 + p]'s
  * half h weight row 2p + h of row i), into lane i * ROWS + j: each step adds the same pairs as sum8, two vectors at
@@ -1239,24 +1254,21 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
                 __builtin_prefetch(group[j] + at + SIDE_PREFETCH, 0, 1);
         }
         unpack_each(group, type, s);
+        vi xv[COLS][4], minus32[COLS];
         vf d[COLS], ds[COLS];
         for (int i = 0; i < c; i++) {
+            for (int u = 0; u < 4; u++) xv[i][u] = (vi)_mm512_loadu_si512(x->across + (first + i) * K + k + 64 * u);
             const long at = (first + i) * blocks + k / BLOCK;
             d[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->d + at));
-            ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + at));
+            if (type == Q6_K) minus32[i] = x->minus32[((first + i) * K + k) / SUPER];
+            else ds[i] = (vf)_mm512_broadcast_f32x8(_mm256_loadu_ps(x->s + at));
         }
         if (type == Q6_K) {  /* sum (q - 32) x = sum q x - 32 sum x (int8_rows' minus32) */
             for (int j = 0; j < ROWS; j++) {
                 vi q[4];
                 for (int u = 0; u < 4; u++) q[u] = across_ints(group[j], layout, u);
                 const vf a = q6_k_a(&s[j]);
-                for (int i = 0; i < c; i++) {
-                    const int8_t *xq = x->across + (first + i) * K + k;
-                    const vi first16 = dpbusd(dpbusd((vi){0}, q[0], xq), q[1], xq + 64),
-                             last16 = dpbusd(dpbusd((vi){0}, q[2], xq + 128), q[3], xq + 192);
-                    rows[i][j] = scaled(halves_added(first16, last16) + x->minus32[((first + i) * K + k) / SUPER],
-                                        a, d[i], rows[i][j]);
-                }
+                for (int i = 0; i < c; i++) rows[i][j] = scaled(q6_k_sums(q, xv[i], minus32[i]), a, d[i], rows[i][j]);
             }
             continue;
         }
@@ -1265,15 +1277,8 @@ static inline __attribute__((always_inline)) void across_block(const struct int8
             for (int h = 0; h < 2; h++)
                 for (int u = 0; u < 4; u++) q[h][u] = across_ints(group[2 * p + h], layout, u);
             const vf a = pair_a(&s[2 * p]), b = pair_b(&s[2 * p]);
-            for (int i = 0; i < c; i++) {
-                const int8_t *xq = x->across + (first + i) * K + k;
-                vi sum[2];
-                for (int h = 0; h < 2; h++) {
-                    sum[h] = dpbusd((vi){0}, q[h][0], xq);
-                    for (int u = 1; u < 4; u++) sum[h] = dpbusd(sum[h], q[h][u], xq + 64 * u);
-                }
-                pairs[i][p] = scaled_pairs(halves_added(sum[0], sum[1]), a, d[i], b, ds[i], pairs[i][p]);
-            }
+            for (int i = 0; i < c; i++)
+                pairs[i][p] = scaled_pairs(pair_sums((const vi (*)[4])q, xv[i]), a, d[i], b, ds[i], pairs[i][p]);
         }
     }
     across_sums((const vf (*)[ROWS / 2])pairs, (const vf (*)[ROWS])rows, type, c, sums);
@@ -1839,11 +1844,7 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
                     IN_REGISTER(q[u]);
                 }
                 const vf a = w->a[j * n + g];
-                for (int i = 0; i < c; i++) {
-                    const vi first16 = dpbusd_of(dpbusd_of((vi){0}, q[0], xv[i][0]), q[1], xv[i][1]),
-                             last16 = dpbusd_of(dpbusd_of((vi){0}, q[2], xv[i][2]), q[3], xv[i][3]);
-                    row_of[i][j] = scaled(halves_added(first16, last16) + minus32[i], a, d[i], row_of[i][j]);
-                }
+                for (int i = 0; i < c; i++) row_of[i][j] = scaled(q6_k_sums(q, xv[i], minus32[i]), a, d[i], row_of[i][j]);
             }
             continue;
         }
@@ -1855,14 +1856,8 @@ static inline __attribute__((always_inline)) void across_span(const struct int8_
                     IN_REGISTER(q[h][u]);
                 }
             const vf a = w->a[p * n + g], b = w->b[p * n + g];
-            for (int i = 0; i < c; i++) {
-                vi sum[2];
-                for (int h = 0; h < 2; h++) {
-                    sum[h] = dpbusd_of((vi){0}, q[h][0], xv[i][0]);
-                    for (int u = 1; u < 4; u++) sum[h] = dpbusd_of(sum[h], q[h][u], xv[i][u]);
-                }
-                pair_of[i][p] = scaled_pairs(halves_added(sum[0], sum[1]), a, d[i], b, ds[i], pair_of[i][p]);
-            }
+            for (int i = 0; i < c; i++)
+                pair_of[i][p] = scaled_pairs(pair_sums((const vi (*)[4])q, xv[i]), a, d[i], b, ds[i], pair_of[i][p]);
         }
     }
     for (int i = 0; i < c; i++) {
