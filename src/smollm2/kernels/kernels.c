@@ -774,6 +774,14 @@ typedef int32_t v8i32 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
+/* Two 16-byte halves as one 32: a union, since GCC makes a shuffle of 32 bytes a byte at a time where no register
+ * holds them (SSE2). */
+union halves {
+    v32u8 whole;
+    v16u8 half[2];
+};
+static inline v32u8 joined(v16u8 low, v16u8 high) { return (union halves){.half = {low, high}}.whole; }
+
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define ACROSS 1  /* the K-quants' tile below, a 32-bit lane for each sub-block (across_block) */
 #else
@@ -972,7 +980,22 @@ static inline v8i32 dot32(v8i32 acc, v32i8 w, v32i8 x, const int is_signed) {
 #else
     return acc + (v8i32)_mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 #endif
-#else  /* SSE2, NEON, others: the vector extensions, in 16 bits (|w x| <= 2^14), then pairs of pairs in 32 */
+#elif defined(__SSE2__)  /* each half's bytes to 16 bits (unpacked, then shifted down with their sign), pmaddwd's
+                         * pairs of products in 32, then pairs of those (GCC's code for the lines below is scalar) */
+    (void)is_signed;
+    const union halves u = {.whole = (v32u8)w}, v = {.whole = (v32u8)x};
+    __m128i four[2];
+    for (int h = 0; h < 2; h++) {
+        const __m128i a = (__m128i)u.half[h], b = (__m128i)v.half[h];
+        const __m128i low = _mm_madd_epi16(_mm_srai_epi16(_mm_unpacklo_epi8(a, a), 8),
+                                           _mm_srai_epi16(_mm_unpacklo_epi8(b, b), 8)),
+                      high = _mm_madd_epi16(_mm_srai_epi16(_mm_unpackhi_epi8(a, a), 8),
+                                            _mm_srai_epi16(_mm_unpackhi_epi8(b, b), 8));
+        four[h] = _mm_add_epi32((__m128i)_mm_shuffle_ps((__m128)low, (__m128)high, _MM_SHUFFLE(2, 0, 2, 0)),
+                                (__m128i)_mm_shuffle_ps((__m128)low, (__m128)high, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    return acc + (v8i32)joined((v16u8)four[0], (v16u8)four[1]);
+#else  /* NEON, others: the vector extensions, in 16 bits (|w x| <= 2^14), then pairs of pairs in 32 */
     typedef int16_t v32i16 __attribute__((vector_size(64)));
     typedef int16_t v16i16 __attribute__((vector_size(32)));
     typedef int32_t v16i32 __attribute__((vector_size(64)));
@@ -1012,8 +1035,7 @@ static inline float sum8(v8f v) {  /* halves first, as sum_lanes */
 /* 16 bytes of two 4-bit q each (GGUF's layout): the low ones (weights 0-15), then the high ones (16-31). */
 static inline v32u8 nibbles(const uint8_t *p) {
     const v16u8 b = *(const v16u8u *)p;
-    return __builtin_shufflevector(b & 15, b >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
-                                   19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    return joined(b & 15, b >> 4);
 }
 
 /* A 32-bit word of fifth bits (bit j: weight j's) as 16 in byte j where set, else 0. Without AVX-512's mask
@@ -1024,6 +1046,16 @@ static inline v32u8 fifth_bits(const uint8_t *p) {
     memcpy(&word, p, 4);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     return (v32u8)_mm256_movm_epi8(word) & 16;  /* the word as a mask register: bit j sets byte j */
+#elif !defined(__AVX2__) && defined(__SSE2__)
+    /* no byte shuffle before SSSE3 (GCC's for the one below came out a byte at a time): each byte of the word
+     * doubled by unpacking, to 8 copies, then each copy's own bit */
+    const __m128i twice = _mm_unpacklo_epi8(_mm_cvtsi32_si128((int)word), _mm_cvtsi32_si128((int)word)),
+                  four = _mm_unpacklo_epi16(twice, twice);
+    const __m128i bit = _mm_set1_epi64x(0x8040201008040201LL), sixteen = _mm_set1_epi8(16);
+    const __m128i low = _mm_unpacklo_epi32(four, four), high = _mm_unpackhi_epi32(four, four);
+    const __m128i lo = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(low, bit), bit), sixteen),
+                  hi = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(high, bit), bit), sixteen);
+    return joined((v16u8)lo, (v16u8)hi);
 #else
     typedef uint32_t v8u32 __attribute__((vector_size(32)));
     const v32u8 words = (v32u8)(v8u32){word, word, word, word, word, word, word, word};
