@@ -774,13 +774,21 @@ typedef int32_t v8i32 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
-/* Two 16-byte halves as one 32: a union, since GCC makes a shuffle of 32 bytes a byte at a time where no register
- * holds them (SSE2). */
+/* Two 16-byte halves as one 32: a shuffle where a register holds 32 bytes (one insert on AVX2; through memory, a
+ * union's two stores then one load would stall the load), else a union (GCC makes that shuffle a byte at a time on
+ * SSE2). */
 union halves {
     v32u8 whole;
     v16u8 half[2];
 };
-static inline v32u8 joined(v16u8 low, v16u8 high) { return (union halves){.half = {low, high}}.whole; }
+static inline v32u8 joined(v16u8 low, v16u8 high) {
+#if defined(__AVX2__)
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
+    return (union halves){.half = {low, high}}.whole;
+#endif
+}
 
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define ACROSS 1  /* the K-quants' tile below, a 32-bit lane for each sub-block (across_block) */
