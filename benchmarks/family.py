@@ -22,10 +22,14 @@ row is marked busy (its figures are then lower bounds for both sides alike).
 Bars (the issue's; --bars exits 1 under any): decode and prefill >= 1.0x llama.cpp on the same file; peak
 resident <= 1.2x the file + the runtime (a Python that imported torch and smollm2, measured alike).
 
+--tier runs both sides built for one x86 tier (ours with SMOLLM2_MARCH, llama-bench from
+benchmarks/llamacpp.py --build-tools --tier): the code a CPU of that tier runs, on this machine.
+
     .venv/bin/python benchmarks/llamacpp.py --build-tools          # llama-bench and llama-quantize, once
     .venv/bin/python benchmarks/family.py --sizes 360m --json family.json
     .venv/bin/python benchmarks/family.py --sizes 1.7b --types q8_0,q4_k_m --bars
     .venv/bin/python benchmarks/family.py --int8-activations     # smollm2's opt-in mode, not exact
+    .venv/bin/python benchmarks/family.py --sizes 360m --types q4_k_m --tier x86-64 --int8-activations --bars
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from llamacpp import tool_binary
+from llamacpp import CMAKE_ARGS, tool_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERTER = ROOT / "tests" / "llama_cpp_converter.py"
@@ -162,8 +166,8 @@ def timed_process(command: list[str], env: dict | None = None) -> tuple[str, flo
         return done.stdout, int(peak.read().split()[-1]) / 1024
 
 
-def llama_bench(path: Path, threads: int, repeats: int) -> dict:
-    out, peak = timed_process([str(tool_binary("native", "llama-bench")), "-m", str(path), "-t", str(threads),
+def llama_bench(path: Path, tier: str, threads: int, repeats: int) -> dict:
+    out, peak = timed_process([str(tool_binary(tier, "llama-bench")), "-m", str(path), "-t", str(threads),
                                "-p", str(PROMPT), "-n", str(DECODED), "-r", str(repeats), "-o", "json"])
     tests = json.loads(out)
     best = {("prefill" if t["n_prompt"] else "decode"): max(t["samples_ts"]) for t in tests}
@@ -171,10 +175,12 @@ def llama_bench(path: Path, threads: int, repeats: int) -> dict:
             "build": tests[0].get("build_commit"), "cpu": tests[0].get("cpu_info")}
 
 
-def smollm2_bench(path: Path, threads: int, repeats: int, int8: bool = False) -> dict:
+def smollm2_bench(path: Path, tier: str, threads: int, repeats: int, int8: bool = False) -> dict:
+    march = {} if tier == "native" else {"SMOLLM2_MARCH": tier}  # the kernels' build for the tier
     out, peak = timed_process([sys.executable, "-m", "smollm2", "bench", "--model", str(path), "--threads",
                                str(threads), "--prompt-tokens", str(PROMPT), "--new-tokens", str(DECODED + 1),
-                               "--repeats", str(repeats), "--json", *(["--int8-activations"] if int8 else [])])
+                               "--repeats", str(repeats), "--json", *(["--int8-activations"] if int8 else [])],
+                              env={**os.environ, **march})
     report = json.loads(out)
     (ours,) = report["results"]
     return {"prefill_tok_s": ours["prefill_tok_s"], "decode_tok_s": ours["decode_tok_s"], "peak_mib": peak,
@@ -199,7 +205,8 @@ def compare(size: str, type: str, path: Path, args) -> dict:
     for _ in range(args.rounds):
         for name, bench in (("llama.cpp", llama_bench), ("smollm2", smollm2_bench)):
             load.append(others_load())
-            got = bench(path, args.threads, args.repeats, *([args.int8_activations] if name == "smollm2" else []))
+            got = bench(path, args.tier, args.threads, args.repeats,
+                        *([args.int8_activations] if name == "smollm2" else []))
             kept = best[name]
             for key, value in got.items():
                 better = max if key.endswith("tok_s") or key == "peak_mib" else (lambda a, b: b)
@@ -231,7 +238,7 @@ def table(rows: list[dict], setup: dict) -> str:
     lines = [f"{setup['cpu']}, {setup['threads']} threads, pp{PROMPT}/tg{DECODED}, in turns ({setup['rounds']} "
              f"rounds, best of {setup['repeats']}); read rate {setup['read_gb_s']:.1f} GB/s; runtime "
              f"{setup['runtime_mib']:.0f} MiB; llama.cpp {setup['llama_cpp_build']}; smollm2's activations "
-             f"{setup['activations']}",
+             f"{setup['activations']}; built for {setup['tier']}",
              f"{'model, type':<15}{'file MiB':>9}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
              f"{'RSS MiB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
     for r in rows:
@@ -265,14 +272,16 @@ def main() -> int:
     p.add_argument("--bars", action="store_true", help="exit 1 where a row misses the issue's bars")
     p.add_argument("--int8-activations", action="store_true",
                    help="smollm2 in its opt-in int8-activation mode (not exact), as llama.cpp computes")
+    p.add_argument("--tier", choices=list(CMAKE_ARGS), default="native",
+                   help="the x86 tier both sides are built for (default: this CPU's own)")
     args = p.parse_args()
     sizes = choices(args.sizes, tuple(PUBLISHED), "--sizes", p)
     types = choices(args.types, CONVERTED + QUANTIZED, "--types", p)
     if args.threads < 1 or args.rounds < 1 or args.repeats < 1:
         p.error("--threads, --rounds and --repeats must be at least 1")
-    for tool in ("llama-bench", "llama-quantize"):
-        if not tool_binary("native", tool).exists():
-            p.error(f"no {tool_binary('native', tool)}: run benchmarks/llamacpp.py --build-tools")
+    for tier, tool in (("native", "llama-quantize"), (args.tier, "llama-bench")):
+        if not tool_binary(tier, tool).exists():
+            p.error(f"no {tool_binary(tier, tool)}: run benchmarks/llamacpp.py --build-tools --tier {tier}")
 
     files = {size: gguf_files(size, types) for size in sizes}  # all made first: the timings then run alone
     rate, runtime, rows = read_rate(args.threads), runtime_mib(), []
@@ -282,7 +291,7 @@ def main() -> int:
         setup = {"cpu": rows[0]["llama_cpp"]["cpu"], "threads": args.threads, "rounds": args.rounds,
                  "repeats": args.repeats, "read_gb_s": rate / 1e9, "runtime_mib": runtime,
                  "llama_cpp_build": rows[0]["llama_cpp"]["build"], "torch": torch.__version__, "complete": final,
-                 "activations": "int8" if args.int8_activations else "exact"}
+                 "activations": "int8" if args.int8_activations else "exact", "tier": args.tier}
         if args.json:
             args.json.write_text(json.dumps({**setup, "rows": done}, indent=1))
         if final:
