@@ -9,7 +9,9 @@ $XDG_CACHE_HOME/smollm2/family (~/.cache/...; ~16 GB for both sizes) and made on
 Then, for each file, the two take turns (--rounds): llama.cpp's llama-bench (pp128 and tg32, -r --repeats, -o
 json) and `smollm2 bench` (a 128-token prompt, then 32 decoded tokens, best of --repeats), both at --threads,
 each a process of its own under /usr/bin/time, whose maximum resident set size is the process's peak memory
-(load included; a file mapped counts its pages read). Decode and prefill tok/s are each side's best.
+(load included; a file mapped counts its pages read). Decode and prefill tok/s are each side's best; beside
+them, the spread of each round's decode ratio (ours over the llama.cpp turn just before it): this VM's memory
+moves a process's decoding by up to 30%, for both sides, so the rounds show how far one pair of turns reads.
 
 Bandwidth: a decoding step of these models reads every matrix once (the tied embedding as the output head), so
 the file's tensor bytes per token times decode tok/s is the rate it reads at; it is given as a share of this
@@ -201,7 +203,7 @@ def read_rate(threads: int) -> float:
 
 def compare(size: str, type: str, path: Path, args) -> dict:
     best = {"smollm2": {}, "llama.cpp": {}}
-    load = []
+    load, rounds = [], []  # rounds: each round's decode ratio, ours over the llama.cpp turn just before it
     for _ in range(args.rounds):
         for name, bench in (("llama.cpp", llama_bench), ("smollm2", smollm2_bench)):
             load.append(others_load())
@@ -211,13 +213,17 @@ def compare(size: str, type: str, path: Path, args) -> dict:
             for key, value in got.items():
                 better = max if key.endswith("tok_s") or key == "peak_mib" else (lambda a, b: b)
                 kept[key] = better(kept[key], value) if key in kept else value
+            if name == "llama.cpp":
+                theirs_now = got["decode_tok_s"]
+            else:
+                rounds.append(got["decode_tok_s"] / theirs_now)
             log(f"{size} {type} {name}: prefill {got['prefill_tok_s']:.1f}, decode {got['decode_tok_s']:.1f} tok/s, "
                 f"peak {got['peak_mib']:.0f} MiB (others' load {load[-1]:.0%})")
     ours, theirs = best["smollm2"], best["llama.cpp"]
     file_mib = path.stat().st_size / 2**20  # MiB, as the peaks (/usr/bin/time's KiB / 1024)
     return {"size": size, "type": type, "file_mib": round(file_mib, 1), "tensor_bytes": tensor_bytes(path),
             "smollm2": ours, "llama_cpp": theirs,
-            "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
+            "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"], "decode_ratio_by_round": rounds,
             "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
             "rss_per_file": ours["peak_mib"] / file_mib, "llama_cpp_rss_per_file": theirs["peak_mib"] / file_mib,
             "others_load": round(max(load), 3), "busy": max(load) > BUSY}
@@ -240,12 +246,13 @@ def table(rows: list[dict], setup: dict) -> str:
              f"{setup['runtime_mib']:.0f} MiB; llama.cpp {setup['llama_cpp_build']}; smollm2's activations "
              f"{setup['activations']}; built for {setup['tier']}",
              f"{'model, type':<15}{'file MiB':>9}{'smollm2 tg/pp':>16}{'llama.cpp tg/pp':>18}{'tg x':>7}{'pp x':>7}"
-             f"{'RSS MiB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
+             f"{'tg x by round':>15}{'RSS MiB (/file)':>17}{'llama RSS':>11}{'GB/s (of read)':>16}  weights read"]
     for r in rows:
         s, l = r["smollm2"], r["llama_cpp"]
         lines.append(f"{r['size'] + ' ' + r['type'].upper():<15}{r['file_mib']:>9.0f}"
                      f"{s['decode_tok_s']:>8.1f}/{s['prefill_tok_s']:<7.1f}{l['decode_tok_s']:>9.1f}/"
                      f"{l['prefill_tok_s']:<8.1f}{r['decode_ratio']:>6.2f}x{r['prefill_ratio']:>6.2f}x"
+                     f"{min(r['decode_ratio_by_round']):>9.2f}-{max(r['decode_ratio_by_round']):.2f}"
                      f"{s['peak_mib']:>9.0f} ({r['rss_per_file']:.1f}x){l['peak_mib']:>10.0f}"
                      f"{r['read_gb_s']['smollm2']:>9.1f} ({r['read_share']['smollm2']:>3.0%})"
                      f"  {s['weights_read']}{' busy' if r['busy'] else ''}"
