@@ -379,10 +379,11 @@ def scales_finite(data: np.ndarray, kind: GGMLQuantizationType) -> bool:
     return all(bool(np.isfinite(blocks[:, at:at + 2].copy().view(np.float16)).all()) for at in SCALES[kind])
 
 
-# A matrix of quantized blocks this large or larger is held as a copy in huge pages (numpy's, from 4 MiB), not
+# A matrix of quantized blocks this large or larger is read as a copy in huge pages (numpy's, from 4 MiB), not
 # mapped: the decoding step streams every held matrix once a token, and the file's pages are 4 KiB ones (the page
 # cache's): with its 30 MiB of embeddings mapped, the embedded model decoded with ~5% more CPU time (measured once,
-# 2 threads, a 2-core AMD EPYC).
+# 2 threads, a 2-core AMD EPYC). The smaller ones are read mapped, and the kernels' side copies them into huge pages
+# of its own, side by side (kernels/packed.py's HugePages).
 HUGE_PAGED = 4 << 20
 
 

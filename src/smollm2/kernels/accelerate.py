@@ -40,7 +40,7 @@ from . import ops
 from .build import choices_file, compiled
 from .choosing import MODES, Choices
 from .held import HeldWeight, held_weights, parameter, release_freed_memory
-from .packed import Packed, packed_layout, streams, unpacked
+from .packed import HugePages, Packed, packed_layout, streams, unpacked
 
 if TYPE_CHECKING:
     from ..checkpoints import GGUFBlocks
@@ -98,11 +98,12 @@ def version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def held(blocks: GGUFBlocks, repack: bool = False) -> nn.Parameter:
-    """A GGUF file's matrix as a model's parameter: where the kernels stream its type, its blocks alone, the
-    file's own mapped pages (q's and k's a copy: GGUFRows.blocks), or with `repack` laid out again where the int8
-    tile decodes that the faster (packed_layout); else its float32 values."""
-    packed = packed_layout(blocks.type, blocks.read(), repack)
+def held(blocks: GGUFBlocks, repack: bool = False, pages: HugePages | None = None) -> nn.Parameter:
+    """A GGUF file's matrix as a model's parameter: where the kernels stream its type, its blocks alone, as
+    GGUFRows.blocks reads them (the file's mapped pages under 4 MiB) or with `pages` a copy in those huge pages, or
+    with `repack` laid out again where the int8 tile decodes that the faster (packed_layout); else its float32
+    values."""
+    packed = packed_layout(blocks.type, blocks.read(), repack, pages)
     weight = None if packed is None else parameter(packed, blocks.shape)
     return weight if weight is not None and streams(weight, packed) else nn.Parameter(blocks.dequantize())
 
@@ -363,6 +364,7 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
         if fast is not None or isinstance(module, Watched):
             object.__setattr__(module, "accelerator", accelerator)  # first: a Watched module counts in it
             module.__class__ = fast or type(module)  # the same state: no parameter is copied or renamed
+    pages = HugePages()  # the held matrices' room: let go with the last of them
     for name, blocks in (quantized or {}).items():  # one matrix at a time: one file's matrix read beside them
         owner, _, attribute = name.rpartition(".")
         # off: torch alone runs the model, which would decode a held matrix at every call: float32 once instead.
@@ -371,7 +373,7 @@ def accelerate(model: SmolLM2, quantized: dict[str, GGUFBlocks] | None = None, *
         # its rows then looked up through the kernels' dequantize, which puts them back first.
         module = model.get_submodule(owner)
         repack = accelerator.int8_activations and (not isinstance(module, nn.Embedding) or model.lm_head is None)
-        weight = held(blocks, repack) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
+        weight = held(blocks, repack, pages) if accelerator.mode != "off" else nn.Parameter(blocks.dequantize())
         setattr(module, attribute, weight)
         release_freed_memory()
     accelerator.changes += 1  # new modules swapped in, new held weights: plans built before no longer hold

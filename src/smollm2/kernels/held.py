@@ -1,7 +1,7 @@
 """A float32 matrix held as the GGUF blocks it was read from (packed.py), and nothing else.
 
 A model loaded from a quantized GGUF file keeps, for each matrix the kernels stream, its blocks as the file holds
-them (under 4 MiB, the file's own mapped pages): 4.5-8.5 bits a weight where a float32 copy would take 32. The
+them (a copy in huge pages: packed.HugePages): 4.5-8.5 bits a weight where a float32 copy would take 32. The
 matrix stays a float32 parameter to everything else (its shape, dtype and device are the float32 matrix's, and torch
 code computes with it as with any tensor) because each torch operation given it decodes the blocks into a new
 float32 tensor first, used once and not kept: the reference path and the inspection hooks (a layer's product at a

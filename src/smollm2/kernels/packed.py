@@ -2,8 +2,9 @@
 GGUF file holds its matrices as these alone (held.py; Checkpoint.quantized gives the file's blocks), and the
 decoding kernels read those few bits a weight, the float32 values gguf decodes.
 
-Every type streams as the file holds it, nothing laid out again: the blocks are the file's own bytes, mapped
-(checkpoints/gguf.py; q and k, whose rows llama.cpp permuted, are a copy in the model's order). Blocks of 32
+Every type streams as the file holds it, nothing laid out again: the blocks are the file's own bytes (q and k,
+whose rows llama.cpp permuted, in the model's order), a model's copy of them in huge pages (HugePages, below): not the
+file's mapped pages, whose 4 KiB pages the decoding step streamed slower. Blocks of 32
 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) open with a float16 scale (Q4_1's, Q5_1's: and a float16 minimum), which
 kernels.c converts as it reads a block (exactly: every float16 is a float32), then the integers: 4-bit ones two a
 byte (byte j: weight j low, j + 16 high), Q5's fifth bits a 32-bit word before them (bit j for weight j), Q8_0's
@@ -25,6 +26,9 @@ let go. The exact products and dequantize put its rows back as the file's blocks
 
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -51,16 +55,62 @@ class Packed(NamedTuple):
     data: torch.Tensor  # uint8 (N, K / weights * bytes), PACKED_BLOCKS[type]
 
 
-def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False) -> Packed | None:
+HUGE = 2 << 20  # a huge page (x86-64's, AArch64's with 4 KiB pages)
+NUMPYS = 4 << 20  # numpy asks Linux for huge pages itself for arrays from this size on
+
+
+class HugePages:
+    """Room for a model's matrices in huge pages, where Linux gives them (transparent huge pages, asked for with
+    madvise): numpy's own arrays from 4 MiB, and the smaller ones side by side in rooms of ROOM bytes, which a
+    matrix alone would not fill (a 360M model's are 0.3-2.6 MiB, all of them). A decoding step streams every matrix
+    once a token: from 4 KiB pages (a GGUF file's mapped ones, the page cache's, as held before) the 360M Q8_0 and
+    Q6_K files decoded 0.87-0.89x as fast as from huge pages, two models of one file in one process taking turns
+    (README: int8 activations). The cost: a copy at load (the file's pages read, copied, let go), and pages no
+    longer shared between processes that map one file. A room is let go when the last matrix in it is: one for
+    each model loaded (accelerate())."""
+
+    ROOM = 64 << 20
+
+    def __init__(self):
+        self.free = np.empty(0, np.uint8)  # what is left of the newest room
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized uint8 tensor of `shape` in huge pages."""
+        n = math.prod(shape)
+        if n >= NUMPYS:
+            return torch.from_numpy(np.empty(shape, np.uint8))
+        if n > self.free.size:
+            # Private and anonymous: untouched pages are never resident, and huge ones are had (a shared mapping,
+            # mmap's default, is shared memory, which Linux gives huge pages only where set to: by default never).
+            private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+            pages = mmap.mmap(-1, self.ROOM + HUGE, flags=private) if private else mmap.mmap(-1, self.ROOM + HUGE)
+            with contextlib.suppress(AttributeError, OSError):  # no THP (not Linux, or turned off): small pages
+                pages.madvise(mmap.MADV_HUGEPAGE)
+            room = np.frombuffer(pages, np.uint8)  # keeps the mapping while any matrix in it lives
+            first = -room.ctypes.data % HUGE  # huge pages start at multiples of their size
+            self.free = room[first:first + self.ROOM]
+        taken, self.free = self.free[:n], self.free[(n + 63) // 64 * 64:]  # each matrix 64-byte aligned
+        return torch.from_numpy(taken).view(shape)
+
+    def copy(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks in huge pages: a copy, unless numpy's own (from 4 MiB; the loader's copies of those already are)."""
+        if blocks.numel() >= NUMPYS and blocks.is_contiguous():
+            return blocks
+        return self.empty(tuple(blocks.shape)).copy_(blocks)
+
+
+def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
+                  pages: HugePages | None = None) -> Packed | None:
     """GGUF blocks of `kind`, uint8 (rows, bytes a row), as the kernels stream them: the blocks themselves (no
-    copy, where contiguous); None for kinds they do not stream. repack: Q4_0 laid out again as rows of stripes,
-    a K-quant as its int8 tile's steps, where the kernels decode those the faster (see the top), a copy (numpy's:
-    huge pages from 4 MiB, as the loader's copies)."""
+    copy, where contiguous) or with `pages`, a copy in those huge pages; None for kinds they do not stream.
+    repack: Q4_0 laid out again as rows of stripes, a K-quant as its int8 tile's steps, where the kernels decode
+    those the faster (see the top), a copy (in `pages`, else numpy's: huge pages from 4 MiB)."""
     if kind not in PACKED_TYPES:
         return None
     lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) else None
     if lib is not None:
-        again = torch.from_numpy(np.empty(tuple(blocks.shape), np.uint8))
+        shape = tuple(blocks.shape)
+        again = pages.empty(shape) if pages is not None else torch.from_numpy(np.empty(shape, np.uint8))
         rows = blocks.contiguous()
         size, nbytes = GGML_QUANT_SIZES[Q(kind)]
         N, K = rows.shape[0], rows.shape[1] // nbytes * size
@@ -69,7 +119,7 @@ def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False) -> Pack
         if kind in ACROSS and lib.repack_across(w=rows.data_ptr(), type=PACKED_TYPES[Q(kind)], N=N, K=K,
                                                 out=again.data_ptr()):
             return Packed(ACROSS[Q(kind)], again)
-    return Packed(PACKED_TYPES[Q(kind)], blocks.contiguous())
+    return Packed(PACKED_TYPES[Q(kind)], blocks.contiguous() if pages is None else pages.copy(blocks))
 
 
 def streams(weight: torch.Tensor, packed: Packed | None) -> bool:
