@@ -64,8 +64,8 @@ class HugePages:
     madvise): numpy's own arrays from 4 MiB, and the smaller ones side by side in rooms of ROOM bytes, which a
     matrix alone would not fill (a 360M model's are 0.3-2.6 MiB, all of them). A decoding step streams every matrix
     once a token: from 4 KiB pages (a GGUF file's mapped ones, the page cache's, as held before) the 360M Q8_0 and
-    Q6_K files decoded 0.87-0.89x as fast as from huge pages, two models of one file in one process taking turns
-    (README: int8 activations). The cost: a copy at load (the file's pages read, copied, let go), and pages no
+    Q6_K files decoded 0.88x and 0.90x as fast as from huge pages, the embedded one 0.94x, two models of one file in
+    one process taking turns (benchmarks/huge_pages.py). The cost: a copy at load (the file's pages read, copied, let go), and pages no
     longer shared between processes that map one file. A room is let go when the last matrix in it is: one for
     each model loaded (accelerate())."""
 
