@@ -3,8 +3,8 @@ GGUF file holds its matrices as these alone (held.py; Checkpoint.quantized gives
 decoding kernels read those few bits a weight, the float32 values gguf decodes.
 
 Every type streams as the file holds it, nothing laid out again: the blocks are the file's own bytes (q and k,
-whose rows llama.cpp permuted, in the model's order), a model's copy of them in huge pages (HugePages, below): not the
-file's mapped pages, whose 4 KiB pages the decoding step streamed slower. Blocks of 32
+whose rows llama.cpp permuted, in the model's order), a model's copy of them in huge pages (HugePages, below):
+not the file's mapped pages, whose 4 KiB pages the decoding step streamed slower. Blocks of 32
 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) open with a float16 scale (Q4_1's, Q5_1's: and a float16 minimum), which
 kernels.c converts as it reads a block (exactly: every float16 is a float32), then the integers: 4-bit ones two a
 byte (byte j: weight j low, j + 16 high), Q5's fifth bits a 32-bit word before them (bit j for weight j), Q8_0's
@@ -65,9 +65,9 @@ class HugePages:
     matrix alone would not fill (a 360M model's are 0.3-2.6 MiB, all of them). A decoding step streams every matrix
     once a token: from 4 KiB pages (a GGUF file's mapped ones, the page cache's, as held before) the 360M Q8_0 and
     Q6_K files decoded 0.88x and 0.90x as fast as from huge pages, the embedded one 0.94x, two models of one file in
-    one process taking turns (benchmarks/huge_pages.py). The cost: a copy at load (the file's pages read, copied, let go), and pages no
-    longer shared between processes that map one file. A room is let go when the last matrix in it is: one for
-    each model loaded (accelerate())."""
+    one process taking turns (benchmarks/huge_pages.py). The cost: a copy at load (the file's pages read, copied,
+    let go), and pages no longer shared between processes that map one file. A room is let go when the last matrix
+    in it is: one for each model loaded (accelerate())."""
 
     ROOM = 64 << 20
 
