@@ -331,9 +331,10 @@ def test_the_heap_keeps_64_mib_free_at_its_top_after_loading(monkeypatch):
 
 
 def test_held_matrices_share_rooms_of_huge_pages():
-    """packed.HugePages: matrices under 4 MiB side by side in one room (each 64-byte aligned, the first at a huge
-    page's start), numpy's own arrays from 4 MiB; where Linux gives transparent huge pages on request, a room's
-    written pages are huge ones. A room is let go with the last matrix in it."""
+    """packed.HugePages: matrices side by side in one room (each 64-byte aligned, the first at a huge page's start),
+    one larger than a room in a room of its own, numpy's own arrays from 4 MiB kept as they are; where Linux gives
+    transparent huge pages on request, a room's written pages are huge ones. A room is let go with the last matrix
+    in it."""
     from smollm2.kernels.packed import HUGE, NUMPYS, HugePages
 
     pages = HugePages()
@@ -343,6 +344,8 @@ def test_held_matrices_share_rooms_of_huge_pages():
     assert pages.copy(torch.arange(5, dtype=torch.uint8)).tolist() == [0, 1, 2, 3, 4]
     big = torch.zeros(NUMPYS, dtype=torch.uint8)
     assert pages.copy(big) is big  # numpy's, already
+    alone = pages.empty((HugePages.ROOM + 1,))
+    assert alone.data_ptr() % HUGE == 0 and pages.empty((1,)).data_ptr() % HUGE == 0  # its room full: a new one
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text():
         return

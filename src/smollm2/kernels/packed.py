@@ -61,8 +61,10 @@ NUMPYS = 4 << 20  # numpy asks Linux for huge pages itself for arrays from this 
 
 class HugePages:
     """Room for a model's matrices in huge pages, where Linux gives them (transparent huge pages, asked for with
-    madvise): numpy's own arrays from 4 MiB, and the smaller ones side by side in rooms of ROOM bytes, which a
-    matrix alone would not fill (a 360M model's are 0.3-2.6 MiB, all of them). A decoding step streams every matrix
+    madvise): side by side in rooms of ROOM bytes, which a matrix alone would not fill (a 360M model's are 0.3-2.6
+    MiB, all of them), a larger one in a room of its own, each room starting at a huge page's start (numpy's arrays
+    start anywhere: the 1.7B Q4_0 laid out again in numpy's held 823 of its 945 MB in huge pages, in rooms 979,
+    the rest being the runtime's). A decoding step streams every matrix
     once a token: from 4 KiB pages (a GGUF file's mapped ones, the page cache's, as held before) the 360M Q8_0 and
     Q6_K files decoded 0.88x and 0.90x as fast as from huge pages, the embedded one 0.94x, two models of one file in
     one process taking turns (benchmarks/huge_pages.py). The cost: a copy at load (the file's pages read, copied,
@@ -75,25 +77,25 @@ class HugePages:
         self.free = np.empty(0, np.uint8)  # what is left of the newest room
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialized uint8 tensor of `shape` in huge pages."""
+        """An uninitialized uint8 tensor of `shape` in huge pages: in a room of its own where larger than one."""
         n = math.prod(shape)
-        if n >= NUMPYS:
-            return torch.from_numpy(np.empty(shape, np.uint8))
         if n > self.free.size:
+            size = max(self.ROOM, n)
             # Private and anonymous: untouched pages are never resident, and huge ones are had (a shared mapping,
             # mmap's default, is shared memory, which Linux gives huge pages only where set to: by default never).
             private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-            pages = mmap.mmap(-1, self.ROOM + HUGE, flags=private) if private else mmap.mmap(-1, self.ROOM + HUGE)
+            pages = mmap.mmap(-1, size + HUGE, flags=private) if private else mmap.mmap(-1, size + HUGE)
             with contextlib.suppress(AttributeError, OSError):  # no THP (not Linux, or turned off): small pages
                 pages.madvise(mmap.MADV_HUGEPAGE)
             room = np.frombuffer(pages, np.uint8)  # keeps the mapping while any matrix in it lives
             first = -room.ctypes.data % HUGE  # huge pages start at multiples of their size
-            self.free = room[first:first + self.ROOM]
+            self.free = room[first:first + size]
         taken, self.free = self.free[:n], self.free[(n + 63) // 64 * 64:]  # each matrix 64-byte aligned
         return torch.from_numpy(taken).view(shape)
 
     def copy(self, blocks: torch.Tensor) -> torch.Tensor:
-        """blocks in huge pages: a copy, unless numpy's own (from 4 MiB; the loader's copies of those already are)."""
+        """blocks in huge pages: a copy, unless numpy's own from 4 MiB (the loader's copies of those: most of their
+        pages are huge already, and a second copy would cost as much time again)."""
         if blocks.numel() >= NUMPYS and blocks.is_contiguous():
             return blocks
         return self.empty(tuple(blocks.shape)).copy_(blocks)
