@@ -63,8 +63,7 @@ class HugePages:
     """Room for a model's matrices in huge pages, where Linux gives them (transparent huge pages, asked for with
     madvise): side by side in rooms of ROOM bytes, which a matrix alone would not fill (a 360M model's are 0.3-2.6
     MiB, all of them), a larger one in a room of its own, each room starting at a huge page's start (numpy's arrays
-    start anywhere, their first and last pages small: a process that loaded the 1.7B Q4_0 file, 945 MB, laid out
-    again in numpy's arrays held 823 MB in huge pages, in rooms 979). A decoding step streams every matrix
+    start anywhere, their first and last pages small). A decoding step streams every matrix
     once a token: from 4 KiB pages (a GGUF file's mapped ones, the page cache's, as held before) the 360M Q8_0 and
     Q6_K files decoded 0.88x and 0.90x as fast as from huge pages, the embedded one 0.94x, two models of one file in
     one process taking turns (benchmarks/huge_pages.py). The cost: a copy at load (the file's pages read, copied,
