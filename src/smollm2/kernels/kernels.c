@@ -1610,7 +1610,7 @@ static inline __attribute__((always_inline)) void stripes_block(const struct int
  * few vectors a stripe): as signed w = u - o against the activations + 128 (int8_rows' lanes), whose sum
  * (x + 128) w = sum x w + 128 sum w, the last a weights' term, taken out once a weight row (`start`). A stripe
  * against a row is then 8 dpbusd, a convert, a multiply and a multiply-add. */
-enum { LANE_ROWS = 2 };  /* activation rows a step: their 8 steps of a stripe in registers */
+enum { LANE_ROWS = 2 };  /* activation rows a step (lanes_span): 4 spilled its sums */
 
 struct lane_weights {  /* ROWS weight rows' stripes unpacked, each (ROWS, stripes, ...) */
     const vi *q;  /* 8 steps a stripe, w = u - o */
@@ -1650,7 +1650,12 @@ static inline __attribute__((always_inline)) void lanes_unpack(const void *w, co
         }
 }
 
-/* acc[i][j]: the float32 sums (lanes not yet added) of activation row first + i (i < c) against w's row j. */
+/* acc[i][j]: the float32 sums (lanes not yet added) of activation row first + i (i < c) against w's row j. A stripe's
+ * 8 steps go one at a time, each step's c activation vectors and ROWS weight vectors loaded for c * ROWS dpbusd
+ * into as many integer sums: with its float32 sums that is 2 * c * ROWS + c + 1 registers. Holding every step of
+ * the activations in registers instead (8 c of them) left too few for the float32 sums, which the compiler kept
+ * in memory: a 128-row product of the 360M's 960-wide Q4_0 ran at 0.7x this (the same bits: integer sums are exact
+ * in any order, and each pair's float32 steps are the same ones in the same order). */
 static inline __attribute__((always_inline)) void lanes_span(const struct int8_rows *x, long first, const int c,
                                                              const struct lane_weights *w, const int type, long K,
                                                              vf (*acc)[ROWS]) {
@@ -1659,27 +1664,28 @@ static inline __attribute__((always_inline)) void lanes_span(const struct int8_r
     vf sum_of[LANE_ROWS][ROWS] = {{{0}}};
     for (long g = 0; g < stripes; g++) {
         const int valid = stripe_valid(blocks);
-        vi xv[LANE_ROWS][8];  /* the activations in registers, each weight vector loaded once for them */
+        const uint8_t *lanes[LANE_ROWS];
         vf d[LANE_ROWS], s[LANE_ROWS];
         for (int i = 0; i < c; i++) {
-            const uint8_t *lanes = x->lanes + ((first + i) * stripes + g) * STRIPE;
-            for (int u = 0; u < 8; u++) {
-                xv[i][u] = (vi)_mm512_loadu_si512(lanes + 64 * u);
-                IN_REGISTER(xv[i][u]);
-            }
+            lanes[i] = x->lanes + ((first + i) * stripes + g) * STRIPE;
             const long at = (first + i) * blocks + stripe_first(blocks, g);
             d[i] = (vf)in_lanes(x->d + at, valid), s[i] = has_b ? (vf)in_lanes(x->s + at, valid) : (vf){0};
         }
+        __m512i sum[LANE_ROWS][ROWS];
+        for (int j = 0; j < ROWS; j++)
+            for (int i = 0; i < c; i++) sum[i][j] = (__m512i)w->start[j * stripes + g];
+        for (int u = 0; u < 8; u++) {
+            __m512i xv[LANE_ROWS];
+            for (int i = 0; i < c; i++) xv[i] = _mm512_loadu_si512(lanes[i] + 64 * u);
+            for (int j = 0; j < ROWS; j++) {
+                const __m512i q = (__m512i)w->q[(j * stripes + g) * 8 + u];
+                for (int i = 0; i < c; i++) sum[i][j] = _mm512_dpbusd_epi32(sum[i][j], xv[i], q);
+            }
+        }
         for (int j = 0; j < ROWS; j++) {
             const long at = j * stripes + g;
-            __m512i sum[LANE_ROWS];
-            for (int i = 0; i < c; i++) sum[i] = (__m512i)w->start[at];
-            for (int u = 0; u < 8; u++) {
-                const __m512i q = (__m512i)w->q[at * 8 + u];
-                for (int i = 0; i < c; i++) sum[i] = _mm512_dpbusd_epi32(sum[i], (__m512i)xv[i][u], q);
-            }
             for (int i = 0; i < c; i++) {
-                sum_of[i][j] = fmadd(__builtin_convertvector((vi)sum[i], vf), w->a[at] * d[i], sum_of[i][j]);
+                sum_of[i][j] = fmadd(__builtin_convertvector((vi)sum[i][j], vf), w->a[at] * d[i], sum_of[i][j]);
                 if (has_b) sum_of[i][j] = fmadd(w->b[at], s[i], sum_of[i][j]);
             }
         }
