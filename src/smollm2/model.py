@@ -76,9 +76,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask, cache: KVCache | None, input_pos, last_only: bool = False, hooks=None):
         B, T, _ = x.shape
-        q = hook(hooks, "hook_q", self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, nh, hd)
-        k = hook(hooks, "hook_k", self.k_proj(x).view(B, T, self.n_kv, self.head_dim))  # (B, T, n_kv, hd)
-        v = hook(hooks, "hook_v", self.v_proj(x).view(B, T, self.n_kv, self.head_dim))
+        q, k, v = self.project(x)
+        q = hook(hooks, "hook_q", q.view(B, T, self.n_heads, self.head_dim))  # (B, T, nh, hd)
+        k = hook(hooks, "hook_k", k.view(B, T, self.n_kv, self.head_dim))  # (B, T, n_kv, hd)
+        v = hook(hooks, "hook_v", v.view(B, T, self.n_kv, self.head_dim))
         q, k = hook(hooks, "hook_rot_q", self.rotate(q, *rope)), hook(hooks, "hook_rot_k", self.rotate(k, *rope))
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, n_kv, T, hd)
@@ -91,6 +92,9 @@ class Attention(nn.Module):
         else:
             y = hooks("hook_z", self.attend_eagerly(q, k, v, mask, hooks))
         return self.o_proj(y.reshape(B, q.shape[1], self.n_heads * self.head_dim))
+
+    def project(self, x):  # q, k, v: (B, T, nh * hd), (B, T, n_kv * hd) twice; the kernels' one pass
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,8 +123,7 @@ class MLP(nn.Module):
     def __init__(self, config: SmolConfig):
         super().__init__()
         c, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj, self.up_proj = nn.Linear(c, i, bias=bias), nn.Linear(c, i, bias=bias)
-        self.down_proj = nn.Linear(i, c, bias=bias)
+        self.gate_proj, self.up_proj, self.down_proj = (nn.Linear(m, n, bias=bias) for m, n in ((c, i), (c, i), (i, c)))
 
     def forward(self, x, hooks=None):
         gate, up = hook(hooks, "hook_pre", self.gate_proj(x)), hook(hooks, "hook_pre_linear", self.up_proj(x))
@@ -160,8 +163,7 @@ class SmolLM2(nn.Module):
             norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
         ))
         # Tied embeddings: the output projection is the embedding matrix itself, not a copy.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         self.activation_checkpointing = False  # training: recompute each block in backward, keep only its input
         # Longer windows grow on demand (extend_rope()), built for the caches made, not the context window.
         for name, table in zip(("rope_cos", "rope_sin"),

@@ -189,6 +189,12 @@ class FastRMSNorm(Watched, RMSNorm):
 
 
 class FastAttention(Watched, Attention):
+    def project(self, x):  # a prompt: q, k and v in one pass, its input quantized once (int8 activations)
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):
+            return products(self.accelerator.choices, x, *linears)
+        return super().project(x)  # layers swapped in since (a served adapter's): each its own forward
+
     def rotate(self, x, cos, sin):  # a prompt: one pass, not five
         return ops.rope(self.accelerator.choices, x, cos, sin, Attention.rotate)
 

@@ -170,8 +170,8 @@ def layer_pointers(t: torch.Tensor | None):
     """The address of each layer of t, (L, ...), as a C array (kept alive by the caller); None for None."""
     if t is None:
         return None
-    return (ctypes.c_void_p * t.shape[0])(*[t.data_ptr() + n * t.stride(0) * t.element_size()
-                                            for n in range(t.shape[0])])
+    start, step = t.data_ptr(), t.stride(0) * t.element_size()  # once: a decoding step asks for 4 x L of them
+    return (ctypes.c_void_p * t.shape[0])(*[start + n * step for n in range(t.shape[0])])
 
 
 def blocks(choices: Choices, weights: ctypes.Array, x: torch.Tensor, rope, mask: torch.Tensor | None, cache,
