@@ -97,8 +97,7 @@ def prefill_rows(model, chunks: list[Chunk], cache) -> torch.Tensor:
         for i, block in enumerate(layers):
             last, attn = i == len(layers) - 1, block.self_attn
             h = block.input_layernorm(x)
-            q, k, v = (proj(h).view(1, h.shape[1], -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj,
-                                                                                   attn.v_proj))
+            q, k, v = (t.view(1, h.shape[1], -1, attn.head_dim) for t in attn.project(h))
             q, k = attn.rotate(q, *rope), attn.rotate(k, *rope)
             ys, begin = [], 0
             for group in attended_together(chunks, last):
