@@ -306,7 +306,10 @@ def rms_norm(choices: Choices, x: torch.Tensor, weight: torch.Tensor, eps: float
     is the slower."""
     C = x.shape[-1]
     plain = lambda: each_prompt(choices, torch_norm, x)  # noqa: E731
-    if not (prompt_rows(choices, x, weight) and C % 16 == 0 and weight.shape == (C,)):
+    # A decoding step's few rows too (its final norm; blocks() runs the others): one call where torch's is ~8
+    # operations, each slow after the step's weights have streamed through the caches.
+    if not (usable(choices, x) and x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype
+            and C % 16 == 0 and weight.shape == (C,)):
         return plain()
 
     def kernel():

@@ -147,7 +147,9 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     for bit. The K-quants gguf decodes itself (numpy); blocks of 32 torch decodes as gguf does: a * q or a * q + b,
     rounded once each (no fused multiply-add). A new tensor each call (~3-14
     ns a weight on one core: 0.1-0.2 s for a 1536 x 576 matrix of the 135M model at the worst)."""
-    if packed.type in LAID_OUT:  # made only where the kernels are built: theirs, the rows looked up alone
+    # Laid out again (made only where the kernels are built): theirs. Rows looked up (an embedding's, each
+    # decoding step) theirs too where built: one call, not torch's ~10 operations.
+    if packed.type in LAID_OUT or (rows is not None and compiled() is not None):
         data = packed.data if rows is None else packed.data[rows.reshape(-1)]
         K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
         out = kernels_decoded(data, packed.type, K)
