@@ -125,7 +125,10 @@ def dequantize(model: nn.Module) -> nn.Module:
 
 def products(choices: Choices, x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
     """The outputs of linear layers (nn.Linear, or Int8Linear with its .scale) of one input x: on the kernel,
-    their weights stream in one pass (gate and up: one pass, not two), where they are of one kind."""
+    their weights stream in one pass (gate and up: one pass, not two), where they are of one kind. Layers swapped
+    in since (a served adapter's wrappers) run their own forwards."""
+    if not all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):
+        return [m(x) for m in linears]
     packed = [packed_of(m) for m in linears]
     if len({None if p is None else p.type for p in packed}) > 1:  # GGUF files mix types: each streams its own
         return [y for m in linears for y in products(choices, x, m)]
@@ -190,10 +193,7 @@ class FastRMSNorm(Watched, RMSNorm):
 
 class FastAttention(Watched, Attention):
     def project(self, x):  # a prompt: q, k and v in one pass, its input quantized once (int8 activations)
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in linears):
-            return products(self.accelerator.choices, x, *linears)
-        return super().project(x)  # layers swapped in since (a served adapter's): each its own forward
+        return products(self.accelerator.choices, x, self.q_proj, self.k_proj, self.v_proj)
 
     def rotate(self, x, cos, sin):  # a prompt: one pass, not five
         return ops.rope(self.accelerator.choices, x, cos, sin, Attention.rotate)
@@ -206,10 +206,7 @@ class FastAttention(Watched, Attention):
 class FastMLP(Watched, MLP):
     def forward(self, x):  # gate and up in one pass, then SiLU*up in one
         choices = self.accelerator.choices
-        if all(isinstance(m, (nn.Linear, Int8Linear)) for m in (self.gate_proj, self.up_proj)):
-            gate, up = products(choices, x, self.gate_proj, self.up_proj)
-        else:  # layers swapped in since (a served adapter's): each its own forward
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = products(choices, x, self.gate_proj, self.up_proj)
         return self.down_proj(ops.silu_mul(choices, gate, up, lambda gate, up: F.silu(gate) * up))
 
 
