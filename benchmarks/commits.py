@@ -1,6 +1,6 @@
 """Speed before and after a change: one benchmark run on two commits in turn, in one run, reported as ratios.
 
-    .venv/bin/python benchmarks/commits.py --base REV [--rounds 3] -- ARGS...
+    .venv/bin/python benchmarks/commits.py --base REV [--rounds 3] [--at-least FIGURE=RATIO ...] -- ARGS...
 
 ARGS is what follows `python` (e.g. `-m smollm2 bench --compare transformers --json`, or `benchmarks/batch.py
 --json`); it must print one JSON object whose "results" are rows with a "system" and tok/s figures, as those
@@ -42,8 +42,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the commit to compare with (e.g. HEAD~3)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--at-least", action="append", default=[], metavar="FIGURE=RATIO",
+                        help="exit 1 where head/base of this figure (as printed, e.g. 'smollm2 prefill_tok_s') is "
+                             "under RATIO; may be repeated")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then what to run with python")
     args = parser.parse_args()
+    bars = {}
+    for bar in args.at_least:
+        name, _, ratio = bar.rpartition("=")
+        try:
+            bars[name] = float(ratio)
+        except ValueError:
+            parser.error(f"--at-least {bar!r}: not FIGURE=RATIO")
     command = args.args[1:] if args.args[:1] == ["--"] else args.args
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
@@ -64,6 +74,11 @@ def main() -> None:
         before = best["base"].get(name)
         ratio = value / before if before else float("nan")
         print(f"{name:<40}{before or float('nan'):>10.1f}{value:>10.1f}{ratio:>10.3f}x")
+    missing = sorted(set(bars) - set(best["head"]))
+    under = [f"{name} {value / best['base'][name]:.3f}x < {bars[name]}x" for name, value in best["head"].items()
+             if name in bars and not value / best["base"].get(name, float("nan")) >= bars[name]]
+    if missing or under:
+        sys.exit("under the bars: " + "; ".join(under + [f"{name}: no such figure" for name in missing]))
 
 
 if __name__ == "__main__":
