@@ -1107,12 +1107,10 @@ static inline __attribute__((always_inline)) v32i8 ints_of(const uint8_t *group,
 
 /* A group's scales against one activation row's (d: its blocks' scales, ds: d (sum q_x)): into ad, a d of each
  * sub-block (Q6_K: of each 16 weights); added to offsets, the b d (sum q_x) of each sub-block (a block: lane 0). */
-static inline __attribute__((always_inline)) void group_scales(const uint8_t *group, const int type,
+static inline __attribute__((always_inline)) void group_scales(float a, float b, const int type,
                                                                const struct scales *s, const float *d,
                                                                const float *ds, float *ad, v8f *offsets) {
-    if (!is_super(type)) {
-        float a, b;
-        block_scales(group, type, &a, &b);
+    if (!is_super(type)) {  /* a block's a and b (block_scales) */
         ad[0] = a * d[0];
         if (type == Q4_1 || type == Q5_1) (*offsets)[0] += b * ds[0];
         return;
@@ -1777,11 +1775,74 @@ int repack_stripes(const void *w, long N, long K, void *out) {
 #endif
 }
 
+/* ROWS weight rows' integers and scales taken out of their blocks once, where a prompt's rows reuse them (held_rows):
+ * q, a sub-block's integers u - o (ints_of, less int8_offset: |q| <= 32, signed; (K / BLOCK, ROWS)); with AVX2,
+ * minus, - 128 (sum of q) of each of its 32-bit lanes (held_dot); s, a K-quant's unpacked scales ((ROWS, K / SUPER));
+ * a and b, a block's (block_scales: (K / BLOCK, ROWS)). A step's values side by side: one address a step, not one a
+ * row (GCC kept those on the stack). */
+struct held_ints {
+    v32i8 *q;
+    v8i32 *minus;
+    struct scales *s;
+    float *a, *b;
+};
+
+/* dot32(minus, u, x) of a held weight's q = u - o: the same integers (sum q x = sum u x - o sum x), without the
+ * - o (sum x) of each activation row. AVX2 multiplies unsigned bytes by signed ones: x goes as x + 128, and the
+ * weight row's - 128 (sum q) is added back (pairs of products stay below 2^15: 255 x 32 x 2); with VNNI that is one
+ * dpbusd. Elsewhere dot32 multiplies signed bytes as they are. Where o is 0, u x as it is. */
+static inline __attribute__((always_inline)) v8i32 held_dot(v32i8 q, v8i32 minus, v32i8 x, const int type) {
+    if (!int8_offset(type)) return dot32((v8i32){0}, q, x, 0);
+#if defined(__AVX2__)
+    return dot32(minus, (v32i8)((v32u8)x ^ 128), q, 0);
+#else
+    (void)minus;
+    return dot32((v8i32){0}, q, x, 0);
+#endif
+}
+
+/* Whether held_rows multiplies `type`: as int8_block does, from its own integers (not across_block's, lanes_block's,
+ * stripes_block's), and not Q8_0's (|q| up to 128, past held_dot's range; its integers are its bytes, nothing to
+ * unpack: held, it was 0.95x as fast with AVX2). */
+static inline int holds(int type) {
+    return type != Q8_0 && !(ACROSS && is_super(type)) && !(LANE_BLOCKS && (type == Q4_0_STRIPES || !is_super(type)));
+}
+
+/* int8_block's products for a block type whose weights `held` has: each block's step, its scales read as they are
+ * (one address a block; the group loop's bookkeeping a block cost as much as its products). */
+static inline __attribute__((always_inline)) void held_blocks(const struct int8_rows *x, long first, const int c,
+                                                              const struct held_ints *held, const int type, long K,
+                                                              v8f (*acc)[ROWS], v8f (*offsets)[ROWS]) {
+    typedef float v4f __attribute__((vector_size(16)));
+    typedef float v4fu __attribute__((vector_size(16), aligned(4)));
+    _Static_assert(ROWS == 4, "a block's scales of ROWS rows as one vector");
+    const long blocks = K / BLOCK;
+    for (long k = 0; k < blocks; k++) {
+        v32i8 xq[COLS];
+        v4f ad[COLS];  /* group_scales' products, a vector a row */
+        for (int i = 0; i < c; i++) {
+            xq[i] = *(const v32i8u *)(x->q + ((first + i) * blocks + k) * BLOCK);
+            ad[i] = *(const v4fu *)(held->a + k * ROWS) * x->d[(first + i) * blocks + k];
+        }
+        for (int j = 0; j < ROWS; j++) {
+            const v32i8 q = held->q[k * ROWS + j];
+            const v8i32 minus = held->minus && int8_offset(type) ? held->minus[k * ROWS + j] : (v8i32){0};
+            for (int i = 0; i < c; i++)
+                acc[i][j] = fmadd8(__builtin_convertvector(held_dot(q, minus, xq[i], type), v8f), splat8(ad[i][j]),
+                                   acc[i][j]);
+        }
+        for (int j = 0; (type == Q4_1 || type == Q5_1) && j < ROWS; j++)
+            for (int i = 0; i < c; i++) offsets[i][j][0] += held->b[k * ROWS + j] * x->s[(first + i) * blocks + k];
+    }
+}
+
 /* Sums of weight rows 0..ROWS-1 of w against quantized activation rows first..first+c-1 of x, into sums (c, LANES),
  * its first ROWS columns; each (activation row, weight row) pair's sums on their own, in one order whatever c.
+ * The weights' integers and scales are unpacked from w, or read where `held` has them (the same values).
  * Inlined with constant c and type. */
 static inline __attribute__((always_inline)) void int8_block(const struct int8_rows *x, long first, const int c,
-                                                             const void *w, const int type, long K, float *sums) {
+                                                             const void *w, const int type, long K, float *sums,
+                                                             const struct held_ints *held) {
 #if ACROSS
     if (is_super(type)) {
         across_block(x, first, c, w, type, K, sums);
@@ -1801,19 +1862,29 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
     const int is_signed = signed_weights(type), o = int8_offset(type);
     v8f acc[COLS][ROWS] = {{{0}}}, offsets[COLS][ROWS] = {{{0}}};  /* the a d (sum q_w q_x), b d (sum q_x) terms */
     const long G = group_size(type), blocks = K / BLOCK;
-    for (long k = 0; k < K; k += G) {
+    if (held && !is_super(type)) held_blocks(x, first, c, held, type, K, acc, offsets);
+    for (long k = 0; k < K && !(held && !is_super(type)); k += G) {
         const uint8_t *group[ROWS];
-        float ad[COLS][ROWS][2 * SUBS];
-        struct scales s[ROWS];
-        for (int j = 0; j < ROWS; j++) {
-            group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
-            for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+        float ad[COLS][ROWS][2 * SUBS], a[ROWS] = {0}, b[ROWS] = {0};  /* a block's (block_scales) */
+        struct scales unpacked[ROWS];
+        const struct scales *s[ROWS];
+        if (held) {
+            for (int j = 0; j < ROWS; j++) s[j] = held->s + j * (K / SUPER) + k / SUPER;  /* a K-quant's */
+        } else {
+            for (int j = 0; j < ROWS; j++) {
+                group[j] = (const uint8_t *)w + offset_of(j * K + k, type);
+                for (long at = 0; at < group_bytes(type); at += 64) __builtin_prefetch(group[j] + at + PREFETCH, 0, 1);
+            }
+            unpack_each(group, type, unpacked);
+            for (int j = 0; j < ROWS; j++) {
+                s[j] = &unpacked[j];
+                if (!is_super(type)) block_scales(group[j], type, &a[j], &b[j]);
+            }
         }
-        unpack_each(group, type, s);
         for (int j = 0; j < ROWS; j++)
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + k / BLOCK;
-                group_scales(group[j], type, &s[j], x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
+                group_scales(a[j], b[j], type, s[j], x->d + at, x->s + at, ad[i][j], &offsets[i][j]);
             }
         const int parts = G / BLOCK < 4 ? G / BLOCK : 4;  /* sub-blocks base + part */
         for (int base = 0; base < G / BLOCK; base += parts)
@@ -1824,22 +1895,59 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
                 v8i32 minus[COLS];  /* - o (sum x), 4 x's a lane as the products', once for every weight row */
                 for (int i = 0; i < c; i++) {
                     xq[i] = *(const v32i8u *)(x->q + ((first + i) * blocks + k / BLOCK + sub) * BLOCK);
-                    minus[i] = o ? -dot32((v8i32){0}, (v32i8)((v32u8){0} + (uint8_t)o), xq[i], 0) : (v8i32){0};
+                    minus[i] = o && !held ? -dot32((v8i32){0}, (v32i8)((v32u8){0} + (uint8_t)o), xq[i], 0)
+                                          : (v8i32){0};
                 }
                 for (int j = 0; j < ROWS; j++) {
-                    const v32i8 q = ints_of(group[j], type, base, part);
+                    const long at = (k / BLOCK + sub) * ROWS + j;
+                    const v32i8 q = held ? held->q[at] : ints_of(group[j], type, base, part);
+                    const v8i32 held_minus = held && held->minus && o ? held->minus[at] : (v8i32){0};
                     for (int i = 0; i < c; i++) {
-                        const float *a = ad[i][j] + (type == Q6_K ? 2 * sub : sub);
-                        const v8f scale = type == Q6_K ? (v8f){a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]}
-                                                       : splat8(a[0]);
-                        acc[i][j] = fmadd8(__builtin_convertvector(dot32(minus[i], q, xq[i], is_signed), v8f),
-                                           scale, acc[i][j]);
+                        const float *f = ad[i][j] + (type == Q6_K ? 2 * sub : sub);
+                        const v8f scale = type == Q6_K ? (v8f){f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1]}
+                                                       : splat8(f[0]);
+                        const v8i32 sum = held ? held_dot(q, held_minus, xq[i], type) : dot32(minus[i], q, xq[i], is_signed);
+                        acc[i][j] = fmadd8(__builtin_convertvector(sum, v8f), scale, acc[i][j]);
                     }
                 }
             }
     }
     for (int i = 0; i < c; i++)
         for (int j = 0; j < ROWS; j++) sums[i * LANES + j] = sum8(acc[i][j]) + sum8(offsets[i][j]);
+}
+
+/* int8_block of activation rows 0..B-1 against w's first ROWS rows, their integers and scales unpacked once for all
+ * of them (into `held`, on the stack: 4 K bytes and a few floats a block), not once every COLS rows. The same
+ * operations a pair, so the same bits as a row gets alone. */
+static inline __attribute__((always_inline)) void held_rows(const struct int8_rows *x, long B, const void *w,
+                                                            const int type, long K, float *sums) {
+    const long G = group_size(type), blocks = K / BLOCK, supers = is_super(type) ? K / SUPER : 1;
+    v32i8 q[ROWS * blocks];
+#if defined(__AVX2__)
+    v8i32 minus[ROWS * blocks];
+#else
+    v8i32 *minus = NULL;
+#endif
+    struct scales s[ROWS * supers];
+    float a[ROWS * blocks], b[ROWS * blocks];
+    for (int j = 0; j < ROWS; j++)
+        for (long k = 0; k < K; k += G) {
+            const uint8_t *group = (const uint8_t *)w + offset_of(j * K + k, type);
+            if (is_super(type)) unpack(group, type, &s[j * supers + k / SUPER]);
+            else block_scales(group, type, &a[k / BLOCK * ROWS + j], &b[k / BLOCK * ROWS + j]);
+            const int parts = G / BLOCK < 4 ? G / BLOCK : 4;
+            for (int base = 0; base < G / BLOCK; base += parts)
+#pragma GCC unroll 4
+                for (int part = 0; part < parts; part++) {
+                    const long at = (k / BLOCK + base + part) * ROWS + j;
+                    q[at] = ints_of(group, type, base, part) - (int8_t)int8_offset(type);
+                    if (minus && int8_offset(type)) minus[at] = -dot32((v8i32){0}, (v32i8)((v32u8){0} + 128), q[at], 0);
+                }
+        }
+    const struct held_ints held = {q, minus, s, a, b};
+    long first = 0;
+    for (; first + COLS <= B; first += COLS) int8_block(x, first, COLS, w, type, K, sums + first * LANES, &held);
+    for (; first < B; first++) int8_block(x, first, 1, w, type, K, sums + first * LANES, &held);
 }
 
 #if ACROSS
@@ -2097,6 +2205,10 @@ static void across_other(const uint8_t *from, int type, uint8_t *to, long n) {
 #ifndef PROMPT_ROWS
 #define PROMPT_ROWS 8  /* rows from which across_rows' unpacking once pays */
 #endif
+#ifndef HELD_ROWS
+#define HELD_ROWS (2 * COLS)  /* rows past which held_rows' unpacking once pays (at 4 it was a wash) */
+#endif
+enum { HELD_WIDTH = 1 << 15 };  /* the widest rows held_rows holds: 8 K bytes on a thread's stack (256 KiB) */
 /* int8_block of activation rows 0..B-1 against ROWS weight rows w of type W, where a prompt's tile multiplies them
  * (across_rows): whether it did. */
 static inline __attribute__((always_inline)) int prompt_rows(const struct int8_rows *x, long B, const void *w,
@@ -2113,7 +2225,10 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
         return 1;
     }
 #endif
-    (void)x, (void)B, (void)w, (void)type, (void)K, (void)sums;
+    if (holds(type) && B > HELD_ROWS && K <= HELD_WIDTH) {
+        held_rows(x, B, w, type, K, sums);
+        return 1;
+    }
     return 0;
 }
 
@@ -2127,8 +2242,8 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
             const void *rows = (const char *)w + offset_of((n + j) * K, W);                                    \
             if (prompt_rows(x, B, rows, W, K, sums + j)) continue;                                             \
             long b = 0;                                                                                        \
-            for (; b + COLS <= B; b += COLS) int8_block(x, b, COLS, rows, W, K, sums + b * LANES + j);         \
-            for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j);                          \
+            for (; b + COLS <= B; b += COLS) int8_block(x, b, COLS, rows, W, K, sums + b * LANES + j, NULL);       \
+            for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j, NULL);                     \
         }                                                                                                      \
     }
 INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
