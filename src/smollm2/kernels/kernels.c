@@ -2511,9 +2511,15 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_rows or lanes_rows multiplies them. Elsewhere the integer products cost what the exact ones do
- * at 64 rows (benchmarks/int8_costs.c), which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
-int int8_prompts(int w_type) { return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type); }
+ * asks): where across_rows or lanes_rows multiplies them, and with AVX2's 8 lanes where held_rows does and the
+ * weights' offset is taken out there (benchmarks/int8_costs.c at 64 rows, ns a weight a row, int8 / exact: Q4_0
+ * 0.022 / 0.030, Q4_K 0.020 / 0.027, Q6_K 0.024 / 0.028; Q4_1, Q5_1 and Q8_0 even, 0.028-0.030). Elsewhere the
+ * integer products cost what the exact ones do or more (SSE2 1.7x, AVX-512 without VNNI 1.0-1.9x), which run at the
+ * CPU's float32 multiply-add rate, and prompts stay exact. */
+int int8_prompts(int w_type) {
+    if (LANE_BLOCKS || ACROSS) return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type);
+    return LANES == 8 && holds(w_type) && (is_super(w_type) || int8_offset(w_type));  /* AVX2 and FMA */
+}
 
 /* A transformer block's weights, as the Python side fills them in (same order). */
 struct block {
