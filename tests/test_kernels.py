@@ -30,7 +30,7 @@ from smollm2.kernels.build import choices_file
 from smollm2.kernels.choosing import (BUDGET_S, BUSY, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key,
                                       rows_bucket)
 from smollm2.kernels.held import HeldWeight
-from smollm2.kernels.packed import ACROSS, PACKED_TYPES, STRIPES, packed_layout, unpacked
+from smollm2.kernels.packed import ACROSS, PACKED_TYPES, STRIPES, HugePages, packed_layout, unpacked
 from smollm2.model import MLP
 from smollm2.quantize import quantize_int8
 
@@ -269,6 +269,20 @@ def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
     assert torch.equal(got.T, want)
     nonzero = want != 0
     assert torch.equal(got.T[nonzero].view(torch.int32), want[nonzero].view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_a_matrix_takes_its_bytes_once_in_a_models_huge_pages(qtype):
+    """packed_layout asked to lay blocks out again (Q4_0, the K-quants) where this CPU's kernels may not (AVX2,
+    SSE2, NEON: no int8 tile of their own) takes their bytes once in the model's huge pages: laid out, or copied.
+    It took room for the layout first, then copied, and a 360M Q4_0 model held its matrices twice at AVX2."""
+    blocks = torch.from_numpy(crafted_blocks(16, 512, qtype, np.random.default_rng(int(qtype))))
+    pages, taken = HugePages(), []
+    empty = pages.empty
+    pages.empty = lambda shape: taken.append(int(np.prod(shape))) or empty(shape)
+    laid_out = packed_layout(qtype, blocks, repack=True, pages=pages)
+    assert taken == [blocks.numel()]
+    assert torch.equal(unpacked(laid_out), torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(16, 512)))
 
 
 def crafted_gguf_model(path: Path, qtype: Q, packed: bool = True, v_down: Q | None = None,

@@ -1790,9 +1790,10 @@ struct held_ints {
 /* dot32(minus, u, x) of a held weight's q = u - o: the same integers (sum q x = sum u x - o sum x), without the
  * - o (sum x) of each activation row. AVX2 multiplies unsigned bytes by signed ones: x goes as x + 128, and the
  * weight row's - 128 (sum q) is added back (pairs of products stay below 2^15: 255 x 32 x 2); with VNNI that is one
- * dpbusd. Elsewhere dot32 multiplies signed bytes as they are. Where o is 0, u x as it is. */
+ * dpbusd. Elsewhere dot32 multiplies signed bytes as they are. Where o is 0, u x as it is (Q8_0's signed q without
+ * VNNI: dot32's sign trick). */
 static inline __attribute__((always_inline)) v8i32 held_dot(v32i8 q, v8i32 minus, v32i8 x, const int type) {
-    if (!int8_offset(type)) return dot32((v8i32){0}, q, x, 0);
+    if (!int8_offset(type)) return dot32((v8i32){0}, q, x, signed_weights(type));
 #if defined(__AVX2__)
     return dot32(minus, (v32i8)((v32u8)x ^ 128), q, 0);
 #else
@@ -1802,10 +1803,9 @@ static inline __attribute__((always_inline)) v8i32 held_dot(v32i8 q, v8i32 minus
 }
 
 /* Whether held_rows multiplies `type`: as int8_block does, from its own integers (not across_block's, lanes_block's,
- * stripes_block's), and not Q8_0's (|q| up to 128, past held_dot's range; its integers are its bytes, nothing to
- * unpack: held, it was 0.95x as fast with AVX2). */
+ * stripes_block's). */
 static inline int holds(int type) {
-    return type != Q8_0 && !(ACROSS && is_super(type)) && !(LANE_BLOCKS && (type == Q4_0_STRIPES || !is_super(type)));
+    return !(ACROSS && is_super(type)) && !(LANE_BLOCKS && (type == Q4_0_STRIPES || !is_super(type)));
 }
 
 /* int8_block's products for a block type whose weights `held` has: each block's step, its scales read as they are
@@ -1917,8 +1917,8 @@ static inline __attribute__((always_inline)) void int8_block(const struct int8_r
 }
 
 /* int8_block of activation rows 0..B-1 against w's first ROWS rows, their integers and scales unpacked once for all
- * of them (into `held`, on the stack: 4 K bytes and a few floats a block), not once every COLS rows. The same
- * operations a pair, so the same bits as a row gets alone. */
+ * of them (into `held`, on the stack: 4 K bytes, with AVX2 8 K, and a few floats a block), not once every COLS rows.
+ * The same operations a pair, so the same bits as a row gets alone. */
 static inline __attribute__((always_inline)) void held_rows(const struct int8_rows *x, long B, const void *w,
                                                             const int type, long K, float *sums) {
     const long G = group_size(type), blocks = K / BLOCK, supers = is_super(type) ? K / SUPER : 1;

@@ -100,6 +100,13 @@ class HugePages:
         return self.empty(tuple(blocks.shape)).copy_(blocks)
 
 
+def lays_out(lib, kind: int) -> bool:
+    """Whether this CPU's kernels lay `kind` out again (a call for no rows: 1 where that code is built, else 0)."""
+    if kind == Q.Q4_0:
+        return bool(lib.repack_stripes(w=None, N=0, K=0, out=None))
+    return bool(lib.repack_across(w=None, type=PACKED_TYPES[Q(kind)], N=0, K=0, out=None))
+
+
 def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
                   pages: HugePages | None = None) -> Packed | None:
     """GGUF blocks of `kind`, uint8 (rows, bytes a row), as the kernels stream them: the blocks themselves (no
@@ -109,7 +116,7 @@ def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
     if kind not in PACKED_TYPES:
         return None
     lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) else None
-    if lib is not None:
+    if lib is not None and lays_out(lib, kind):  # asked first: room taken for nothing held 2x a 360M's Q4_0 at AVX2
         shape = tuple(blocks.shape)
         again = pages.empty(shape) if pages is not None else torch.from_numpy(np.empty(shape, np.uint8))
         rows = blocks.contiguous()
