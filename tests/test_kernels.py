@@ -866,14 +866,17 @@ def int8_prompts(qtype: Q) -> bool:
     return bool(kernels.compiled().int8_prompts(w_type=ops.WEIGHT_FORMATS.index(f"{qtype.name} packed")))
 
 
-@pytest.mark.parametrize("qtype, K", [*((qtype, 512) for qtype in SCALES), *((qtype, 2560) for qtype in K_QUANTS)],
+@pytest.mark.parametrize("qtype, K", [*((qtype, 512) for qtype in SCALES), *((qtype, 2560) for qtype in K_QUANTS),
+                                      (Q.Q4_0, 32800), (Q.Q4_K, 33024)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_int8_activations_in_a_prompts_products(qtype, K):
     """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (every
     block type with AVX512-VNNI; with AVX2, Q4_0, Q5_0 and the K-quants), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
     float64 reference, each row's bits those it gets alone (decoded one at a time), and in a batched prefill each
     prompt's those it gets alone; elsewhere the exact products, to the bit. K-quant rows of 2560 are longer than
-    the prompt tile unpacks at once (kernels.c's CHUNK, 8 super-blocks): 8, then 2."""
+    the prompt tile unpacks at once (kernels.c's CHUNK, 8 super-blocks): 8, then 2. Rows over 32768 wide (a
+    file can declare them) are wider than the tiles hold on a thread's stack (HELD_WIDTH): multiplied unheld, the
+    same bits."""
     N = 32
     rng = np.random.default_rng(int(qtype))
     blocks = crafted_blocks(N, K, qtype, rng)
