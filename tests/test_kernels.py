@@ -875,8 +875,8 @@ def test_int8_activations_in_a_prompts_products(qtype, K):
     float64 reference, each row's bits those it gets alone (decoded one at a time), and in a batched prefill each
     prompt's those it gets alone; elsewhere the exact products, to the bit. K-quant rows of 2560 are longer than
     the prompt tile unpacks at once (kernels.c's CHUNK, 8 super-blocks): 8, then 2. Rows over 32768 wide (a
-    file can declare them) are wider than the tiles hold on a thread's stack (HELD_WIDTH): multiplied unheld, the
-    same bits."""
+    file can declare them) are wider than held_rows holds on a thread's stack (HELD_WIDTH, where it runs: AVX2):
+    multiplied unheld, the same bits."""
     N = 32
     rng = np.random.default_rng(int(qtype))
     blocks = crafted_blocks(N, K, qtype, rng)
