@@ -122,11 +122,11 @@ def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
         rows = blocks.contiguous()
         size, nbytes = GGML_QUANT_SIZES[Q(kind)]
         N, K = rows.shape[0], rows.shape[1] // nbytes * size
-        if kind == Q.Q4_0 and lib.repack_stripes(w=rows.data_ptr(), N=N, K=K, out=again.data_ptr()):
+        if kind == Q.Q4_0:
+            lib.repack_stripes(w=rows.data_ptr(), N=N, K=K, out=again.data_ptr())
             return Packed(STRIPES, again)
-        if kind in ACROSS and lib.repack_across(w=rows.data_ptr(), type=PACKED_TYPES[Q(kind)], N=N, K=K,
-                                                out=again.data_ptr()):
-            return Packed(ACROSS[Q(kind)], again)
+        lib.repack_across(w=rows.data_ptr(), type=PACKED_TYPES[Q(kind)], N=N, K=K, out=again.data_ptr())
+        return Packed(ACROSS[Q(kind)], again)
     return Packed(PACKED_TYPES[Q(kind)], blocks.contiguous() if pages is None else pages.copy(blocks))
 
 
