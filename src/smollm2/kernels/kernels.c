@@ -1736,9 +1736,167 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 }
 #endif
 
-/* Q4_0 weights w (N, K) laid out as rows of stripes (Q4_0_STRIPES) into `out` (as many bytes), where its tile is
- * built (AVX-512 VNNI: 1; elsewhere 0, nothing written). Each row's stripes: its blocks' 16 bytes of q transposed
- * in 4-byte words (to_lanes) and its a permuted into lane order, the inverse of stripes_restore. */
+#if LANES == 8 && defined(__F16C__)
+#define EIGHT_ROWS 1  /* AVX2: Q4_0, Q4_K laid out 8 rows a block side by side, a row a 32-bit lane (eights_block) */
+#else
+#define EIGHT_ROWS 0
+#endif
+
+#if EIGHT_ROWS
+/* AVX2's tile for Q4_0 and Q4_K. A row's block in 8 lanes, each lane 4 of its weights (int8_block's way), took a
+ * step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's block), and
+ * the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at load as 8 rows side by side. Laid
+ * out the same way (Q4_0_STRIPES, Q4_K_ACROSS here: eights_move), a group of 8 rows' block (super-block) is its q,
+ * each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3 of the block's q; then its scales, of all 8
+ * rows. A step's low and high nibbles are 4 weights of all 8 rows (Q4_0: weights 4w.. and 16 + 4w..; Q4_K: of
+ * sub-blocks 2 (w / 8) and 2 (w / 8) + 1) against one broadcast word of the activations, and a 32-weight block's 8
+ * products' pairs add up in 16 bits (|u x| <= 15 x 127: 8 pairs <= 30480 < 2^15), exactly: then one widening to 32
+ * bits, one conversion and one multiply-add a block for all 8 rows (~6 instructions a row's block). A row's sum is
+ * one chain, a block at a time: (sum u x - 8 sum x) in int32, exact, times a d (rounded once), added (fmadd); Q4_K's
+ * (sum u x) times d sc d_x, then -(dmin m) times d_x (sum x). The same operations for an activation row whatever
+ * rows come with it. */
+enum { EIGHTS = 8 };  /* rows a group */
+#ifndef EIGHTS_PREFETCH
+#define EIGHTS_PREFETCH 32768  /* bytes ahead of the q read: at 8192 (PREFETCH) the 1.7B's products out of cache, 2
+                                * threads, were 0.73-0.80x as fast (Q4_0; Q4_K 0.81-0.96x) */
+#endif
+#ifndef EIGHTS_COLS
+#define EIGHTS_COLS 4  /* activation rows a step at most: a group's block unpacked once for them */
+#endif
+
+static inline long eights_q(int type) { return EIGHTS * (is_super(type) ? SUPER : BLOCK) / 2; }  /* a group's q */
+
+/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0 or Q4_K (`row` bytes apart) laid out as a group
+ * (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. Q4_0's a: the 8 rows' float16
+ * a (16 bytes); Q4_K's: their d, their dmin, then each of the 12 bytes of scales of the 8 rows (8 bytes). */
+static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
+    const int super = is_super(type), head = super ? 16 : 2;  /* bytes before a row's q */
+    const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
+#define MOVE(file, ours, bytes) (back ? memcpy(file, ours, bytes) : memcpy(ours, file, bytes))
+    for (long k = 0; k < n; k++)
+        for (int r = 0; r < EIGHTS; r++) {
+            uint8_t *block = rows + r * row + (k0 + k) * group_bytes(type);
+            for (long w = 0; w < Q / EIGHTS / 4; w++) MOVE(block + head + 4 * w, q + Q * k + 32 * w + 4 * r, 4);
+            for (int h = 0; h < (super ? 2 : 1); h++) MOVE(block + 2 * h, a + A * k + 16 * h + 2 * r, 2);
+            for (int p = 0; super && p < 12; p++) MOVE(block + 4 + p, a + A * k + 32 + 8 * p + r, 1);
+        }
+#undef MOVE
+}
+
+static inline v8i32 word_of(const int8_t *p) {  /* 4 bytes at p in every 32-bit lane: one broadcast */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (v8i32){v, v, v, v, v, v, v, v};
+}
+
+typedef int16_t v16i16 __attribute__((vector_size(32)));
+
+/* pairs + products of 4 weights of the 8 rows (u, unsigned) with activations' word at x, in 16-bit pairs */
+static inline v16i16 eights_pairs(v16i16 pairs, v32u8 u, const int8_t *x) {
+    return pairs + (v16i16)_mm256_maddubs_epi16((__m256i)u, (__m256i)word_of(x));
+}
+
+static inline v8f eights_floats(v16i16 pairs) {  /* the pairs' sums in 32 bits, as floats (exact: < 2^24) */
+    return __builtin_convertvector((v8i32)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1)), v8f);
+}
+
+/* Q4_K's scales of a group's super-block at a (eights_move's): d sc of each sub-block (8 rows a vector), then
+ * -(dmin m), exactly (as unpack's: 6-bit sc, m from the 12 bytes, times float16 d, dmin). */
+static inline __attribute__((always_inline)) void eights_scales(const uint8_t *a, v8f *sc, v8f *m) {
+    const v32u8 low = load32(a + 32), mid = load32(a + 64), high = load32(a + 96);  /* bytes 0-3, 4-7, 8-11 */
+    uint8_t bytes[4][32];  /* sc 0-3, sc 4-7, m 0-3, m 4-7 of the 8 rows */
+    *(v32u8u *)bytes[0] = low & 63;
+    *(v32u8u *)bytes[1] = (high & 15) | (shift16(low, -2) & 0x30);
+    *(v32u8u *)bytes[2] = mid & 63;
+    *(v32u8u *)bytes[3] = (shift16(high, -4) & 15) | (shift16(mid, -2) & 0x30);
+    const v8f d = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a)),
+              dmin = -(v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + 16)));
+    for (int s = 0; s < SUBS; s++) {
+        sc[s] = d * __builtin_convertvector(load_u8(bytes[s / 4] + 8 * (s % 4)), v8f);
+        m[s] = dmin * __builtin_convertvector(load_u8(bytes[2 + s / 4] + 8 * (s % 4)), v8f);
+    }
+}
+
+/* sums (c, LANES) += a group's 8 rows (lane r row r) of `type` against quantized activation rows first..first+c-1
+ * of x, over blocks (super-blocks) k0..k0 + n - 1 of its rows (of `blocks` blocks of 32), their q and a at q and a
+ * (eights_move's). Inlined with constant c and type. */
+static inline __attribute__((always_inline)) void eights_block(const struct int8_rows *x, long first, const int c,
+                                                               const int type, const uint8_t *q, const uint8_t *a,
+                                                               long blocks, long k0, long n, float *sums) {
+    const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q, subs = is_super(type) ? SUBS : 1;
+    v8f acc[EIGHTS_COLS];
+    for (int i = 0; i < c; i++) acc[i] = *(const v8fu *)(sums + i * LANES);
+    for (long k = 0; k < n; k++) {
+        for (long at = 0; at < Q; at += 64) __builtin_prefetch(q + Q * k + at + EIGHTS_PREFETCH, 0, 1);
+        v8f sc[SUBS], m[SUBS];
+        if (is_super(type)) eights_scales(a + A * k, sc, m);
+        else sc[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k)));
+        for (long s = 0; s < subs; s++) {  /* Q4_0: its one block, low nibbles and high; Q4_K: sub-block s */
+            v16i16 pairs[EIGHTS_COLS] = {{0}};
+#pragma GCC unroll 8
+            for (int t = 0; t < (is_super(type) ? 8 : 4); t++) {  /* Q4_K: pair s / 2's step t, its nibbles s % 2 */
+                const v32u8 bytes = load32(q + Q * k + 16 * EIGHTS * (s / 2 * 2) + 32 * t);
+                const v32u8 lo = is_super(type) && s % 2 ? shift16(bytes, -4) & 15 : bytes & 15;
+                for (int i = 0; i < c; i++) {
+                    const int8_t *xq = x->q + ((first + i) * blocks + (k0 + k) * subs + s) * BLOCK + 4 * t;
+                    pairs[i] = eights_pairs(pairs[i], lo, xq);
+                    if (!is_super(type)) pairs[i] = eights_pairs(pairs[i], shift16(bytes, -4) & 15, xq + 16);
+                }
+            }
+            for (int i = 0; i < c; i++) {
+                const long at = (first + i) * blocks + (k0 + k) * subs + s;
+                if (is_super(type)) {
+                    acc[i] = fmadd8(eights_floats(pairs[i]), sc[s] * splat8(x->d[at]), acc[i]);
+                    acc[i] = fmadd8(m[s], splat8(x->s[at]), acc[i]);
+                    continue;
+                }
+                const v8i32 sum = (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1));
+                acc[i] = fmadd8(__builtin_convertvector(sum - 8 * x->sum[at], v8f), sc[0] * splat8(x->d[at]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < c; i++) *(v8fu *)(sums + i * LANES) = acc[i];
+}
+
+/* eights_block of activation rows 0..B-1, EIGHTS_COLS at a time. */
+static inline __attribute__((always_inline)) void eights_rows(const struct int8_rows *x, long B, const int type,
+                                                              const uint8_t *q, const uint8_t *a, long blocks,
+                                                              long k0, long n, float *sums) {
+    long b = 0;
+    for (; b + EIGHTS_COLS <= B; b += EIGHTS_COLS)
+        eights_block(x, b, EIGHTS_COLS, type, q, a, blocks, k0, n, sums + b * LANES);
+    for (; b < B; b++) eights_block(x, b, 1, type, q, a, blocks, k0, n, sums + b * LANES);
+}
+
+enum { EIGHTS_SPAN = 36 << 10 };  /* bytes of the file's rows laid out at a time on the stack */
+
+/* sums (B, LANES): activation rows 0..B-1 against weight rows n..n+LANES-1 (a group) of type W, laid out or the
+ * file's: laid out on the stack first, EIGHTS_SPAN bytes at a time (the same operations: the same bits). */
+#define EIGHTS_AS(W)                                                                                           \
+    static __attribute__((noinline)) void eights_##W(const struct int8_rows *x, const void *w, int laid, long B, \
+                                                     long n, long K, float *sums) {                           \
+        const long groups = K / group_size(W), Q = eights_q(W), bytes = EIGHTS * group_bytes(W);              \
+        uint8_t *group = (uint8_t *)w + offset_of(n * K, W);                                                   \
+        memset(sums, 0, B * LANES * sizeof(float));                                                            \
+        if (laid) {                                                                                            \
+            eights_rows(x, B, W, group, group + groups * Q, K / BLOCK, 0, groups, sums);                       \
+            return;                                                                                            \
+        }                                                                                                      \
+        uint8_t q[EIGHTS_SPAN] __attribute__((aligned(32)));                                                   \
+        const long span = EIGHTS_SPAN / bytes;                                                                 \
+        for (long k0 = 0; k0 < groups; k0 += span) {                                                           \
+            const long n = groups - k0 < span ? groups - k0 : span;                                            \
+            eights_move(W, group, offset_of(K, W), k0, n, q, q + n * Q, 0);                                    \
+            eights_rows(x, B, W, q, q + n * Q, K / BLOCK, k0, n, sums);                                        \
+        }                                                                                                      \
+    }
+EIGHTS_AS(Q4_0) EIGHTS_AS(Q4_K)
+#endif
+
+/* Q4_0 weights w (N, K) laid out again (Q4_0_STRIPES) into `out` (as many bytes), where a tile for it is built
+ * (AVX-512 VNNI, AVX2: 1; elsewhere 0, nothing written). With AVX-512 VNNI, as rows of stripes: each row's blocks'
+ * 16 bytes of q transposed in 4-byte words (to_lanes) and its a permuted into lane order, the inverse of
+ * stripes_restore. With AVX2, as groups of 8 rows (eights_move; N a multiple of 8). */
 int repack_stripes(const void *w, long N, long K, void *out) {
 #if LANE_BLOCKS
     const long blocks = K / BLOCK;
@@ -1766,6 +1924,14 @@ int repack_stripes(const void *w, long N, long K, void *out) {
                                      _mm512_castsi256_si512(_mm512_cvtepi32_epi16(
                                          _mm512_maskz_compress_epi32(kept, halves))));
         }
+    }
+    return 1;
+#elif EIGHT_ROWS
+    const long row = offset_of(K, Q4_0);
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < N / EIGHTS; g++) {
+        uint8_t *to = (uint8_t *)out + g * EIGHTS * row;
+        eights_move(Q4_0, (uint8_t *)w + g * EIGHTS * row, row, 0, K / BLOCK, to, to + K / BLOCK * eights_q(Q4_0), 0);
     }
     return 1;
 #else
@@ -2248,8 +2414,11 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
             for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j, NULL);                     \
         }                                                                                                      \
     }
-INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
+INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
 INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
+#if !EIGHT_ROWS
+INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K)
+#endif
 #if LANE_BLOCKS
 INT8_ROWS_AS(Q4_0_STRIPES)
 #endif
@@ -2257,11 +2426,18 @@ INT8_ROWS_AS(Q4_0_STRIPES)
 INT8_ROWS_AS(Q4_K_ACROSS) INT8_ROWS_AS(Q5_K_ACROSS) INT8_ROWS_AS(Q6_K_ACROSS)
 #endif
 
-#if LANE_BLOCKS
+#if LANE_BLOCKS || EIGHT_ROWS
 /* N rows of K of weights laid out again at load (Q4_0_STRIPES, the K-quants' _ACROSS) put back as the file's
- * blocks (of file_type(type)) into `out`. */
+ * blocks (of file_type(type)) into `out`; with AVX2, N a multiple of 8 (whole groups). */
 static void restore_rows(const void *w, int type, long N, long K, uint8_t *out) {
     const long row = offset_of(K, type);
+#if EIGHT_ROWS
+    const long groups = K / group_size(type), Q = eights_q(type);
+    for (long g = 0; g < N / EIGHTS; g++) {
+        uint8_t *group = (uint8_t *)w + g * EIGHTS * row;
+        eights_move(file_type(type), out + g * EIGHTS * row, row, 0, groups, group, group + groups * Q, 1);
+    }
+#else
     for (long n = 0; n < N; n++) {
         const uint8_t *from = (const uint8_t *)w + n * row;
 #if ACROSS
@@ -2272,16 +2448,27 @@ static void restore_rows(const void *w, int type, long N, long K, uint8_t *out) 
 #endif
         stripes_restore(from, K / BLOCK, out + n * row);
     }
+#endif
 }
 #endif
 
-/* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again for across_block (its type's _ACROSS) into
- * `out` (as many bytes), where that tile is built (AVX-512 VNNI and DQ: 1; elsewhere 0, nothing written). */
+/* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again (its type's _ACROSS) into `out` (as many
+ * bytes), where a tile for it is built (1; elsewhere 0, nothing written): for across_block with AVX-512 VNNI and DQ,
+ * each row; for eights_block with AVX2, Q4_K alone, as groups of 8 rows (eights_move; N a multiple of 8). */
 int repack_across(const void *w, int type, long N, long K, void *out) {
 #if ACROSS
     const long row = offset_of(K, type);
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) across_other((const uint8_t *)w + n * row, type, (uint8_t *)out + n * row, K / SUPER);
+    return 1;
+#elif EIGHT_ROWS
+    if (type != Q4_K) return 0;
+    const long row = offset_of(K, type), supers = K / SUPER;
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < N / EIGHTS; g++) {
+        uint8_t *to = (uint8_t *)out + g * EIGHTS * row;
+        eights_move(Q4_K, (uint8_t *)w + g * EIGHTS * row, row, 0, supers, to, to + supers * eights_q(Q4_K), 0);
+    }
     return 1;
 #else
     (void)w, (void)type, (void)N, (void)K, (void)out;
@@ -2293,7 +2480,7 @@ int repack_across(const void *w, int type, long N, long K, void *out) {
  * where given and the weights' type has integer code here, else exactly (dot_rows). */
 static void rows_times(const struct int8_rows *xq, const void *x, int x_type, const void *w, int w_type, long B,
                        long n, long K, float *sums) {
-#if LANE_BLOCKS
+#if LANE_BLOCKS || EIGHT_ROWS
     if (laid_out(w_type) && !xq) {  /* exactly: the rows put back as the file's blocks, then the file type's code */
         uint8_t restored[offset_of(LANES * K, w_type)];
         restore_rows((const uint8_t *)w + offset_of(n * K, w_type), w_type, LANES, K, restored);
@@ -2304,8 +2491,16 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     switch (xq ? w_type : F32) {
     case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
     case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
+#if EIGHT_ROWS
+    case Q4_0: case Q4_0_STRIPES: eights_Q4_0(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
     case Q4_0: int8_rows_Q4_0(xq, w, B, n, K, sums); break;
+#endif
+#if EIGHT_ROWS
+    case Q4_K: case Q4_K_ACROSS: eights_Q4_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
     case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;
+#endif
     case Q5_K: int8_rows_Q5_K(xq, w, B, n, K, sums); break;
     case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
     case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
@@ -2352,13 +2547,13 @@ static const struct int8_rows *quantized(const struct int8_rows *xq, const void 
 static struct int8_rows int8_rows_for(long R, long K) {
     const long q = R * K, across = ACROSS ? R * K : 0, lanes = LANE_BLOCKS ? R * stripes_of(K) * STRIPE : 0,
                blocks = R * (K / BLOCK), minus32 = ACROSS ? R * (K / SUPER) * (long)sizeof(vi) : 0;
-    const long scales_bytes = (2 * sizeof(float) + (LANE_BLOCKS ? sizeof(int32_t) : 0)) * blocks,
+    const long scales_bytes = (2 * sizeof(float) + (LANE_BLOCKS || EIGHT_ROWS ? sizeof(int32_t) : 0)) * blocks,
                vectors = (q + across + lanes + scales_bytes + 63) / 64 * 64;  /* minus32's, aligned as vi is */
     void *room;
     if (posix_memalign(&room, 64, vectors + minus32)) return (struct int8_rows){NULL};
     float *scales = (float *)((char *)room + q + across + lanes);
     return (struct int8_rows){(int8_t *)room, scales, scales + blocks, ACROSS ? (int8_t *)room + q : NULL,
-                              LANE_BLOCKS ? (int32_t *)(scales + 2 * blocks) : NULL,
+                              LANE_BLOCKS || EIGHT_ROWS ? (int32_t *)(scales + 2 * blocks) : NULL,
                               LANE_BLOCKS ? (uint8_t *)room + q + across : NULL,
                               ACROSS ? (vi *)((char *)room + vectors) : NULL};
 }
@@ -3068,13 +3263,14 @@ int dequantize(const void *w, int w_type, float *out, long N, long K) {  /* 0, o
     case Q5_0: dequantize_as(w, Q5_0, out, N, K); return 0;
     case Q5_1: dequantize_as(w, Q5_1, out, N, K); return 0;
     }
-#if LANE_BLOCKS
+#if LANE_BLOCKS || EIGHT_ROWS
     if (laid_out(w_type)) {  /* put back as the file's blocks first, a copy of them for the while */
-        const long row = offset_of(K, w_type);
+        const long row = offset_of(K, w_type), rows = EIGHT_ROWS ? 8 : 1;  /* restored at a time: AVX2 a group */
         uint8_t *blocks = malloc(N * row);
         if (!blocks) return -1;
 #pragma omp parallel for schedule(static) if (N * K >= ALONE)
-        for (long n = 0; n < N; n++) restore_rows((const uint8_t *)w + n * row, w_type, 1, K, blocks + n * row);
+        for (long n = 0; n < N; n += rows)
+            restore_rows((const uint8_t *)w + n * row, w_type, rows, K, blocks + n * row);
         dequantize(blocks, file_type(w_type), out, N, K);
         free(blocks);
     }

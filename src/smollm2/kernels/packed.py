@@ -55,6 +55,7 @@ class Packed(NamedTuple):
     data: torch.Tensor  # uint8 (N, K / weights * bytes), PACKED_BLOCKS[type]
 
 
+GROUP = 16  # rows laid out again together at most (AVX2's Q4_0: 8), the kernels' rows a step at most (LANES)
 HUGE = 2 << 20  # a huge page (x86-64's, AArch64's with 4 KiB pages)
 NUMPYS = 4 << 20  # numpy asks Linux for huge pages itself for arrays from this size on
 
@@ -111,11 +112,12 @@ def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
                   pages: HugePages | None = None) -> Packed | None:
     """GGUF blocks of `kind`, uint8 (rows, bytes a row), as the kernels stream them: the blocks themselves (no
     copy, where contiguous) or with `pages`, a copy in those huge pages; None for kinds they do not stream.
-    repack: Q4_0 laid out again as rows of stripes, a K-quant as its int8 tile's steps, where the kernels decode
-    those the faster (see the top), a copy (in `pages`, else numpy's: huge pages from 4 MiB)."""
+    repack: Q4_0 laid out again as rows of stripes (AVX2: groups of 8 rows), a K-quant as its int8 tile's steps,
+    where the kernels decode those the faster (see the top), a copy (in `pages`, else numpy's: huge pages from 4
+    MiB); for whole groups of rows (GROUP), the matrices a model has."""
     if kind not in PACKED_TYPES:
         return None
-    lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) else None
+    lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) and blocks.shape[0] % GROUP == 0 else None
     if lib is not None and lays_out(lib, kind):  # asked first: room taken for nothing held 2x a 360M's Q4_0 at AVX2
         shape = tuple(blocks.shape)
         again = pages.empty(shape) if pages is not None else torch.from_numpy(np.empty(shape, np.uint8))
@@ -156,6 +158,13 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     ns a weight on one core: 0.1-0.2 s for a 1536 x 576 matrix of the 135M model at the worst)."""
     # Laid out again (made only where the kernels are built): theirs. Rows looked up (an embedding's, each
     # decoding step) theirs too where built: one call, not torch's ~10 operations.
+    if packed.type in LAID_OUT and rows is not None:  # AVX2's rows are laid out in groups: the groups decoded
+        flat = rows.reshape(-1)
+        groups, which = torch.unique(flat // GROUP, return_inverse=True)
+        data = packed.data.view(-1, GROUP * packed.data.shape[1])[groups].view(-1, packed.data.shape[1])
+        K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
+        out = kernels_decoded(data, packed.type, K).view(-1, GROUP, K)
+        return out[which, flat % GROUP].reshape(*rows.shape, K)
     if packed.type in LAID_OUT or (rows is not None and compiled() is not None):
         data = packed.data if rows is None else packed.data[rows.reshape(-1)]
         K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
