@@ -800,6 +800,11 @@ static inline v32u8 joined(v16u8 low, v16u8 high) {
 #else
 #define LANE_BLOCKS 0
 #endif
+#if LANES == 8 && defined(__F16C__)
+#define EIGHT_ROWS 1  /* AVX2: Q4_0 and the K-quants laid out 8 rows side by side, a row a 32-bit lane (eights_block) */
+#else
+#define EIGHT_ROWS 0
+#endif
 enum { STRIPE = 16 * BLOCK };  /* LANE_BLOCKS: 16 blocks of a row, one a lane */
 static inline long stripes_of(long K) { return (K / BLOCK + 15) / 16; }
 
@@ -943,15 +948,17 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         float largest = 0;
         for (int l = 0; l < LANES; l++) largest = most[l] > largest ? most[l] : largest;
         const float d = largest / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
-        vi sum = {0};
+        vi sum = {0}, first = {0};  /* of all 32 q, of the first 16 */
         for (int l = 0; l < BLOCK / LANES; l++) {  /* within +-127: |v| <= largest */
             const vi q = __builtin_convertvector((v[l] * splat(inverse) + magic) - magic, vi);
             *(vi8u *)(out->q + i * BLOCK + l * LANES) = __builtin_convertvector(q, vi8u), sum += q;
+            if (l < BLOCK / LANES / 2) first += q;
         }
-        int total = 0;
-        for (int l = 0; l < LANES; l++) total += sum[l];
+        int total = 0, half = 0;
+        for (int l = 0; l < LANES; l++) total += sum[l], half += first[l];
         out->d[i] = d, out->s[i] = d * (float)total;
-        if (out->sum) out->sum[i] = total;
+        /* with AVX2's eights_block, the two 16s' sums as int16s (|.| <= 16 x 127) */
+        if (out->sum) out->sum[i] = EIGHT_ROWS ? (int32_t)((uint32_t)(half & 0xffff) | (uint32_t)(total - half) << 16) : total;
     }
 #if ACROSS
     if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across, out->minus32);
@@ -1736,11 +1743,6 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 }
 #endif
 
-#if LANES == 8 && defined(__F16C__)
-#define EIGHT_ROWS 1  /* AVX2: Q4_0, Q4_K laid out 8 rows a block side by side, a row a 32-bit lane (eights_block) */
-#else
-#define EIGHT_ROWS 0
-#endif
 
 #if EIGHT_ROWS
 /* AVX2's tile for Q4_0 and Q4_K. A row's block in 8 lanes, each lane 4 of its weights (int8_block's way), took a
@@ -1764,21 +1766,29 @@ enum { EIGHTS = 8 };  /* rows a group */
 #define EIGHTS_COLS 4  /* activation rows a step at most: a group's block unpacked once for them */
 #endif
 
-static inline long eights_q(int type) { return EIGHTS * (is_super(type) ? SUPER : BLOCK) / 2; }  /* a group's q */
+/* A row's block (super-block): where its q start, and its bytes of q (Q5_K's: the fifth bits, then the 4-bit q;
+ * Q6_K's: the low 4 bits, then the high 2) */
+static inline int eights_q_at(int type) { return type == Q4_0 ? 2 : type == Q6_K ? 0 : 16; }
+static inline long eights_q_bytes(int type) { return type == Q4_0 ? 16 : type == Q4_K ? 128 : type == Q5_K ? 160 : 192; }
+static inline long eights_q(int type) { return EIGHTS * eights_q_bytes(file_type(type)); }  /* a group's q */
 
-/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0 or Q4_K (`row` bytes apart) laid out as a group
- * (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. Q4_0's a: the 8 rows' float16
- * a (16 bytes); Q4_K's: their d, their dmin, then each of the 12 bytes of scales of the 8 rows (8 bytes). */
+/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q4_K, Q5_K or Q6_K (`row` bytes apart) laid out as
+ * a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's, the 8 rows'
+ * float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of scales of the 8 rows;
+ * Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
-    const int super = is_super(type), head = super ? 16 : 2;  /* bytes before a row's q */
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
-#define MOVE(file, ours, bytes) (back ? memcpy(file, ours, bytes) : memcpy(ours, file, bytes))
+    const int k4 = type == Q4_K || type == Q5_K;  /* d, dmin and 12 bytes of scales */
+    const int halves = k4 ? 2 : 1, half_at = type == Q6_K ? 208 : 0, a_half = type == Q6_K ? 128 : 0,
+              bytes = k4 ? 12 : type == Q6_K ? 16 : 0, byte_at = k4 ? 4 : 192, a_byte = k4 ? 32 : 0;
+#define MOVE(file, ours, size) (back ? memcpy(file, ours, size) : memcpy(ours, file, size))
     for (long k = 0; k < n; k++)
         for (int r = 0; r < EIGHTS; r++) {
-            uint8_t *block = rows + r * row + (k0 + k) * group_bytes(type);
-            for (long w = 0; w < Q / EIGHTS / 4; w++) MOVE(block + head + 4 * w, q + Q * k + 32 * w + 4 * r, 4);
-            for (int h = 0; h < (super ? 2 : 1); h++) MOVE(block + 2 * h, a + A * k + 16 * h + 2 * r, 2);
-            for (int p = 0; super && p < 12; p++) MOVE(block + 4 + p, a + A * k + 32 + 8 * p + r, 1);
+            uint8_t *block = rows + r * row + (k0 + k) * group_bytes(type), *to = a + A * k;
+            for (long w = 0; w < Q / EIGHTS / 4; w++)
+                MOVE(block + eights_q_at(type) + 4 * w, q + Q * k + 32 * w + 4 * r, 4);
+            for (int h = 0; h < halves; h++) MOVE(block + half_at + 2 * h, to + a_half + 16 * h + 2 * r, 2);
+            for (int p = 0; p < bytes; p++) MOVE(block + byte_at + p, to + a_byte + 8 * p + r, 1);
         }
 #undef MOVE
 }
@@ -1817,41 +1827,93 @@ static inline __attribute__((always_inline)) void eights_scales(const uint8_t *a
     }
 }
 
+/* A step's integers u of the 8 rows (4 weights each) of sub-block s (a block: its first 16 weights, and with `high`
+ * its last 16): Q4_0's low nibbles (high ones), Q4_K's of pair s / 2, the nibbles s % 2 (Q5_K's, and their fifth
+ * bits, bit s of the first 32 bytes a row, to bit 4); Q6_K's low 4 bits of half
+ * s / 4, quarter s % 4, and its 2 high bits (from the 4 a byte at 128 bytes a row on) to bits 4 and 5. */
+static inline __attribute__((always_inline)) v32u8 eights_ints(const int type, const uint8_t *q, int s, int t,
+                                                               int high) {
+    if (type == Q4_0) return (high ? shift16(load32(q + 32 * t), -4) : load32(q + 32 * t)) & 15;
+    if (type == Q4_K || type == Q5_K) {
+        const int at = type == Q5_K ? EIGHTS * 32 : 0;  /* Q5_K: past the fifth bits */
+        const v32u8 bytes = load32(q + at + EIGHTS * 32 * (s / 2) + 32 * t),
+                    u = (s % 2 ? shift16(bytes, -4) : bytes) & 15;
+        return type == Q4_K ? u : u | (v32u8)shift16(load32(q + 32 * t) & (uint8_t)(1 << s), 4 - s);
+    }
+    const int n = s / 4, m = s % 4;
+    const v32u8 low = load32(q + EIGHTS * (64 * n + 32 * (m % 2)) + 32 * t),
+                top = load32(q + EIGHTS * (128 + 32 * n) + 32 * t);
+    return ((m / 2 ? shift16(low, -4) : low) & 15) | (shift16(top, 4 - 2 * m) & 0x30);
+}
+
+static inline v8i32 splat32(int32_t v) { return (v8i32){v, v, v, v, v, v, v, v}; }
+
+/* 8 int8 scales as int16 pairs: (sc, sc) in each 32-bit lane (for a pair of products), or with `next`, (sc, next) */
+static inline v8i32 scale_pairs(const uint8_t *sc, const uint8_t *next) {
+    const v8i32 a = (v8i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+                b = (v8i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)next));
+    return (a & 0xffff) | (b << 16);
+}
+
 /* sums (c, LANES) += a group's 8 rows (lane r row r) of `type` against quantized activation rows first..first+c-1
  * of x, over blocks (super-blocks) k0..k0 + n - 1 of its rows (of `blocks` blocks of 32), their q and a at q and a
- * (eights_move's). Inlined with constant c and type. */
+ * (eights_move's). A row's sum is one chain of multiply-adds, a block of 32 at a time:
+ *   Q4_0 (sum u x - 8 sum x), in int32, times a d_x (rounded once);
+ *   Q4_K, Q5_K (sum u x) times d sc d_x, then -(dmin m) times d_x (sum x);
+ *   Q6_K (sum of sc (sum (u - 32) x) over its two 16s), in int32 (|.| < 2^24: exact as a float), times d d_x.
+ * x->sum holds each block's sums of its first and last 16 q as int16s. Inlined with constant c and type. */
 static inline __attribute__((always_inline)) void eights_block(const struct int8_rows *x, long first, const int c,
                                                                const int type, const uint8_t *q, const uint8_t *a,
                                                                long blocks, long k0, long n, float *sums) {
-    const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q, subs = is_super(type) ? SUBS : 1;
+    const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
+    const int subs = is_super(type) ? SUBS : 1;
     v8f acc[EIGHTS_COLS];
     for (int i = 0; i < c; i++) acc[i] = *(const v8fu *)(sums + i * LANES);
     for (long k = 0; k < n; k++) {
         for (long at = 0; at < Q; at += 64) __builtin_prefetch(q + Q * k + at + EIGHTS_PREFETCH, 0, 1);
         v8f sc[SUBS], m[SUBS];
-        if (is_super(type)) eights_scales(a + A * k, sc, m);
-        else sc[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k)));
-        for (long s = 0; s < subs; s++) {  /* Q4_0: its one block, low nibbles and high; Q4_K: sub-block s */
-            v16i16 pairs[EIGHTS_COLS] = {{0}};
+        if (type == Q4_K || type == Q5_K) eights_scales(a + A * k, sc, m);
+        else sc[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + (type == Q6_K ? 128 : 0))));
 #pragma GCC unroll 8
-            for (int t = 0; t < (is_super(type) ? 8 : 4); t++) {  /* Q4_K: pair s / 2's step t, its nibbles s % 2 */
-                const v32u8 bytes = load32(q + Q * k + 16 * EIGHTS * (s / 2 * 2) + 32 * t);
-                const v32u8 lo = is_super(type) && s % 2 ? shift16(bytes, -4) & 15 : bytes & 15;
+        for (int s = 0; s < subs; s++) {  /* Q4_0: its one block; the K-quants: sub-block s (unrolled: shifts fixed) */
+            v16i16 pairs[EIGHTS_COLS] = {{0}};
+            v8i32 ints[EIGHTS_COLS] = {{0}}, scales[3];  /* Q6_K's: (sc, sc) of each 16, (sc first, sc last) */
+            if (type == Q6_K) {
+                const uint8_t *at = a + A * k + 16 * s;
+                scales[0] = scale_pairs(at, at), scales[1] = scale_pairs(at + 8, at + 8);
+                scales[2] = scale_pairs(at, at + 8);
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < (type == Q4_0 ? 4 : 8); t++) {
+                const v32u8 u = eights_ints(type, q + Q * k, s, t, 0);
                 for (int i = 0; i < c; i++) {
                     const int8_t *xq = x->q + ((first + i) * blocks + (k0 + k) * subs + s) * BLOCK + 4 * t;
-                    pairs[i] = eights_pairs(pairs[i], lo, xq);
-                    if (!is_super(type)) pairs[i] = eights_pairs(pairs[i], shift16(bytes, -4) & 15, xq + 16);
+                    pairs[i] = eights_pairs(pairs[i], u, xq);
+                    if (type == Q4_0) pairs[i] = eights_pairs(pairs[i], eights_ints(type, q + Q * k, s, t, 1), xq + 16);
+                    if (type == Q6_K && t % 2) {  /* 2 steps' pairs (|u x| <= 63 x 127) a 16-bit lane */
+                        ints[i] += (v8i32)_mm256_madd_epi16((__m256i)pairs[i], (__m256i)scales[t / 4]);
+                        pairs[i] = (v16i16){0};
+                    }
+                    if (type == Q5_K && t % 4 == 3) {  /* 4 steps' (|u x| <= 31 x 127) */
+                        ints[i] += (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1));
+                        pairs[i] = (v16i16){0};
+                    }
                 }
             }
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + (k0 + k) * subs + s;
-                if (is_super(type)) {
-                    acc[i] = fmadd8(eights_floats(pairs[i]), sc[s] * splat8(x->d[at]), acc[i]);
+                const v8i32 halves = splat32(x->sum[at]);  /* first 16's sum of x and last 16's */
+                if (type == Q4_K || type == Q5_K) {
+                    const v8f u = type == Q4_K ? eights_floats(pairs[i]) : __builtin_convertvector(ints[i], v8f);
+                    acc[i] = fmadd8(u, sc[s] * splat8(x->d[at]), acc[i]);
                     acc[i] = fmadd8(m[s], splat8(x->s[at]), acc[i]);
                     continue;
                 }
-                const v8i32 sum = (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1));
-                acc[i] = fmadd8(__builtin_convertvector(sum - 8 * x->sum[at], v8f), sc[0] * splat8(x->d[at]), acc[i]);
+                const v8i32 sum = type == Q4_0
+                    ? (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1)) -
+                          (v8i32)_mm256_madd_epi16((__m256i)halves, _mm256_set1_epi16(8))
+                    : ints[i] - ((v8i32)_mm256_madd_epi16((__m256i)halves, (__m256i)scales[2]) << 5);
+                acc[i] = fmadd8(__builtin_convertvector(sum, v8f), sc[0] * splat8(x->d[at]), acc[i]);
             }
         }
     }
@@ -1890,7 +1952,7 @@ enum { EIGHTS_SPAN = 36 << 10 };  /* bytes of the file's rows laid out at a time
             eights_rows(x, B, W, q, q + n * Q, K / BLOCK, k0, n, sums);                                        \
         }                                                                                                      \
     }
-EIGHTS_AS(Q4_0) EIGHTS_AS(Q4_K)
+EIGHTS_AS(Q4_0) EIGHTS_AS(Q4_K) EIGHTS_AS(Q5_K) EIGHTS_AS(Q6_K)
 #endif
 
 /* Q4_0 weights w (N, K) laid out again (Q4_0_STRIPES) into `out` (as many bytes), where a tile for it is built
@@ -2414,10 +2476,10 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
             for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j, NULL);                     \
         }                                                                                                      \
     }
-INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
+INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0)
 INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
 #if !EIGHT_ROWS
-INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K)
+INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
 #endif
 #if LANE_BLOCKS
 INT8_ROWS_AS(Q4_0_STRIPES)
@@ -2454,7 +2516,7 @@ static void restore_rows(const void *w, int type, long N, long K, uint8_t *out) 
 
 /* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again (its type's _ACROSS) into `out` (as many
  * bytes), where a tile for it is built (1; elsewhere 0, nothing written): for across_block with AVX-512 VNNI and DQ,
- * each row; for eights_block with AVX2, Q4_K alone, as groups of 8 rows (eights_move; N a multiple of 8). */
+ * each row; for eights_block with AVX2, as groups of 8 rows (eights_move; N a multiple of 8). */
 int repack_across(const void *w, int type, long N, long K, void *out) {
 #if ACROSS
     const long row = offset_of(K, type);
@@ -2462,12 +2524,11 @@ int repack_across(const void *w, int type, long N, long K, void *out) {
     for (long n = 0; n < N; n++) across_other((const uint8_t *)w + n * row, type, (uint8_t *)out + n * row, K / SUPER);
     return 1;
 #elif EIGHT_ROWS
-    if (type != Q4_K) return 0;
     const long row = offset_of(K, type), supers = K / SUPER;
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < N / EIGHTS; g++) {
         uint8_t *to = (uint8_t *)out + g * EIGHTS * row;
-        eights_move(Q4_K, (uint8_t *)w + g * EIGHTS * row, row, 0, supers, to, to + supers * eights_q(Q4_K), 0);
+        eights_move(type, (uint8_t *)w + g * EIGHTS * row, row, 0, supers, to, to + supers * eights_q(type), 0);
     }
     return 1;
 #else
@@ -2501,8 +2562,16 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
 #else
     case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;
 #endif
+#if EIGHT_ROWS
+    case Q5_K: case Q5_K_ACROSS: eights_Q5_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
     case Q5_K: int8_rows_Q5_K(xq, w, B, n, K, sums); break;
+#endif
+#if EIGHT_ROWS
+    case Q6_K: case Q6_K_ACROSS: eights_Q6_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
     case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
+#endif
     case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
     case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
 #if LANE_BLOCKS
