@@ -923,7 +923,7 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
                                                          packed=[packed])[0])
 
 
-@pytest.mark.parametrize("qtype, K", [*((Q.Q4_0, K) for K in (64, 480, 512, 544, 960)),
+@pytest.mark.parametrize("qtype, K", [*((Q.Q4_0, K) for K in (64, 480, 512, 544, 960)), (Q.Q8_0, 64), (Q.Q8_0, 960),
                                       *((qtype, K) for qtype in K_QUANTS for K in (256, 768))],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_laid_out_again_gives_the_file_blocks_bits(qtype, K):

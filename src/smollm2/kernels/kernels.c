@@ -67,7 +67,8 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10,
        Q4_0_STRIPES = 11,  /* Q4_0's blocks laid out again at load for the AVX-512 VNNI tile (repack_stripes) */
        Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14 };  /* the K-quants' q laid out again for it (repack_across) */
-enum { WIDE = 15 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+enum { Q8_0_EIGHTS = 15 };  /* Q8_0 laid out again at load for AVX2's tile (repack_across) */
+enum { WIDE = 16 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
 #define SUPER 256  /* and a K-quant's super-block */
 enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_BYTES = 24,
@@ -75,8 +76,8 @@ enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_
 
 /* The file's type of weights laid out again at load (the same bytes a block), else type. */
 static inline int file_type(int type) {
-    return type == Q4_0_STRIPES ? Q4_0 : type >= Q4_K_ACROSS && type <= Q6_K_ACROSS ? Q4_K + (type - Q4_K_ACROSS)
-                                                                                    : type;
+    return type == Q4_0_STRIPES ? Q4_0 : type == Q8_0_EIGHTS ? Q8_0
+           : type >= Q4_K_ACROSS && type <= Q6_K_ACROSS ? Q4_K + (type - Q4_K_ACROSS) : type;
 }
 static inline int laid_out(int type) { return type != file_type(type); }
 
@@ -1768,13 +1769,15 @@ enum { EIGHTS = 8 };  /* rows a group */
 
 /* A row's block (super-block): where its q start, and its bytes of q (Q5_K's: the fifth bits, then the 4-bit q;
  * Q6_K's: the low 4 bits, then the high 2) */
-static inline int eights_q_at(int type) { return type == Q4_0 ? 2 : type == Q6_K ? 0 : 16; }
-static inline long eights_q_bytes(int type) { return type == Q4_0 ? 16 : type == Q4_K ? 128 : type == Q5_K ? 160 : 192; }
+static inline int eights_q_at(int type) { return type == Q4_0 || type == Q8_0 ? 2 : type == Q6_K ? 0 : 16; }
+static inline long eights_q_bytes(int type) {
+    return type == Q4_0 ? 16 : type == Q8_0 ? 32 : type == Q4_K ? 128 : type == Q5_K ? 160 : 192;
+}
 static inline long eights_q(int type) { return EIGHTS * eights_q_bytes(file_type(type)); }  /* a group's q */
 
-/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q4_K, Q5_K or Q6_K (`row` bytes apart) laid out as
- * a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's, the 8 rows'
- * float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of scales of the 8 rows;
+/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (`row` bytes apart) laid out as
+ * a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's and Q8_0's,
+ * the 8 rows' float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of scales of the 8 rows;
  * Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
@@ -1833,6 +1836,7 @@ static inline __attribute__((always_inline)) void eights_scales(const uint8_t *a
  * s / 4, quarter s % 4, and its 2 high bits (from the 4 a byte at 128 bytes a row on) to bits 4 and 5. */
 static inline __attribute__((always_inline)) v32u8 eights_ints(const int type, const uint8_t *q, int s, int t,
                                                                int high) {
+    if (type == Q8_0) return load32(q + 32 * t);  /* int8 */
     if (type == Q4_0) return (high ? shift16(load32(q + 32 * t), -4) : load32(q + 32 * t)) & 15;
     if (type == Q4_K || type == Q5_K) {
         const int at = type == Q5_K ? EIGHTS * 32 : 0;  /* Q5_K: past the fifth bits */
@@ -1858,7 +1862,7 @@ static inline v8i32 scale_pairs(const uint8_t *sc, const uint8_t *next) {
 /* sums (c, LANES) += a group's 8 rows (lane r row r) of `type` against quantized activation rows first..first+c-1
  * of x, over blocks (super-blocks) k0..k0 + n - 1 of its rows (of `blocks` blocks of 32), their q and a at q and a
  * (eights_move's). A row's sum is one chain of multiply-adds, a block of 32 at a time:
- *   Q4_0 (sum u x - 8 sum x), in int32, times a d_x (rounded once);
+ *   Q4_0 (sum u x - 8 sum x), Q8_0 (sum q x), in int32, times a d_x (rounded once);
  *   Q4_K, Q5_K (sum u x) times d sc d_x, then -(dmin m) times d_x (sum x);
  *   Q6_K (sum of sc (sum (u - 32) x) over its two 16s), in int32 (|.| < 2^24: exact as a float), times d d_x.
  * x->sum holds each block's sums of its first and last 16 q as int16s. Inlined with constant c and type. */
@@ -1886,8 +1890,14 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
 #pragma GCC unroll 8
             for (int t = 0; t < (type == Q4_0 ? 4 : 8); t++) {
                 const v32u8 u = eights_ints(type, q + Q * k, s, t, 0);
+                const __m256i size = _mm256_abs_epi8((__m256i)u);  /* Q8_0's |q| */
                 for (int i = 0; i < c; i++) {
                     const int8_t *xq = x->q + ((first + i) * blocks + (k0 + k) * subs + s) * BLOCK + 4 * t;
+                    if (type == Q8_0) {  /* |q| times x with q's sign (|q x| <= 127 x 127: a pair a 16-bit lane) */
+                        const __m256i signed_x = _mm256_sign_epi8((__m256i)word_of(xq), (__m256i)u);
+                        ints[i] += (v8i32)_mm256_madd_epi16(_mm256_maddubs_epi16(size, signed_x), _mm256_set1_epi16(1));
+                        continue;
+                    }
                     pairs[i] = eights_pairs(pairs[i], u, xq);
                     if (type == Q4_0) pairs[i] = eights_pairs(pairs[i], eights_ints(type, q + Q * k, s, t, 1), xq + 16);
                     if (type == Q6_K && t % 2) {  /* 2 steps' pairs (|u x| <= 63 x 127) a 16-bit lane */
@@ -1912,6 +1922,7 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
                 const v8i32 sum = type == Q4_0
                     ? (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1)) -
                           (v8i32)_mm256_madd_epi16((__m256i)halves, _mm256_set1_epi16(8))
+                    : type == Q8_0 ? ints[i]
                     : ints[i] - ((v8i32)_mm256_madd_epi16((__m256i)halves, (__m256i)scales[2]) << 5);
                 acc[i] = fmadd8(__builtin_convertvector(sum, v8f), sc[0] * splat8(x->d[at]), acc[i]);
             }
@@ -1952,7 +1963,7 @@ enum { EIGHTS_SPAN = 36 << 10 };  /* bytes of the file's rows laid out at a time
             eights_rows(x, B, W, q, q + n * Q, K / BLOCK, k0, n, sums);                                        \
         }                                                                                                      \
     }
-EIGHTS_AS(Q4_0) EIGHTS_AS(Q4_K) EIGHTS_AS(Q5_K) EIGHTS_AS(Q6_K)
+EIGHTS_AS(Q4_0) EIGHTS_AS(Q8_0) EIGHTS_AS(Q4_K) EIGHTS_AS(Q5_K) EIGHTS_AS(Q6_K)
 #endif
 
 /* Q4_0 weights w (N, K) laid out again (Q4_0_STRIPES) into `out` (as many bytes), where a tile for it is built
@@ -2476,10 +2487,10 @@ static inline __attribute__((always_inline)) int prompt_rows(const struct int8_r
             for (; b < B; b++) int8_block(x, b, 1, rows, W, K, sums + b * LANES + j, NULL);                     \
         }                                                                                                      \
     }
-INT8_ROWS_AS(Q4_1) INT8_ROWS_AS(Q8_0)
+INT8_ROWS_AS(Q4_1)
 INT8_ROWS_AS(Q5_0) INT8_ROWS_AS(Q5_1)
 #if !EIGHT_ROWS
-INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
+INT8_ROWS_AS(Q8_0) INT8_ROWS_AS(Q4_0) INT8_ROWS_AS(Q4_K) INT8_ROWS_AS(Q5_K) INT8_ROWS_AS(Q6_K)
 #endif
 #if LANE_BLOCKS
 INT8_ROWS_AS(Q4_0_STRIPES)
@@ -2514,21 +2525,24 @@ static void restore_rows(const void *w, int type, long N, long K, uint8_t *out) 
 }
 #endif
 
-/* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again (its type's _ACROSS) into `out` (as many
- * bytes), where a tile for it is built (1; elsewhere 0, nothing written): for across_block with AVX-512 VNNI and DQ,
- * each row; for eights_block with AVX2, as groups of 8 rows (eights_move; N a multiple of 8). */
+/* K-quant weights w (N, K) of `type` (Q4_K, Q5_K, Q6_K) laid out again (its type's _ACROSS), or with AVX2 Q8_0's
+ * (Q8_0_EIGHTS), into `out` (as many bytes), where a tile for it is built (1; elsewhere 0, nothing written): for
+ * across_block with AVX-512 VNNI and DQ, each row; for eights_block with AVX2, as groups of 8 rows (eights_move; N
+ * a multiple of 8). */
 int repack_across(const void *w, int type, long N, long K, void *out) {
 #if ACROSS
+    if (!is_super(type)) return 0;
     const long row = offset_of(K, type);
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) across_other((const uint8_t *)w + n * row, type, (uint8_t *)out + n * row, K / SUPER);
     return 1;
 #elif EIGHT_ROWS
-    const long row = offset_of(K, type), supers = K / SUPER;
+    if (!is_super(type) && type != Q8_0) return 0;
+    const long row = offset_of(K, type), groups = K / group_size(type);
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < N / EIGHTS; g++) {
         uint8_t *to = (uint8_t *)out + g * EIGHTS * row;
-        eights_move(type, (uint8_t *)w + g * EIGHTS * row, row, 0, supers, to, to + supers * eights_q(type), 0);
+        eights_move(type, (uint8_t *)w + g * EIGHTS * row, row, 0, groups, to, to + groups * eights_q(type), 0);
     }
     return 1;
 #else
@@ -2551,7 +2565,11 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
 #endif
     switch (xq ? w_type : F32) {
     case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
+#if EIGHT_ROWS
+    case Q8_0: case Q8_0_EIGHTS: eights_Q8_0(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
     case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
+#endif
 #if EIGHT_ROWS
     case Q4_0: case Q4_0_STRIPES: eights_Q4_0(xq, w, laid_out(w_type), B, n, K, sums); break;
 #else
@@ -2777,14 +2795,16 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_rows or lanes_rows multiplies them, and with AVX2's 8 lanes where held_rows does and the
- * weights' offset is taken out there (benchmarks/int8_costs.c at 64 rows, ns a weight a row, int8 / exact: Q4_0
- * 0.022 / 0.030, Q4_K 0.020 / 0.027, Q6_K 0.024 / 0.028; Q4_1, Q5_1 and Q8_0 even, 0.028-0.030). Elsewhere the
- * integer products cost what the exact ones do or more (SSE2 1.7x, AVX-512 without VNNI 1.0-1.9x), which run at the
- * CPU's float32 multiply-add rate, and prompts stay exact. */
+ * asks): where across_rows or lanes_rows multiplies them; with AVX2's 8 lanes where eights_block does (laid out at
+ * load: benchmarks/int8_costs.c at 64 rows, ns a weight a row, int8 / exact: Q4_0 0.016 / 0.030, Q4_K 0.016 /
+ * 0.029, Q5_K 0.020 / 0.031, Q6_K 0.021 / 0.032, Q8_0 0.020 / 0.032), and where held_rows does and the weights'
+ * offset is taken out there (Q5_0 0.023 / 0.029; Q4_1 and Q5_1 even). Elsewhere the integer products cost what the
+ * exact ones do or more (SSE2 1.7x, AVX-512 without VNNI 1.0-1.9x), which run at the CPU's float32 multiply-add
+ * rate, and prompts stay exact. */
 int int8_prompts(int w_type) {
     if (LANE_BLOCKS || ACROSS) return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type);
-    return LANES == 8 && holds(w_type) && (is_super(w_type) || int8_offset(w_type));  /* AVX2 and FMA */
+    if (EIGHT_ROWS && (is_super(w_type) || file_type(w_type) == Q4_0 || file_type(w_type) == Q8_0)) return 1;
+    return LANES == 8 && holds(w_type) && (is_super(w_type) || int8_offset(w_type));  /* AVX2 and FMA: held_rows' */
 }
 
 /* A transformer block's weights, as the Python side fills them in (same order). */

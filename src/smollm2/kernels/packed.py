@@ -42,7 +42,9 @@ Q = GGMLQuantizationType
 PACKED_TYPES = {Q.Q4_1: 3, Q.Q8_0: 4, Q.Q4_0: 5, Q.Q4_K: 6, Q.Q5_K: 7, Q.Q6_K: 8, Q.Q5_0: 9,
                 Q.Q5_1: 10}  # GGUF's kind -> kernels.c's
 STRIPES = 11  # kernels.c's Q4_0_STRIPES: Q4_0 laid out again (repack_stripes)
-ACROSS = {Q.Q4_K: 12, Q.Q5_K: 13, Q.Q6_K: 14}  # kernels.c's Q4_K_ACROSS...: the K-quants laid out again (repack_across)
+# kernels.c's Q4_K_ACROSS..., and Q8_0_EIGHTS: laid out again by repack_across (the K-quants with AVX-512 VNNI; with
+# AVX2 those and Q8_0)
+ACROSS = {Q.Q4_K: 12, Q.Q5_K: 13, Q.Q6_K: 14, Q.Q8_0: 15}
 LAID_OUT = {STRIPES: Q.Q4_0} | {ours: kind for kind, ours in ACROSS.items()}  # laid out again -> the file's kind
 # kernels.c's type -> weights and bytes of a block (a K-quant's super-block), GGUF's
 PACKED_BLOCKS = {ours: GGML_QUANT_SIZES[kind] for kind, ours in PACKED_TYPES.items()} | {
