@@ -273,8 +273,8 @@ def test_packed_blocks_stream_gguf_dequantized_weights(qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_a_matrix_takes_its_bytes_once_in_a_models_huge_pages(qtype):
-    """packed_layout asked to lay blocks out again (Q4_0, the K-quants) where this CPU's kernels may not (AVX2,
-    SSE2, NEON: no int8 tile of their own) takes their bytes once in the model's huge pages: laid out, or copied.
+    """packed_layout asked to lay blocks out again (Q4_0, the K-quants, Q8_0) where this CPU's kernels may not
+    (SSE2, NEON: no int8 tile of their own) takes their bytes once in the model's huge pages: laid out, or copied.
     It took room for the layout first, then copied, and a 360M Q4_0 model held its matrices twice at AVX2."""
     blocks = torch.from_numpy(crafted_blocks(16, 512, qtype, np.random.default_rng(int(qtype))))
     pages, taken = HugePages(), []
@@ -928,9 +928,10 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_laid_out_again_gives_the_file_blocks_bits(qtype, K):
     """Q4_0 laid out again as rows of stripes, a K-quant as its int8 tile's steps (packed_layout's repack: where the
-    int8 tile is built, AVX512-VNNI (K-quants: and DQ); elsewhere the file's blocks as they are) gives the bits of
-    the file's blocks: the int8 products of 1, 5 and 64 rows, the exact ones, dequantize and rows looked up; Q4_0's
-    rows of 2 to 30 blocks (fewer than a stripe, whole ones, and a last one overlapping the one before)."""
+    int8 tile is built, AVX512-VNNI (K-quants: and DQ); with AVX2 those and Q8_0 as groups of 8 rows; elsewhere the
+    file's blocks as they are) gives the bits of the file's blocks: the int8 products of 1, 5 and 64 rows, the exact
+    ones, dequantize and rows looked up; Q4_0's rows of 2 to 30 blocks (fewer than a stripe, whole ones, and a last
+    one overlapping the one before)."""
     rng = np.random.default_rng(K)
     blocks = torch.from_numpy(crafted_blocks(32, K, qtype, rng))
     file, again = packed_layout(qtype, blocks), packed_layout(qtype, blocks, repack=True)

@@ -1746,18 +1746,16 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 
 
 #if EIGHT_ROWS
-/* AVX2's tile for Q4_0 and Q4_K. A row's block in 8 lanes, each lane 4 of its weights (int8_block's way), took a
- * step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's block), and
- * the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at load as 8 rows side by side. Laid
- * out the same way (Q4_0_STRIPES, Q4_K_ACROSS here: eights_move), a group of 8 rows' block (super-block) is its q,
- * each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3 of the block's q; then its scales, of all 8
- * rows. A step's low and high nibbles are 4 weights of all 8 rows (Q4_0: weights 4w.. and 16 + 4w..; Q4_K: of
- * sub-blocks 2 (w / 8) and 2 (w / 8) + 1) against one broadcast word of the activations, and a 32-weight block's 8
- * products' pairs add up in 16 bits (|u x| <= 15 x 127: 8 pairs <= 30480 < 2^15), exactly: then one widening to 32
- * bits, one conversion and one multiply-add a block for all 8 rows (~6 instructions a row's block). A row's sum is
- * one chain, a block at a time: (sum u x - 8 sum x) in int32, exact, times a d (rounded once), added (fmadd); Q4_K's
- * (sum u x) times d sc d_x, then -(dmin m) times d_x (sum x). The same operations for an activation row whatever
- * rows come with it. */
+/* AVX2's tile for Q4_0, Q8_0 and the K-quants. A row's block in 8 lanes, each lane 4 of its weights (int8_block's
+ * way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's
+ * block), and the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at load as 8 rows side
+ * by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS, Q4_K_ACROSS.. here: eights_move), a group of 8 rows'
+ * block (super-block) is its q, each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3 of the block's
+ * q; then its scales, of all 8 rows. A step's integers are 4 weights of each of the 8 rows (eights_ints) against one
+ * broadcast word of the activations, and their products' pairs add up in 16 bits, exactly, as many as fit (4-bit q:
+ * a 32-weight block's 8; Q5_K's 4, Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two
+ * multiply-adds a block for all 8 rows (~6 instructions a row's block). The same operations for an activation row
+ * whatever rows come with it, so a prompt's rows get their bits alone. */
 enum { EIGHTS = 8 };  /* rows a group */
 #ifndef EIGHTS_PREFETCH
 #define EIGHTS_PREFETCH 32768  /* bytes ahead of the q read: at 8192 (PREFETCH) the 1.7B's products out of cache, 2
@@ -1887,7 +1885,6 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
                 scales[0] = scale_pairs(at, at), scales[1] = scale_pairs(at + 8, at + 8);
                 scales[2] = scale_pairs(at, at + 8);
             }
-#pragma GCC unroll 8
             for (int t = 0; t < (type == Q4_0 ? 4 : 8); t++) {
                 const v32u8 u = eights_ints(type, q + Q * k, s, t, 0);
                 const __m256i size = _mm256_abs_epi8((__m256i)u);  /* Q8_0's |q| */

@@ -20,9 +20,13 @@ transposed into its int8 tile's lanes, then the row's scales), which that tile d
 instructions a stripe of the file's blocks: the 1.7B's Q4_0 int8 decoding was under llama.cpp's, which lays Q4_0 out
 again at load as well. And the K-quants (kernels.c's Q4_K_ACROSS, Q5_K_ACROSS, Q6_K_ACROSS, repack_across: each
 super-block's bytes in place, its scales where the file has them, its q in the order of the int8 tile's steps), so
-that a step's integers are a load, a shift and a mask, not a permutation and variable shifts of the file's bytes. A
-copy of the matrix's bytes, made one matrix at a time (a pass over its bytes); the file's pages it was made from are
-let go. The exact products and dequantize put its rows back as the file's blocks first."""
+that a step's integers are a load, a shift and a mask, not a permutation and variable shifts of the file's bytes.
+With AVX2 (kernels.c's eights_block), Q4_0, Q8_0 (Q8_0_EIGHTS) and the K-quants are laid out as groups of 8 rows
+side by side instead, each block's q a row a 32-bit lane, then the group's scales: a step multiplies 4 weights of 8
+rows, and a block's sums are converted and scaled once for all 8 (llama.cpp lays Q4_0 and Q4_K out so at AVX2);
+the same bytes, whole groups of rows (GROUP). A copy of the matrix's bytes, made one matrix at a time (a pass over
+its bytes); the file's pages it was made from are let go. The exact products and dequantize put its rows back as
+the file's blocks first; rows looked up (an embedding's) are decoded a group at a time."""
 
 from __future__ import annotations
 
