@@ -2562,33 +2562,21 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
 #endif
     switch (xq ? w_type : F32) {
     case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
-#if EIGHT_ROWS
-    case Q8_0: case Q8_0_EIGHTS: eights_Q8_0(xq, w, laid_out(w_type), B, n, K, sums); break;
-#else
-    case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
-#endif
-#if EIGHT_ROWS
-    case Q4_0: case Q4_0_STRIPES: eights_Q4_0(xq, w, laid_out(w_type), B, n, K, sums); break;
-#else
-    case Q4_0: int8_rows_Q4_0(xq, w, B, n, K, sums); break;
-#endif
-#if EIGHT_ROWS
-    case Q4_K: case Q4_K_ACROSS: eights_Q4_K(xq, w, laid_out(w_type), B, n, K, sums); break;
-#else
-    case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;
-#endif
-#if EIGHT_ROWS
-    case Q5_K: case Q5_K_ACROSS: eights_Q5_K(xq, w, laid_out(w_type), B, n, K, sums); break;
-#else
-    case Q5_K: int8_rows_Q5_K(xq, w, B, n, K, sums); break;
-#endif
-#if EIGHT_ROWS
-    case Q6_K: case Q6_K_ACROSS: eights_Q6_K(xq, w, laid_out(w_type), B, n, K, sums); break;
-#else
-    case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
-#endif
     case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
     case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
+#if EIGHT_ROWS  /* the file's blocks, or laid out again */
+    case Q8_0: case Q8_0_EIGHTS: eights_Q8_0(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q4_0: case Q4_0_STRIPES: eights_Q4_0(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q4_K: case Q4_K_ACROSS: eights_Q4_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q5_K: case Q5_K_ACROSS: eights_Q5_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q6_K: case Q6_K_ACROSS: eights_Q6_K(xq, w, laid_out(w_type), B, n, K, sums); break;
+#else
+    case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
+    case Q4_0: int8_rows_Q4_0(xq, w, B, n, K, sums); break;
+    case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;
+    case Q5_K: int8_rows_Q5_K(xq, w, B, n, K, sums); break;
+    case Q6_K: int8_rows_Q6_K(xq, w, B, n, K, sums); break;
+#endif
 #if LANE_BLOCKS
     case Q4_0_STRIPES: int8_rows_Q4_0_STRIPES(xq, w, B, n, K, sums); break;
 #endif
