@@ -871,7 +871,8 @@ def int8_prompts(qtype: Q) -> bool:
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_int8_activations_in_a_prompts_products(qtype, K):
     """A prompt's rows (64, and 80: past kernels.c's ROW_BLOCK) in int8 mode: where int8_prompts says so (every
-    block type with AVX512-VNNI; with AVX2, Q4_0, Q5_0 and the K-quants), quantized and multiplied in integers as a decoding step's, within 1e-6 of the
+    block type with AVX512-VNNI; with AVX2, Q4_0, Q5_0, Q8_0 and the K-quants), quantized and multiplied in
+    integers as a decoding step's, within 1e-6 of the
     float64 reference, each row's bits those it gets alone (decoded one at a time), and in a batched prefill each
     prompt's those it gets alone; elsewhere the exact products, to the bit. K-quant rows of 2560 are longer than
     the prompt tile unpacks at once (kernels.c's CHUNK, 8 super-blocks): 8, then 2. Rows over 32768 wide (a
@@ -904,6 +905,42 @@ def test_int8_activations_in_a_prompts_products(qtype, K):
         for rows in (slice(0, 35), slice(35, 75)):
             assert torch.equal(together[0, rows], ops.linear(INT8, prompts[0, rows], [torch.zeros(N, K)],
                                                              packed=[packed])[0])
+
+
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F, 0x00], ids=hex)
+@pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
+def test_int8_products_at_the_integers_extremes(qtype, fill):
+    """Blocks whose every byte but the float16 scales is `fill` (0xFF: every 4-, 5- and 6-bit q at its largest,
+    Q8_0's q -1; 0x80: Q8_0's -128, Q6_K's scales -128; 0x7F: Q6_K's 127; 0x00: Q4_0's q - 8 at -8, and Q6_K's
+    q - 32 at -32, its scales set to -128: the largest sum, 16.6M < 2^24) against activations all +1 or all -1
+    (every quantized x +-127): the sums kernels.c keeps in 16 bits (AVX2's eights_block: a block's 8 pairs of
+    4-bit q x, Q5_K's 4, Q6_K's 2, Q8_0's 1; held_rows' pairs) at their bounds, within 1e-6 of the float64
+    reference, the file's blocks and those laid out again, at 1 row and a prompt's 64, each row's bits its own."""
+    N, K = 32, 512
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.full((N, K // block, size), fill, np.uint8)
+    if qtype == Q.Q6_K and fill == 0x00:
+        raw[..., 192:208] = 0x80  # its 16 int8 scales
+    for offset in SCALES[qtype]:
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    blocks = raw.reshape(N, -1)
+    w = dequantize(blocks, qtype).reshape(N, K).astype(np.float64)
+    if not w.any():
+        pytest.skip(f"every weight of these {qtype.name} blocks is 0")
+    x = np.where(np.arange(64)[:, None] % 2 == 0, 1.0, -1.0).repeat(K, 1).astype(np.float32)
+    q, d = q8_0_activations(x)
+    quantized = (q * d).reshape(64, K).astype(np.float64)
+    want, magnitude = quantized @ w.T, np.abs(quantized) @ np.abs(w).T
+    for layout in (packed_layout(qtype, torch.from_numpy(blocks)),
+                   packed_layout(qtype, torch.from_numpy(blocks), repack=True)):
+        alone = [ops.linear(INT8, torch.from_numpy(x[b:b + 1]), [torch.zeros(N, K)], packed=[layout])[0][0]
+                 for b in range(2)]
+        for b in range(2):
+            assert (np.abs(alone[b].numpy() - want[b]) / magnitude[b]).max() < 1e-6
+        if int8_prompts(qtype):
+            got, = ops.linear(INT8, torch.from_numpy(x), [torch.zeros(N, K)], packed=[layout])
+            assert (np.abs(got.numpy() - want) / magnitude).max() < 1e-6
+            assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
 
 
 @pytest.mark.parametrize("qtype", list(SCALES), ids=lambda q: q.name)
