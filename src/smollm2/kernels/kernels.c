@@ -802,10 +802,11 @@ static inline v32u8 joined(v16u8 low, v16u8 high) {
 #define LANE_BLOCKS 0
 #endif
 #if LANES == 8 && defined(__F16C__)
-#define EIGHT_ROWS 1  /* AVX2: Q4_0 and the K-quants laid out 8 rows side by side, a row a 32-bit lane (eights_block) */
+#define EIGHT_ROWS 1  /* AVX2: Q4_0, Q8_0 and the K-quants laid out 8 rows side by side (eights_block) */
 #else
 #define EIGHT_ROWS 0
 #endif
+enum { EIGHTS = 8 };  /* EIGHT_ROWS: rows laid out together, a group */
 enum { STRIPE = 16 * BLOCK };  /* LANE_BLOCKS: 16 blocks of a row, one a lane */
 static inline long stripes_of(long K) { return (K / BLOCK + 15) / 16; }
 
@@ -959,7 +960,8 @@ static void quantize_rows(const void *x, int x_type, long R, long K, const struc
         for (int l = 0; l < LANES; l++) total += sum[l], half += first[l];
         out->d[i] = d, out->s[i] = d * (float)total;
         /* with AVX2's eights_block, the two 16s' sums as int16s (|.| <= 16 x 127) */
-        if (out->sum) out->sum[i] = EIGHT_ROWS ? (int32_t)((uint32_t)(half & 0xffff) | (uint32_t)(total - half) << 16) : total;
+        if (out->sum)
+            out->sum[i] = EIGHT_ROWS ? (int32_t)((uint32_t)(half & 0xffff) | (uint32_t)(total - half) << 16) : total;
     }
 #if ACROSS
     if (across && out->across && K % SUPER == 0) across_order(out->q, R * K, out->across, out->minus32);
@@ -1756,7 +1758,6 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
  * a 32-weight block's 8; Q5_K's 4, Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two
  * multiply-adds a block for all 8 rows (~6 instructions a row's block). The same operations for an activation row
  * whatever rows come with it, so a prompt's rows get their bits alone. */
-enum { EIGHTS = 8 };  /* rows a group */
 #ifndef EIGHTS_PREFETCH
 #define EIGHTS_PREFETCH 32768  /* bytes ahead of the q read: at 8192 (PREFETCH) the 1.7B's products out of cache, 2
                                 * threads, were 0.73-0.80x as fast (Q4_0; Q4_K 0.81-0.96x) */
@@ -1773,10 +1774,13 @@ static inline long eights_q_bytes(int type) {
 }
 static inline long eights_q(int type) { return EIGHTS * eights_q_bytes(file_type(type)); }  /* a group's q */
 
-/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (`row` bytes apart) laid out as
- * a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's and Q8_0's,
- * the 8 rows' float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of scales of the 8 rows;
- * Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
+/* Whether eights_block multiplies weights of `type` (as the file's blocks or laid out again). */
+static inline int eights(int type) { return is_super(type) || file_type(type) == Q4_0 || file_type(type) == Q8_0; }
+
+/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (`row` bytes apart)
+ * laid out as a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's
+ * and Q8_0's, the 8 rows' float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of
+ * scales of the 8 rows; Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
     const int k4 = type == Q4_K || type == Q5_K;  /* d, dmin and 12 bytes of scales */
@@ -2534,7 +2538,7 @@ int repack_across(const void *w, int type, long N, long K, void *out) {
     for (long n = 0; n < N; n++) across_other((const uint8_t *)w + n * row, type, (uint8_t *)out + n * row, K / SUPER);
     return 1;
 #elif EIGHT_ROWS
-    if (!is_super(type) && type != Q8_0) return 0;
+    if (type == Q4_0 || !eights(type)) return 0;  /* Q4_0's: repack_stripes */
     const long row = offset_of(K, type), groups = K / group_size(type);
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < N / EIGHTS; g++) {
@@ -2788,7 +2792,9 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
  * rate, and prompts stay exact. */
 int int8_prompts(int w_type) {
     if (LANE_BLOCKS || ACROSS) return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type);
-    if (EIGHT_ROWS && (is_super(w_type) || file_type(w_type) == Q4_0 || file_type(w_type) == Q8_0)) return 1;
+#if EIGHT_ROWS
+    if (eights(w_type)) return 1;
+#endif
     return LANES == 8 && holds(w_type) && (is_super(w_type) || int8_offset(w_type));  /* AVX2 and FMA: held_rows' */
 }
 
@@ -3339,7 +3345,7 @@ int dequantize(const void *w, int w_type, float *out, long N, long K) {  /* 0, o
     }
 #if LANE_BLOCKS || EIGHT_ROWS
     if (laid_out(w_type)) {  /* put back as the file's blocks first, a copy of them for the while */
-        const long row = offset_of(K, w_type), rows = EIGHT_ROWS ? 8 : 1;  /* restored at a time: AVX2 a group */
+        const long row = offset_of(K, w_type), rows = EIGHT_ROWS ? EIGHTS : 1;  /* restored at a time */
         uint8_t *blocks = malloc(N * row);
         if (!blocks) return -1;
 #pragma omp parallel for schedule(static) if (N * K >= ALONE)

@@ -124,7 +124,7 @@ def packed_layout(kind: int, blocks: torch.Tensor, repack: bool = False,
     if kind not in PACKED_TYPES:
         return None
     lib = compiled() if repack and (kind == Q.Q4_0 or kind in ACROSS) and blocks.shape[0] % GROUP == 0 else None
-    if lib is not None and lays_out(lib, kind):  # asked first: room taken for nothing held 2x a 360M's Q4_0 at AVX2
+    if lib is not None and lays_out(lib, kind):  # asked first: room taken for nothing held a matrix twice (SSE2)
         shape = tuple(blocks.shape)
         again = pages.empty(shape) if pages is not None else torch.from_numpy(np.empty(shape, np.uint8))
         rows = blocks.contiguous()
@@ -164,18 +164,16 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
     ns a weight on one core: 0.1-0.2 s for a 1536 x 576 matrix of the 135M model at the worst)."""
     # Laid out again (made only where the kernels are built): theirs. Rows looked up (an embedding's, each
     # decoding step) theirs too where built: one call, not torch's ~10 operations.
-    if packed.type in LAID_OUT and rows is not None:  # AVX2's rows are laid out in groups: the groups decoded
-        flat = rows.reshape(-1)
-        groups, which = torch.unique(flat // GROUP, return_inverse=True)
-        data = packed.data.view(-1, GROUP * packed.data.shape[1])[groups].view(-1, packed.data.shape[1])
-        K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
-        out = kernels_decoded(data, packed.type, K).view(-1, GROUP, K)
-        return out[which, flat % GROUP].reshape(*rows.shape, K)
     if packed.type in LAID_OUT or (rows is not None and compiled() is not None):
-        data = packed.data if rows is None else packed.data[rows.reshape(-1)]
-        K = data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
-        out = kernels_decoded(data, packed.type, K)
-        return out if rows is None else out.reshape(*rows.shape, K)
+        K = packed.data.shape[1] // PACKED_BLOCKS[packed.type][1] * PACKED_BLOCKS[packed.type][0]
+        if rows is None:
+            return kernels_decoded(packed.data, packed.type, K)
+        flat = rows.reshape(-1)
+        if packed.type in LAID_OUT:  # rows laid out together (AVX2: 8 side by side): their groups decoded
+            groups, which = torch.unique(flat // GROUP, return_inverse=True)
+            data = packed.data.view(-1, GROUP * packed.data.shape[1])[groups].view(-1, packed.data.shape[1])
+            return kernels_decoded(data, packed.type, K).view(-1, GROUP, K)[which, flat % GROUP].reshape(*rows.shape, K)
+        return kernels_decoded(packed.data[flat], packed.type, K).reshape(*rows.shape, K)
     data = packed.data if rows is None else packed.data[rows]
     kind = next(kind for kind, ours in PACKED_TYPES.items() if ours == packed.type)
     if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
