@@ -24,7 +24,7 @@ from smollm2 import SmolError, SmolLM2, Tokenizer, kernels, load
 from smollm2.checkpoints.gguf import SCALES
 from smollm2.generation import generate
 from smollm2.generation.steps import decode_step
-from smollm2.kernels import accelerate, ops
+from smollm2.kernels import accelerate, build, ops
 from smollm2.kernels.accelerate import DecodePlan, packed_of
 from smollm2.kernels.build import choices_file
 from smollm2.kernels.choosing import (BUDGET_S, BUSY, MAX_TURNS, MEASUREMENTS, MIN_TURNS, Choice, Choices, Key,
@@ -859,6 +859,14 @@ def test_int8_activation_products_match_a_float64_reference(qtype, rows):
     exact, = ops.linear(ON, torch.from_numpy(x), [torch.zeros(N, K)], packed=[packed])
     assert (np.abs(got.numpy() - want) / magnitude).max() < 1e-6
     assert (np.abs(exact.numpy() - want) / magnitude).max() > 1e-4
+
+
+@pytest.mark.skipif(build.MARCH != "x86-64-v3", reason="the AVX2 build's choice (make test runs one)")
+def test_avx2_multiplies_a_prompts_rows_in_integers_where_its_tiles_do():
+    """With AVX2 (x86-64-v3), int8 mode multiplies a prompt's rows in integers for every type eights_block takes
+    (Q4_0, Q8_0, the K-quants) and for Q5_0 (held_rows, its offset out of the held integers), as the README's int8
+    section says; Q4_1's and Q5_1's stay exact (their integer products cost what the exact ones do)."""
+    assert {qtype for qtype in SCALES if int8_prompts(qtype)} == {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0}
 
 
 def int8_prompts(qtype: Q) -> bool:
