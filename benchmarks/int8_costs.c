@@ -50,12 +50,13 @@ int main(int argc, char **argv) {  /* the types named (Q5_K ...), or every one *
         return 2;
     }
     const int types[] = {Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1, Q4_0_STRIPES, Q4_K_ACROSS, Q5_K_ACROSS,
-                         Q6_K_ACROSS, Q8_0_EIGHTS};
+                         Q6_K_ACROSS, Q8_0_EIGHTS, Q4_1_EIGHTS, Q5_0_EIGHTS, Q5_1_EIGHTS};
     const char *names[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q4_0_STRIPES",
-                           "Q4_K_ACROSS", "Q5_K_ACROSS", "Q6_K_ACROSS", "Q8_0_EIGHTS"};  /* from Q4_0_STRIPES: laid
+                           "Q4_K_ACROSS", "Q5_K_ACROSS", "Q6_K_ACROSS", "Q8_0_EIGHTS", "Q4_1_EIGHTS",
+                           "Q5_0_EIGHTS", "Q5_1_EIGHTS"};  /* from Q4_0_STRIPES: laid
                                                                                           * out again at load */
     printf("ns a weight a row   int8: 1 row   4 rows  16 rows   64 rows: int8 / exact  128 rows: int8\n");
-    for (int t = 0; t < 13; t++) {
+    for (int t = 0; t < (int)(sizeof types / sizeof *types); t++) {
         const int type = file_type(types[t]);
         int named = argc == 1;
         for (int a = 1; a < argc; a++) named |= strcmp(argv[a], names[t]) == 0;

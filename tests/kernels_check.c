@@ -36,8 +36,9 @@ int repack_stripes(const void *w, long N, long K, void *out);
 int repack_across(const void *w, int type, long N, long K, void *out);
 int dequantize(const void *w, int w_type, float *out, long N, long K);
 /* Q4_0 laid out again for kernels.c's int8 tile of blocks (repack_stripes), the K-quants for its tile of super-blocks
- * (repack_across), and with AVX2 Q8_0 too (repack_across), where they are built */
-enum { Q4_0_STRIPES = 11, Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14, Q8_0_EIGHTS = 15 };
+ * (repack_across), and with AVX2 the other block types too (repack_across), where they are built */
+enum { Q4_0_STRIPES = 11, Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14, Q8_0_EIGHTS = 15, Q4_1_EIGHTS = 16,
+       Q5_0_EIGHTS = 17, Q5_1_EIGHTS = 18 };
 
 struct block {  /* kernels.c's struct block, field for field */
     const void *attn_norm, *mlp_norm;
@@ -785,7 +786,7 @@ static void check_int8_linear(int w_type, long K) {
 }
 
 /* Weights of `type` laid out again at load as `laid` (Q4_0 as rows of stripes, a K-quant as its _ACROSS; with AVX2
- * those and Q8_0 as groups of 8 rows), where
+ * every block type as groups of 8 rows), where
  * kernels.c builds its tile (else nothing to check): the products of 1, 5 and 70 rows (int8 and exact: a decoding
  * step's tile, and a prompt's) and dequantize give the bits of the file's blocks. */
 static void check_laid_out(int type, int laid, long K) {
@@ -880,6 +881,11 @@ int main(void) {
     for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) check_laid_out(Q8_0, Q8_0_EIGHTS, K);
     for (int type = Q4_K; type <= Q6_K; type++)
         for (long K = SUPER; K <= 3 * SUPER; K += 2 * SUPER) check_laid_out(type, Q4_K_ACROSS + type - Q4_K, K);
+    for (long K = 3 * BLOCK; K <= 32 * BLOCK; K += 14 * BLOCK) {
+        check_laid_out(Q4_1, Q4_1_EIGHTS, K);
+        check_laid_out(Q5_0, Q5_0_EIGHTS, K);
+        check_laid_out(Q5_1, Q5_1_EIGHTS, K);
+    }
     printf("bits %016llx\n", (unsigned long long)bits);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

@@ -863,10 +863,9 @@ def test_int8_activation_products_match_a_float64_reference(qtype, rows):
 
 @pytest.mark.skipif(build.MARCH != "x86-64-v3", reason="the AVX2 build's choice (make test runs one)")
 def test_avx2_multiplies_a_prompts_rows_in_integers_where_its_tiles_do():
-    """With AVX2 (x86-64-v3), int8 mode multiplies a prompt's rows in integers for every type eights_block takes
-    (Q4_0, Q8_0, the K-quants) and for Q5_0 (held_rows, its offset out of the held integers), as the README's int8
-    section says; Q4_1's and Q5_1's stay exact (their integer products cost what the exact ones do)."""
-    assert {qtype for qtype in SCALES if int8_prompts(qtype)} == {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0}
+    """With AVX2 (x86-64-v3), int8 mode multiplies a prompt's rows in integers for every block type: eights_block
+    takes them all, as the README's int8 section says."""
+    assert {qtype for qtype in SCALES if int8_prompts(qtype)} == set(SCALES)
 
 
 def int8_prompts(qtype: Q) -> bool:
@@ -968,12 +967,13 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(qtype):
                                                          packed=[packed])[0])
 
 
-@pytest.mark.parametrize("qtype, K", [*((Q.Q4_0, K) for K in (64, 480, 512, 544, 960)), (Q.Q8_0, 64), (Q.Q8_0, 960),
+@pytest.mark.parametrize("qtype, K", [*((Q.Q4_0, K) for K in (64, 480, 512, 544, 960)),
+                                      *((qtype, K) for qtype in (Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q5_1) for K in (64, 960)),
                                       *((qtype, K) for qtype in K_QUANTS for K in (256, 768))],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_laid_out_again_gives_the_file_blocks_bits(qtype, K):
     """Q4_0 laid out again as rows of stripes, a K-quant as its int8 tile's steps (packed_layout's repack: where the
-    int8 tile is built, AVX512-VNNI (K-quants: and DQ); with AVX2 those and Q8_0 as groups of 8 rows; elsewhere the
+    int8 tile is built, AVX512-VNNI (K-quants: and DQ); with AVX2 every block type as groups of 8 rows; elsewhere the
     file's blocks as they are) gives the bits of the file's blocks: the int8 products of 1, 5 and 64 rows, the exact
     ones, dequantize and rows looked up; Q4_0's rows of 2 to 30 blocks (fewer than a stripe, whole ones, and a last
     one overlapping the one before)."""

@@ -67,8 +67,9 @@ typedef uint8_t vu8u __attribute__((vector_size(LANES), aligned(1)));
 enum { F32 = 0, BF16 = 1, I8 = 2, Q4_1 = 3, Q8_0 = 4, Q4_0 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10,
        Q4_0_STRIPES = 11,  /* Q4_0's blocks laid out again at load for the AVX-512 VNNI tile (repack_stripes) */
        Q4_K_ACROSS = 12, Q5_K_ACROSS = 13, Q6_K_ACROSS = 14 };  /* the K-quants' q laid out again for it (repack_across) */
-enum { Q8_0_EIGHTS = 15 };  /* Q8_0 laid out again at load for AVX2's tile (repack_across) */
-enum { WIDE = 16 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
+enum { Q8_0_EIGHTS = 15, Q4_1_EIGHTS = 16, Q5_0_EIGHTS = 17, Q5_1_EIGHTS = 18 };  /* laid out again at load
+                                                                                   * for AVX2's tile (repack_across) */
+enum { WIDE = 19 };  /* float32 weights already in L1 (dot_rows_of's widened copy): not prefetched */
 #define BLOCK 32  /* weights a block, */
 #define SUPER 256  /* and a K-quant's super-block */
 enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_BYTES = 24,
@@ -76,7 +77,8 @@ enum { Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q5_0_BYTES = 22, Q5_1_
 
 /* The file's type of weights laid out again at load (the same bytes a block), else type. */
 static inline int file_type(int type) {
-    return type == Q4_0_STRIPES ? Q4_0 : type == Q8_0_EIGHTS ? Q8_0
+    return type == Q4_0_STRIPES ? Q4_0 : type == Q8_0_EIGHTS ? Q8_0 : type == Q4_1_EIGHTS ? Q4_1
+           : type == Q5_0_EIGHTS ? Q5_0 : type == Q5_1_EIGHTS ? Q5_1
            : type >= Q4_K_ACROSS && type <= Q6_K_ACROSS ? Q4_K + (type - Q4_K_ACROSS) : type;
 }
 static inline int laid_out(int type) { return type != file_type(type); }
@@ -1771,14 +1773,30 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 
 /* A row's block (super-block): where its q start, and its bytes of q (Q5_K's: the fifth bits, then the 4-bit q;
  * Q6_K's: the low 4 bits, then the high 2) */
-static inline int eights_q_at(int type) { return type == Q4_0 || type == Q8_0 ? 2 : type == Q6_K ? 0 : 16; }
+static inline int eights_q_at(int type) {
+    return type == Q4_0 || type == Q8_0 || type == Q5_0 ? 2 : type == Q4_1 || type == Q5_1 ? 4 : type == Q6_K ? 0 : 16;
+}
 static inline long eights_q_bytes(int type) {
-    return type == Q4_0 ? 16 : type == Q8_0 ? 32 : type == Q4_K ? 128 : type == Q5_K ? 160 : 192;
+    return type == Q4_0 || type == Q4_1 ? 16 : type == Q5_0 || type == Q5_1 ? 20 : type == Q8_0 ? 32
+           : type == Q4_K ? 128 : type == Q5_K ? 160 : 192;
 }
 static inline long eights_q(int type) { return EIGHTS * eights_q_bytes(file_type(type)); }  /* a group's q */
 
 /* Whether eights_block multiplies weights of `type` (as the file's blocks or laid out again). */
-static inline int eights(int type) { return is_super(type) || file_type(type) == Q4_0 || file_type(type) == Q8_0; }
+static inline int eights(int type) { return is_super(type) || group_bytes(type); }  /* every block type */
+
+/* A 32-weight block's (Q5_0's, Q5_1's) fifth bits, weight j's bit j, laid out as eights_ints reads them (`back`: put
+ * back): byte i bit t weight 4t + i's (t < 4: of the first 16, the rest of the last 16), so that one shift and one
+ * mask a step put the 4 weights of each half it multiplies at bit 4 of their bytes. A transpose of 8 nibbles into 4
+ * bytes: each nibble's 4 bits spread 8 apart by one multiplication (no carries: its 4 shifted copies do not overlap),
+ * as the file's blocks laid out on the stack a call need it fast; put back a bit at a time. */
+static uint32_t fifths_order(uint32_t bits, int back) {
+    uint32_t out = 0;
+    for (int t = 0; !back && t < 8; t++) out |= ((bits >> 4 * t & 15) * 0x00204081u & 0x01010101u) << t;
+    for (int i = 0; back && i < 4; i++)
+        for (int t = 0; t < 8; t++) out |= (bits >> (8 * i + t) & 1) << (4 * t + i);
+    return out;
+}
 
 /* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (`row` bytes apart)
  * laid out as a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's
@@ -1787,7 +1805,7 @@ static inline int eights(int type) { return is_super(type) || file_type(type) ==
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
     const int k4 = type == Q4_K || type == Q5_K;  /* d, dmin and 12 bytes of scales */
-    const int halves = k4 ? 2 : 1, half_at = type == Q6_K ? 208 : 0, a_half = type == Q6_K ? 128 : 0,
+    const int halves = k4 || type == Q4_1 || type == Q5_1 ? 2 : 1, half_at = type == Q6_K ? 208 : 0, a_half = type == Q6_K ? 128 : 0,
               bytes = k4 ? 12 : type == Q6_K ? 16 : 0, byte_at = k4 ? 4 : 192, a_byte = k4 ? 32 : 0;
 #define MOVE(file, ours, size) (back ? memcpy(file, ours, size) : memcpy(ours, file, size))
     for (long k = 0; k < n; k++)
@@ -1795,6 +1813,12 @@ static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint
             uint8_t *block = rows + r * row + (k0 + k) * group_bytes(type), *to = a + A * k;
             for (long w = 0; w < Q / EIGHTS / 4; w++)
                 MOVE(block + eights_q_at(type) + 4 * w, q + Q * k + 32 * w + 4 * r, 4);
+            if (type == Q5_0 || type == Q5_1) {  /* their fifth bits in eights_ints' order */
+                uint32_t bits;
+                memcpy(&bits, back ? block + eights_q_at(type) : q + Q * k + 4 * r, 4);
+                bits = fifths_order(bits, back);
+                memcpy(back ? block + eights_q_at(type) : q + Q * k + 4 * r, &bits, 4);
+            }
             for (int h = 0; h < halves; h++) MOVE(block + half_at + 2 * h, to + a_half + 16 * h + 2 * r, 2);
             for (int p = 0; p < bytes; p++) MOVE(block + byte_at + p, to + a_byte + 8 * p + r, 1);
         }
@@ -1836,13 +1860,17 @@ static inline __attribute__((always_inline)) void eights_scales(const uint8_t *a
 }
 
 /* A step's integers u of the 8 rows (4 weights each) of sub-block s (a block: its first 16 weights, and with `high`
- * its last 16): Q4_0's low nibbles (high ones), Q4_K's of pair s / 2, the nibbles s % 2 (Q5_K's, and their fifth
+ * its last 16): Q4_0's and Q4_1's low nibbles (high ones), Q5_0's and Q5_1's with their fifth bits, Q4_K's of pair s / 2, the nibbles s % 2 (Q5_K's, and their fifth
  * bits, bit s of the first 32 bytes a row, to bit 4); Q6_K's low 4 bits of half
  * s / 4, quarter s % 4, and its 2 high bits (from the 4 a byte at 128 bytes a row on) to bits 4 and 5. */
 static inline __attribute__((always_inline)) v32u8 eights_ints(const int type, const uint8_t *q, int s, int t,
                                                                int high) {
     if (type == Q8_0) return load32(q + 32 * t);  /* int8 */
-    if (type == Q4_0) return (high ? shift16(load32(q + 32 * t), -4) : load32(q + 32 * t)) & 15;
+    if (type == Q4_0 || type == Q4_1) return (high ? shift16(load32(q + 32 * t), -4) : load32(q + 32 * t)) & 15;
+    if (type == Q5_0 || type == Q5_1) {  /* past the fifth bits (fifths_order's: the half's t to bit 4) */
+        const v32u8 low = (high ? shift16(load32(q + 32 + 32 * t), -4) : load32(q + 32 + 32 * t)) & 15;
+        return low | (shift16(load32(q), high ? -t : 4 - t) & 16);
+    }
     if (type == Q4_K || type == Q5_K) {
         const int at = type == Q5_K ? EIGHTS * 32 : 0;  /* Q5_K: past the fifth bits */
         const v32u8 bytes = load32(q + at + EIGHTS * 32 * (s / 2) + 32 * t),
@@ -1884,6 +1912,7 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
         v8f sc[SUBS], m[SUBS];
         if (type == Q4_K || type == Q5_K) eights_scales(a + A * k, sc, m);
         else sc[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + (type == Q6_K ? 128 : 0))));
+        if (type == Q4_1 || type == Q5_1) m[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + 16)));
 #pragma GCC unroll 8
         for (int s = 0; s < subs; s++) {  /* Q4_0: its one block; the K-quants: sub-block s (unrolled: shifts fixed) */
             v16i16 pairs[EIGHTS_COLS] = {{0}};
@@ -1896,7 +1925,8 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
             const int8_t *xs[EIGHTS_COLS];  /* each activation row's block: held, not worked out again a step (the
                                              * prompts' Q5_K and Q6_K products 1.1-1.3x as fast, Q4_0 1.07x) */
             for (int i = 0; i < c; i++) xs[i] = x->q + ((first + i) * blocks + (k0 + k) * subs + s) * BLOCK;
-            for (int t = 0; t < (type == Q4_0 ? 4 : 8); t++) {
+            const int halves = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;  /* a step: both 16s' */
+            for (int t = 0; t < (halves ? 4 : 8); t++) {
                 const v32u8 u = eights_ints(type, q + Q * k, s, t, 0);
                 const __m256i size = _mm256_abs_epi8((__m256i)u);  /* Q8_0's |q| */
                 for (int i = 0; i < c; i++) {
@@ -1907,7 +1937,11 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
                         continue;
                     }
                     pairs[i] = eights_pairs(pairs[i], u, xq);
-                    if (type == Q4_0) pairs[i] = eights_pairs(pairs[i], eights_ints(type, q + Q * k, s, t, 1), xq + 16);
+                    if (halves) pairs[i] = eights_pairs(pairs[i], eights_ints(type, q + Q * k, s, t, 1), xq + 16);
+                    if ((type == Q5_0 || type == Q5_1) && t % 2) {  /* 2 steps' (|u x| <= 31 x 127, 4 pairs) */
+                        ints[i] += (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1));
+                        pairs[i] = (v16i16){0};
+                    }
                     if (type == Q6_K && t % 2) {  /* 2 steps' pairs (|u x| <= 63 x 127) a 16-bit lane */
                         ints[i] += (v8i32)_mm256_madd_epi16((__m256i)pairs[i], (__m256i)scales[t / 4]);
                         pairs[i] = (v16i16){0};
@@ -1920,18 +1954,19 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
             }
             for (int i = 0; i < c; i++) {
                 const long at = (first + i) * blocks + (k0 + k) * subs + s;
-                const v8i32 halves = splat32(x->sum[at]);  /* first 16's sum of x and last 16's */
-                if (type == Q4_K || type == Q5_K) {
-                    const v8f u = type == Q4_K ? eights_floats(pairs[i]) : __builtin_convertvector(ints[i], v8f);
+                const v8i32 sums_x = splat32(x->sum[at]);  /* first 16's sum of x and last 16's */
+                if (type == Q4_K || type == Q5_K || type == Q4_1 || type == Q5_1) {
+                    const v8f u = type == Q4_K || type == Q4_1 ? eights_floats(pairs[i]) : __builtin_convertvector(ints[i], v8f);
                     acc[i] = fmadd8(u, sc[s] * splat8(x->d[at]), acc[i]);
                     acc[i] = fmadd8(m[s], splat8(x->s[at]), acc[i]);
                     continue;
                 }
                 const v8i32 sum = type == Q4_0
                     ? (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1)) -
-                          (v8i32)_mm256_madd_epi16((__m256i)halves, _mm256_set1_epi16(8))
+                          (v8i32)_mm256_madd_epi16((__m256i)sums_x, _mm256_set1_epi16(8))
+                    : type == Q5_0 ? ints[i] - (v8i32)_mm256_madd_epi16((__m256i)sums_x, _mm256_set1_epi16(16))
                     : type == Q8_0 ? ints[i]
-                    : ints[i] - ((v8i32)_mm256_madd_epi16((__m256i)halves, (__m256i)scales[2]) << 5);
+                    : ints[i] - ((v8i32)_mm256_madd_epi16((__m256i)sums_x, (__m256i)scales[2]) << 5);
                 acc[i] = fmadd8(__builtin_convertvector(sum, v8f), sc[0] * splat8(x->d[at]), acc[i]);
             }
         }
@@ -1971,7 +2006,8 @@ enum { EIGHTS_SPAN = 36 << 10 };  /* bytes of the file's rows laid out at a time
             eights_rows(x, B, W, q, q + n * Q, K / BLOCK, k0, n, sums);                                        \
         }                                                                                                      \
     }
-EIGHTS_AS(Q4_0) EIGHTS_AS(Q8_0) EIGHTS_AS(Q4_K) EIGHTS_AS(Q5_K) EIGHTS_AS(Q6_K)
+EIGHTS_AS(Q4_0) EIGHTS_AS(Q8_0) EIGHTS_AS(Q4_K) EIGHTS_AS(Q5_K) EIGHTS_AS(Q6_K) EIGHTS_AS(Q4_1) EIGHTS_AS(Q5_0)
+EIGHTS_AS(Q5_1)
 #endif
 
 /* Q4_0 weights w (N, K) laid out again (Q4_0_STRIPES) into `out` (as many bytes), where a tile for it is built
@@ -2572,16 +2608,19 @@ static void rows_times(const struct int8_rows *xq, const void *x, int x_type, co
     }
 #endif
     switch (xq ? w_type : F32) {
-    case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
-    case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
-    case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
 #if EIGHT_ROWS  /* the file's blocks, or laid out again */
+    case Q4_1: case Q4_1_EIGHTS: eights_Q4_1(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q5_0: case Q5_0_EIGHTS: eights_Q5_0(xq, w, laid_out(w_type), B, n, K, sums); break;
+    case Q5_1: case Q5_1_EIGHTS: eights_Q5_1(xq, w, laid_out(w_type), B, n, K, sums); break;
     case Q8_0: case Q8_0_EIGHTS: eights_Q8_0(xq, w, laid_out(w_type), B, n, K, sums); break;
     case Q4_0: case Q4_0_STRIPES: eights_Q4_0(xq, w, laid_out(w_type), B, n, K, sums); break;
     case Q4_K: case Q4_K_ACROSS: eights_Q4_K(xq, w, laid_out(w_type), B, n, K, sums); break;
     case Q5_K: case Q5_K_ACROSS: eights_Q5_K(xq, w, laid_out(w_type), B, n, K, sums); break;
     case Q6_K: case Q6_K_ACROSS: eights_Q6_K(xq, w, laid_out(w_type), B, n, K, sums); break;
 #else
+    case Q4_1: int8_rows_Q4_1(xq, w, B, n, K, sums); break;
+    case Q5_0: int8_rows_Q5_0(xq, w, B, n, K, sums); break;
+    case Q5_1: int8_rows_Q5_1(xq, w, B, n, K, sums); break;
     case Q8_0: int8_rows_Q8_0(xq, w, B, n, K, sums); break;
     case Q4_0: int8_rows_Q4_0(xq, w, B, n, K, sums); break;
     case Q4_K: int8_rows_Q4_K(xq, w, B, n, K, sums); break;

@@ -30,7 +30,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # By kernels.c's type. With AVX2 the "stripes" and "across" types are laid out as eights (8 rows side by side).
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "Q4_1 packed", "Q8_0 packed", "Q4_0 packed", "Q4_K packed",
                   "Q5_K packed", "Q6_K packed", "Q5_0 packed", "Q5_1 packed", "Q4_0 stripes", "Q4_K across",
-                  "Q5_K across", "Q6_K across", "Q8_0 eights")
+                  "Q5_K across", "Q6_K across", "Q8_0 eights", "Q4_1 eights", "Q5_0 eights", "Q5_1 eights")
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the activations the kernels take
 
 # bf16 arithmetic in torch's own kernels: the CPU has it, and torch dispatches to it (ATEN_CPU_CAPABILITY=avx2

@@ -21,7 +21,8 @@ instructions a stripe of the file's blocks: the 1.7B's Q4_0 int8 decoding was un
 again at load as well. And the K-quants (kernels.c's Q4_K_ACROSS, Q5_K_ACROSS, Q6_K_ACROSS, repack_across: each
 super-block's bytes in place, its scales where the file has them, its q in the order of the int8 tile's steps), so
 that a step's integers are a load, a shift and a mask, not a permutation and variable shifts of the file's bytes.
-With AVX2 (kernels.c's eights_block), Q4_0, Q8_0 (Q8_0_EIGHTS) and the K-quants are laid out as groups of 8 rows
+With AVX2 (kernels.c's eights_block), every block type (Q4_0, Q8_0_EIGHTS, Q4_1_EIGHTS.., the K-quants) is laid
+out as groups of 8 rows
 side by side instead, each block's q a row a 32-bit lane, then the group's scales: a step multiplies 4 weights of 8
 rows, and a block's sums are converted and scaled once for all 8 (llama.cpp lays Q4_0 and Q4_K out so at AVX2);
 the same bytes, whole groups of rows (GROUP). A copy of the matrix's bytes, made one matrix at a time (a pass over
@@ -46,9 +47,9 @@ Q = GGMLQuantizationType
 PACKED_TYPES = {Q.Q4_1: 3, Q.Q8_0: 4, Q.Q4_0: 5, Q.Q4_K: 6, Q.Q5_K: 7, Q.Q6_K: 8, Q.Q5_0: 9,
                 Q.Q5_1: 10}  # GGUF's kind -> kernels.c's
 STRIPES = 11  # kernels.c's Q4_0_STRIPES: Q4_0 laid out again (repack_stripes)
-# kernels.c's Q4_K_ACROSS..., and Q8_0_EIGHTS: laid out again by repack_across (the K-quants with AVX-512 VNNI; with
-# AVX2 those and Q8_0)
-ACROSS = {Q.Q4_K: 12, Q.Q5_K: 13, Q.Q6_K: 14, Q.Q8_0: 15}
+# kernels.c's Q4_K_ACROSS..., and Q8_0_EIGHTS..: laid out again by repack_across (the K-quants with AVX-512 VNNI;
+# with AVX2 those and the other block types but Q4_0)
+ACROSS = {Q.Q4_K: 12, Q.Q5_K: 13, Q.Q6_K: 14, Q.Q8_0: 15, Q.Q4_1: 16, Q.Q5_0: 17, Q.Q5_1: 18}
 LAID_OUT = {STRIPES: Q.Q4_0} | {ours: kind for kind, ours in ACROSS.items()}  # laid out again -> the file's kind
 # kernels.c's type -> weights and bytes of a block (a K-quant's super-block), GGUF's
 PACKED_BLOCKS = {ours: GGML_QUANT_SIZES[kind] for kind, ours in PACKED_TYPES.items()} | {
