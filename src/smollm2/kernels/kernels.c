@@ -1750,14 +1750,15 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 
 
 #if EIGHT_ROWS
-/* AVX2's tile for Q4_0, Q8_0 and the K-quants. A row's block in 8 lanes, each lane 4 of its weights (int8_block's
- * way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's
+/* AVX2's tile for every block type (Q4_0, Q8_0 and the K-quants first; then Q4_1, Q5_0 and Q5_1, whose int8_block
+ * cost 0.061-0.085 ns a weight at 1 row against 0.019-0.025 here). A row's block in 8 lanes, each lane 4 of its
+ * weights (int8_block's way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's
  * block), and the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at load as 8 rows side
  * by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS, Q4_K_ACROSS.. here: eights_move), a group of 8 rows'
  * block (super-block) is its q, each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3 of the block's
  * q; then its scales, of all 8 rows. A step's integers are 4 weights of each of the 8 rows (eights_ints) against one
  * broadcast word of the activations, and their products' pairs add up in 16 bits, exactly, as many as fit (4-bit q:
- * a 32-weight block's 8; Q5_K's 4, Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two
+ * a 32-weight block's 8; Q5_K's 4, Q5_0's and Q5_1's 4 (2 steps of both 16s), Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two
  * multiply-adds a block for all 8 rows (~6 instructions a row's block). The same operations for an activation row
  * whatever rows come with it, so a prompt's rows get their bits alone. */
 #ifndef EIGHTS_PREFETCH
@@ -1771,8 +1772,8 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 #define EIGHTS_COLS 4  /* activation rows a step at most: a group's block unpacked once for them */
 #endif
 
-/* A row's block (super-block): where its q start, and its bytes of q (Q5_K's: the fifth bits, then the 4-bit q;
- * Q6_K's: the low 4 bits, then the high 2) */
+/* A row's block (super-block): where its q start, and its bytes of q (Q5_0's, Q5_1's and Q5_K's: the fifth bits,
+ * then the 4-bit q; Q6_K's: the low 4 bits, then the high 2) */
 static inline int eights_q_at(int type) {
     return type == Q4_0 || type == Q8_0 || type == Q5_0 ? 2 : type == Q4_1 || type == Q5_1 ? 4 : type == Q6_K ? 0 : 16;
 }
@@ -1798,9 +1799,10 @@ static uint32_t fifths_order(uint32_t bits, int back) {
     return out;
 }
 
-/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (`row` bytes apart)
- * laid out as a group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. a: Q4_0's
- * and Q8_0's, the 8 rows' float16 a (16 bytes); Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of
+/* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's blocks of any type (`row` bytes apart) laid out as a
+ * group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. q: Q5_0's and Q5_1's
+ * fifth bits first (fifths_order's), then their 4-bit q. a: Q4_0's, Q5_0's and Q8_0's, the 8 rows' float16 a (16
+ * bytes); Q4_1's and Q5_1's, their a, then their b; Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of
  * scales of the 8 rows; Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
@@ -2830,12 +2832,12 @@ void linear(const void *x, int type, int count, const void *const *w, int w_type
 }
 
 /* Whether int8 mode's products of weights of w_type at a prompt's many rows cost less than the exact ones (ops.py
- * asks): where across_rows or lanes_rows multiplies them; with AVX2's 8 lanes where eights_block does (laid out at
- * load: benchmarks/int8_costs.c at 64 rows, ns a weight a row, int8 / exact: Q4_0 0.016 / 0.030, Q4_K 0.016 /
- * 0.029, Q5_K 0.020 / 0.031, Q6_K 0.021 / 0.032, Q8_0 0.020 / 0.032), and where held_rows does and the weights'
- * offset is taken out there (Q5_0 0.023 / 0.029; Q4_1 and Q5_1 even). Elsewhere the integer products cost what the
- * exact ones do or more (SSE2 1.7x, AVX-512 without VNNI 1.0-1.9x), which run at the CPU's float32 multiply-add
- * rate, and prompts stay exact. */
+ * asks): where across_rows or lanes_rows multiplies them; with AVX2's 8 lanes where eights_block does, every block
+ * type (laid out at load: benchmarks/int8_costs.c at 64 rows, ns a weight a row, int8 / exact: Q4_0 0.016 / 0.030,
+ * Q4_K 0.016 / 0.029, Q5_K 0.020 / 0.031, Q6_K 0.021 / 0.032, Q8_0 0.020 / 0.032, Q4_1 0.015 / 0.030, Q5_0 and Q5_1
+ * 0.014 / 0.030-0.037), and where held_rows does and the weights' offset is taken out there (AVX2 without F16C).
+ * Elsewhere the integer products cost what the exact ones do or more (SSE2 1.7x, AVX-512 without VNNI 1.0-1.9x),
+ * which run at the CPU's float32 multiply-add rate, and prompts stay exact. */
 int int8_prompts(int w_type) {
     if (LANE_BLOCKS || ACROSS) return is_super(w_type) ? ACROSS : LANE_BLOCKS && group_bytes(w_type);
 #if EIGHT_ROWS
