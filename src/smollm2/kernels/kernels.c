@@ -1750,17 +1750,18 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 
 
 #if EIGHT_ROWS
-/* AVX2's tile for every block type (Q4_0, Q8_0 and the K-quants first; then Q4_1, Q5_0 and Q5_1, whose int8_block
- * cost 0.061-0.085 ns a weight at 1 row against 0.019-0.025 here). A row's block in 8 lanes, each lane 4 of its
- * weights (int8_block's way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23 instructions a row's
- * block), and the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at load as 8 rows side
- * by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS, Q4_K_ACROSS.. here: eights_move), a group of 8 rows'
- * block (super-block) is its q, each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3 of the block's
- * q; then its scales, of all 8 rows. A step's integers are 4 weights of each of the 8 rows (eights_ints) against one
- * broadcast word of the activations, and their products' pairs add up in 16 bits, exactly, as many as fit (4-bit q:
- * a 32-weight block's 8; Q5_K's 4, Q5_0's and Q5_1's 4 (2 steps of both 16s), Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two
- * multiply-adds a block for all 8 rows (~6 instructions a row's block). The same operations for an activation row
- * whatever rows come with it, so a prompt's rows get their bits alone. */
+/* AVX2's tile for every block type (Q4_0, Q8_0 and the K-quants first; then Q4_1, Q5_0 and Q5_1, whose int8_block cost
+ * 0.061-0.085 ns a weight at 1 row against 0.019-0.025 here). A row's block in 8 lanes, each lane 4 of its weights
+ * (int8_block's way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23
+ * instructions a row's block), and the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at
+ * load as 8 rows side by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS, Q4_K_ACROSS.. here: eights_move), a
+ * group of 8 rows' block (super-block) is its q, each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3
+ * of the block's q; then its scales, of all 8 rows. A step's integers are 4 weights of each of the 8 rows
+ * (eights_ints) against one broadcast word of the activations, and their products' pairs add up in 16 bits, exactly,
+ * as many as fit (4-bit q: a 32-weight block's 8; Q5_K's 4, Q5_0's and Q5_1's 4 (2 steps of both 16s), Q6_K's 2,
+ * Q8_0's 1): then one widening to 32 bits, one conversion and one or two multiply-adds a block for all 8 rows (~6
+ * instructions a row's block). The same operations for an activation row whatever rows come with it, so a prompt's
+ * rows get their bits alone. */
 #ifndef EIGHTS_PREFETCH
 /* Bytes ahead of the q read, and of the scales read (a group's scales follow its q: prefetching ahead of the q
  * alone left a ninth of the bytes to the hardware prefetcher; with them, 1.7B-shaped products out of cache, 2
@@ -1800,14 +1801,15 @@ static uint32_t fifths_order(uint32_t bits, int back) {
 }
 
 /* Blocks (super-blocks) k0..k0 + n - 1 of 8 rows of the file's blocks of any type (`row` bytes apart) laid out as a
- * group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. q: Q5_0's and Q5_1's
- * fifth bits first (fifths_order's), then their 4-bit q. a: Q4_0's, Q5_0's and Q8_0's, the 8 rows' float16 a (16
- * bytes); Q4_1's and Q5_1's, their a, then their b; Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of
+ * group (q: n * eights_q bytes, a: n * 8 * group_bytes - that), or with `back`, put back. q: Q5_0's and Q5_1's fifth
+ * bits first (fifths_order's), then their 4-bit q. a: Q4_0's, Q5_0's and Q8_0's, the 8 rows' float16 a (16 bytes);
+ * Q4_1's and Q5_1's, their a, then their b; Q4_K's and Q5_K's, their d, their dmin, then each of the 12 bytes of
  * scales of the 8 rows; Q6_K's, each of the 16 scales of the 8 rows (8 bytes), then their d. */
 static void eights_move(int type, uint8_t *rows, long row, long k0, long n, uint8_t *q, uint8_t *a, int back) {
     const long Q = eights_q(type), A = EIGHTS * group_bytes(type) - Q;
     const int k4 = type == Q4_K || type == Q5_K;  /* d, dmin and 12 bytes of scales */
-    const int halves = k4 || type == Q4_1 || type == Q5_1 ? 2 : 1, half_at = type == Q6_K ? 208 : 0, a_half = type == Q6_K ? 128 : 0,
+    const int halves = k4 || type == Q4_1 || type == Q5_1 ? 2 : 1, half_at = type == Q6_K ? 208 : 0,
+              a_half = type == Q6_K ? 128 : 0,
               bytes = k4 ? 12 : type == Q6_K ? 16 : 0, byte_at = k4 ? 4 : 192, a_byte = k4 ? 32 : 0;
 #define MOVE(file, ours, size) (back ? memcpy(file, ours, size) : memcpy(ours, file, size))
     for (long k = 0; k < n; k++)
@@ -1862,9 +1864,9 @@ static inline __attribute__((always_inline)) void eights_scales(const uint8_t *a
 }
 
 /* A step's integers u of the 8 rows (4 weights each) of sub-block s (a block: its first 16 weights, and with `high`
- * its last 16): Q4_0's and Q4_1's low nibbles (high ones), Q5_0's and Q5_1's with their fifth bits, Q4_K's of pair s / 2, the nibbles s % 2 (Q5_K's, and their fifth
- * bits, bit s of the first 32 bytes a row, to bit 4); Q6_K's low 4 bits of half
- * s / 4, quarter s % 4, and its 2 high bits (from the 4 a byte at 128 bytes a row on) to bits 4 and 5. */
+ * its last 16): Q4_0's and Q4_1's low nibbles (high ones), Q5_0's and Q5_1's with their fifth bits, Q4_K's of pair s /
+ * 2, the nibbles s % 2 (Q5_K's, and their fifth bits, bit s of the first 32 bytes a row, to bit 4); Q6_K's low 4 bits
+ * of half s / 4, quarter s % 4, and its 2 high bits (from the 4 a byte at 128 bytes a row on) to bits 4 and 5. */
 static inline __attribute__((always_inline)) v32u8 eights_ints(const int type, const uint8_t *q, int s, int t,
                                                                int high) {
     if (type == Q8_0) return load32(q + 32 * t);  /* int8 */
@@ -1914,7 +1916,8 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
         v8f sc[SUBS], m[SUBS];
         if (type == Q4_K || type == Q5_K) eights_scales(a + A * k, sc, m);
         else sc[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + (type == Q6_K ? 128 : 0))));
-        if (type == Q4_1 || type == Q5_1) m[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + 16)));
+        if (type == Q4_1 || type == Q5_1)  /* their b */
+            m[0] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + A * k + 16)));
 #pragma GCC unroll 8
         for (int s = 0; s < subs; s++) {  /* Q4_0: its one block; the K-quants: sub-block s (unrolled: shifts fixed) */
             v16i16 pairs[EIGHTS_COLS] = {{0}};
@@ -1958,7 +1961,8 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
                 const long at = (first + i) * blocks + (k0 + k) * subs + s;
                 const v8i32 sums_x = splat32(x->sum[at]);  /* first 16's sum of x and last 16's */
                 if (type == Q4_K || type == Q5_K || type == Q4_1 || type == Q5_1) {
-                    const v8f u = type == Q4_K || type == Q4_1 ? eights_floats(pairs[i]) : __builtin_convertvector(ints[i], v8f);
+                    const v8f u = type == Q4_K || type == Q4_1 ? eights_floats(pairs[i])
+                                                               : __builtin_convertvector(ints[i], v8f);
                     acc[i] = fmadd8(u, sc[s] * splat8(x->d[at]), acc[i]);
                     acc[i] = fmadd8(m[s], splat8(x->s[at]), acc[i]);
                     continue;
