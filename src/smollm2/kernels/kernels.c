@@ -1751,17 +1751,17 @@ static void stripes_restore(const uint8_t *row, long blocks, uint8_t *out) {
 
 #if EIGHT_ROWS
 /* AVX2's tile for every block type (Q4_0, Q8_0 and the K-quants first; then Q4_1, Q5_0 and Q5_1, whose int8_block cost
- * 0.061-0.085 ns a weight at 1 row against 0.019-0.025 here). A row's block in 8 lanes, each lane 4 of its weights
- * (int8_block's way), took a step 8 products' sums, 8 conversions and 8 multiply-adds a block of 4 rows (~23
- * instructions a row's block), and the 1.7B decoded at 0.75-0.85x llama.cpp at AVX2, which lays these out again at
- * load as 8 rows side by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS, Q4_K_ACROSS.. here: eights_move), a
- * group of 8 rows' block (super-block) is its q, each 32 bytes a step, step w's 32-bit lane r row r's bytes 4w..4w+3
- * of the block's q; then its scales, of all 8 rows. A step's integers are 4 weights of each of the 8 rows
- * (eights_ints) against one broadcast word of the activations, and their products' pairs add up in 16 bits, exactly,
- * as many as fit (4-bit q: a 32-weight block's 8; Q5_K's 4, Q5_0's and Q5_1's 4 (2 steps of both 16s), Q6_K's 2,
- * Q8_0's 1): then one widening to 32 bits, one conversion and one or two multiply-adds a block for all 8 rows (~6
- * instructions a row's block). The same operations for an activation row whatever rows come with it, so a prompt's
- * rows get their bits alone. */
+ * 0.045-0.070 ns a weight at 1 row against 0.019-0.027 here: benchmarks/int8_costs.c, rows of 1024 and 2048). A row's
+ * block in 8 lanes, each lane 4 of its weights (int8_block's way), took a step 8 products' sums, 8 conversions and 8
+ * multiply-adds a block of 4 rows (~23 instructions a row's block), and the 1.7B decoded at 0.75-0.85x llama.cpp at
+ * AVX2, which lays these out again at load as 8 rows side by side. Laid out the same way (Q4_0_STRIPES, Q8_0_EIGHTS,
+ * Q4_K_ACROSS.. here: eights_move), a group of 8 rows' block (super-block) is its q, each 32 bytes a step, step w's
+ * 32-bit lane r row r's bytes 4w..4w+3 of the block's q; then its scales, of all 8 rows. A step's integers are 4
+ * weights of each of the 8 rows (eights_ints) against one broadcast word of the activations, and their products' pairs
+ * add up in 16 bits, exactly, as many as fit (4-bit q: a 32-weight block's 8; Q5_K's 4, Q5_0's and Q5_1's 4 (2 steps
+ * of both 16s), Q6_K's 2, Q8_0's 1): then one widening to 32 bits, one conversion and one or two multiply-adds a block
+ * for all 8 rows (~6 instructions a row's block). The same operations for an activation row whatever rows come with
+ * it, so a prompt's rows get their bits alone. */
 #ifndef EIGHTS_PREFETCH
 /* Bytes ahead of the q read, and of the scales read (a group's scales follow its q: prefetching ahead of the q
  * alone left a ninth of the bytes to the hardware prefetcher; with them, 1.7B-shaped products out of cache, 2
