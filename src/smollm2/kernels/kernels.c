@@ -1904,7 +1904,6 @@ enum { EIGHTS_HELD = 8 * 8 * 2 * 32 };  /* bytes: a super-block's or a block's e
 static inline __attribute__((always_inline)) void eights_hold(const int type, const uint8_t *q, uint8_t *held) {
     const int halves = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
     for (long at = 0; at < EIGHTS * group_bytes(type); at += 64) __builtin_prefetch(q + at + EIGHTS_PREFETCH, 0, 1);
-#pragma GCC unroll 8
     for (int s = 0; s < (is_super(type) ? SUBS : 1); s++)
         for (int t = 0; t < (halves ? 4 : 8); t++)
             for (int h = 0; h < 1 + halves; h++)
