@@ -63,6 +63,7 @@ class Packed(NamedTuple):
 
 
 GROUP = 16  # rows laid out again together at most (AVX2's Q4_0: 8), the kernels' rows a step at most (LANES)
+LOOKED_UP = 8  # groups of rows unpacked() decodes at a time
 HUGE = 2 << 20  # a huge page (x86-64's, AArch64's with 4 KiB pages)
 NUMPYS = 4 << 20  # numpy asks Linux for huge pages itself for arrays from this size on
 
@@ -170,10 +171,17 @@ def unpacked(packed: Packed, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is None:
             return kernels_decoded(packed.data, packed.type, K)
         flat = rows.reshape(-1)
-        if packed.type in LAID_OUT:  # rows laid out together (AVX2: 8 side by side): their groups decoded
+        if packed.type in LAID_OUT:  # rows laid out together (AVX2: 8 side by side): their groups decoded,
+            # LOOKED_UP at a time (a 128-token prompt's groups at once were 8 MiB of float32 at the 360M's width,
+            # a process's peak)
             groups, which = torch.unique(flat // GROUP, return_inverse=True)
-            data = packed.data.view(-1, GROUP * packed.data.shape[1])[groups].view(-1, packed.data.shape[1])
-            return kernels_decoded(data, packed.type, K).view(-1, GROUP, K)[which, flat % GROUP].reshape(*rows.shape, K)
+            out = torch.empty(flat.numel(), K)
+            for first in range(0, len(groups), LOOKED_UP):
+                data = packed.data.view(-1, GROUP * packed.data.shape[1])[groups[first:first + LOOKED_UP]]
+                decoded = kernels_decoded(data.view(-1, packed.data.shape[1]), packed.type, K).view(-1, GROUP, K)
+                these = (which >= first) & (which < first + LOOKED_UP)
+                out[these] = decoded[which[these] - first, flat[these] % GROUP]
+            return out.reshape(*rows.shape, K)
         return kernels_decoded(packed.data[flat], packed.type, K).reshape(*rows.shape, K)
     data = packed.data if rows is None else packed.data[rows]
     kind = next(kind for kind, ours in PACKED_TYPES.items() if ours == packed.type)
