@@ -1896,18 +1896,17 @@ static inline v8i32 scale_pairs(const uint8_t *sc, const uint8_t *next) {
     return (a & 0xffff) | (b << 16);
 }
 
-/* Where held (eights_hold) keeps step t's integers of sub-block s (with `high`, a block's last 16's). */
-static inline long eights_held_at(int s, int t, int high) { return ((s * 8 + t) * 2 + high) * 32; }
-enum { EIGHTS_HELD = 8 * 8 * 2 * 32 };  /* bytes: a super-block's or a block's every step */
+/* Whether a step of eights_block multiplies both 16s of a 32-weight block (4 weights of each): the 4- and 5-bit q. */
+static inline int eights_halves(int type) { return !is_super(type) && type != Q8_0; }
 
-/* A group's block (super-block) at q, its every step's integers (eights_ints) into held, the block prefetched on. */
+enum { EIGHTS_HELD = SUBS * 8 * 32 };  /* bytes: a K-quant super-block's every step's integers (eights_hold) */
+
+/* A group's K-quant super-block at q, its every step's integers (eights_ints), step t of sub-block s at 32 (8s + t)
+ * bytes of held; the super-block prefetched on. */
 static inline __attribute__((always_inline)) void eights_hold(const int type, const uint8_t *q, uint8_t *held) {
-    const int halves = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
     for (long at = 0; at < EIGHTS * group_bytes(type); at += 64) __builtin_prefetch(q + at + EIGHTS_PREFETCH, 0, 1);
-    for (int s = 0; s < (is_super(type) ? SUBS : 1); s++)
-        for (int t = 0; t < (halves ? 4 : 8); t++)
-            for (int h = 0; h < 1 + halves; h++)
-                *(v32u8u *)(held + eights_held_at(s, t, h)) = eights_ints(type, q, s, t, h);
+    for (int s = 0; s < SUBS; s++)
+        for (int t = 0; t < 8; t++) *(v32u8u *)(held + 32 * (8 * s + t)) = eights_ints(type, q, s, t, 0);
 }
 
 /* sums (c, LANES) += a group's 8 rows (lane r row r) of `type` against quantized activation rows first..first+c-1
@@ -1916,7 +1915,9 @@ static inline __attribute__((always_inline)) void eights_hold(const int type, co
  *   Q4_0 (sum u x - 8 sum x), Q8_0 (sum q x), in int32, times a d_x (rounded once);
  *   Q4_K, Q5_K (sum u x) times d sc d_x, then -(dmin m) times d_x (sum x);
  *   Q6_K (sum of sc (sum (u - 32) x) over its two 16s), in int32 (|.| < 2^24: exact as a float), times d d_x.
- * x->sum holds each block's sums of its first and last 16 q as int16s. Inlined with constant c and type. */
+ * x->sum holds each block's sums of its first and last 16 q as int16s. With `held` (a K-quant's super-block, n 1:
+ * eights_hold's), its integers are read from there, not unpacked (nor prefetched) again. Inlined with constant c and
+ * type. */
 static inline __attribute__((always_inline)) void eights_block(const struct int8_rows *x, long first, const int c,
                                                                const int type, const uint8_t *q, const uint8_t *a,
                                                                long blocks, long k0, long n, float *sums,
@@ -1945,10 +1946,9 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
             const int8_t *xs[EIGHTS_COLS];  /* each activation row's block: held, not worked out again a step (the
                                              * prompts' Q5_K and Q6_K products 1.1-1.3x as fast, Q4_0 1.07x) */
             for (int i = 0; i < c; i++) xs[i] = x->q + ((first + i) * blocks + (k0 + k) * subs + s) * BLOCK;
-            const int halves = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;  /* a step: both 16s' */
+            const int halves = eights_halves(type);
             for (int t = 0; t < (halves ? 4 : 8); t++) {
-                const v32u8 u = held ? load32(held + eights_held_at(s, t, 0))
-                                     : eights_ints(type, q + Q * k, s, t, 0);
+                const v32u8 u = held ? load32(held + 32 * (8 * s + t)) : eights_ints(type, q + Q * k, s, t, 0);
                 const __m256i size = _mm256_abs_epi8((__m256i)u);  /* Q8_0's |q| */
                 for (int i = 0; i < c; i++) {
                     const int8_t *xq = xs[i] + 4 * t;
@@ -1958,9 +1958,7 @@ static inline __attribute__((always_inline)) void eights_block(const struct int8
                         continue;
                     }
                     pairs[i] = eights_pairs(pairs[i], u, xq);
-                    if (halves)
-                        pairs[i] = eights_pairs(pairs[i], held ? load32(held + eights_held_at(s, t, 1))
-                                                               : eights_ints(type, q + Q * k, s, t, 1), xq + 16);
+                    if (halves) pairs[i] = eights_pairs(pairs[i], eights_ints(type, q + Q * k, s, t, 1), xq + 16);
                     if ((type == Q5_0 || type == Q5_1) && t % 2) {  /* 2 steps' (|u x| <= 31 x 127, 4 pairs) */
                         ints[i] += (v8i32)_mm256_madd_epi16((__m256i)pairs[i], _mm256_set1_epi16(1));
                         pairs[i] = (v16i16){0};
